@@ -1,0 +1,244 @@
+"""Model configuration as frozen dataclasses, built from YAML, HF config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+  """A configuration value or key is invalid; the message says which and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama-3 style frequency scaling ("rope_type": "llama3" in HF configs)."""
+  factor: float = 32.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """A Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU)."""
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int = 0  # 0 means hidden_size // num_heads
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
+  rms_norm_eps: float = 1e-5
+  tie_word_embeddings: bool = True
+  max_position_embeddings: int = 8192
+  param_dtype: str = "float32"
+  dtype: str = "float32"  # compute dtype of activations and matmuls
+
+  def __post_init__(self):
+    if self.head_dim == 0:
+      object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+    if self.num_heads % self.num_kv_heads:
+      raise ConfigError(
+          f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+    for name in ("param_dtype", "dtype"):
+      if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"{name}={getattr(self, name)!r}: use float32, bfloat16 or float16")
+
+  @classmethod
+  def from_hf_config(cls, cfg: Mapping[str, Any], **overrides) -> "LlamaConfig":
+    """From a transformers LlamaConfig dict (config.json)."""
+    arch = cfg.get("model_type", "llama")
+    if arch != "llama":
+      raise ConfigError(f"config.json has model_type={arch!r}; only 'llama' models are supported")
+    scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or None)
+    rope_scaling = None
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+      rope_scaling = RopeScaling(
+          factor=float(scaling["factor"]),
+          low_freq_factor=float(scaling["low_freq_factor"]),
+          high_freq_factor=float(scaling["high_freq_factor"]),
+          original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+    elif scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+      raise ConfigError(f"rope scaling {scaling!r} is not supported (only llama3 or none)")
+    theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    kwargs = dict(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+        num_heads=cfg["num_attention_heads"],
+        num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        head_dim=cfg.get("head_dim") or 0, rope_theta=float(theta), rope_scaling=rope_scaling,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)))
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+  def to_hf_config(self) -> dict[str, Any]:
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+        "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+        "head_dim": self.head_dim, "rope_theta": self.rope_theta,
+        "rms_norm_eps": self.rms_norm_eps, "tie_word_embeddings": self.tie_word_embeddings,
+        "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": self.param_dtype,
+        "rope_scaling": None,
+    }
+    if self.rope_scaling is not None:
+      cfg["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+    return cfg
+
+  @classmethod
+  def from_gguf_metadata(cls, meta: Mapping[str, Any], **overrides) -> "LlamaConfig":
+    """From GGUF key/values (``llama.*``); see hamburger_jax.convert.gguf."""
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+      raise ConfigError(
+          f"GGUF architecture is {arch!r}; only 'llama' GGUF files can be loaded")
+    p = "llama."
+    n_heads = int(meta[p + "attention.head_count"])
+    kwargs = dict(
+        vocab_size=int(meta.get(p + "vocab_size") or meta["tokenizer.ggml.vocab_size"]),
+        hidden_size=int(meta[p + "embedding_length"]),
+        intermediate_size=int(meta[p + "feed_forward_length"]),
+        num_layers=int(meta[p + "block_count"]), num_heads=n_heads,
+        num_kv_heads=int(meta.get(p + "attention.head_count_kv", n_heads)),
+        head_dim=int(meta.get(p + "rope.dimension_count", 0)),
+        rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
+        rms_norm_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(meta.get(p + "context_length", 8192)),
+        tie_word_embeddings=True)
+    if p + "rope.scaling.type" in meta and meta[p + "rope.scaling.type"] not in ("none", "linear"):
+      raise ConfigError(f"GGUF rope scaling {meta[p + 'rope.scaling.type']!r} is not supported")
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraftConfig:
+  """The two HAMburger modules grafted around the base (SPEC.md 1.1-1.4)."""
+  max_group: int = 4  # K: tokens per macro step at most
+  num_features: int = 4  # F
+  feature_layers: tuple[int, ...] = ()  # empty: F evenly spaced layers ending at the last
+  micro_layers: int = 4
+  merger_head_dim: int = 32  # release: 64 heads of 32 at D = 2048
+  position_offset: int = 0  # 0: SPEC.md 1.2 (training); 1: the release's HF generate path
+  micro_init: str = "fresh"  # fresh (release) | copy_top (the base's top layers)
+
+  def __post_init__(self):
+    if self.max_group < 1:
+      raise ConfigError(f"max_group={self.max_group} must be >= 1")
+    if self.micro_init not in ("fresh", "copy_top"):
+      raise ConfigError(f"micro_init={self.micro_init!r}: use 'fresh' or 'copy_top'")
+    if self.position_offset not in (0, 1):
+      raise ConfigError(f"position_offset={self.position_offset} must be 0 or 1")
+
+  def resolved_feature_layers(self, num_layers: int) -> tuple[int, ...]:
+    """0-based base layer indices whose outputs feed the micro decoder; the last is normed."""
+    layers = self.feature_layers or tuple(
+        (i + 1) * num_layers // self.num_features - 1 for i in range(self.num_features))
+    if len(layers) != self.num_features or layers[-1] != num_layers - 1:
+      raise ConfigError(
+          f"feature_layers={layers} must list num_features={self.num_features} layers and end "
+          f"with the last layer {num_layers - 1}")
+    if any(not 0 <= l < num_layers for l in layers) or list(layers) != sorted(set(layers)):
+      raise ConfigError(f"feature_layers={layers} must be increasing indices in [0, {num_layers})")
+    return tuple(layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class HamburgerConfig:
+  base: LlamaConfig
+  graft: GraftConfig = GraftConfig()
+
+
+# ----------------------------------------------------------------------------- YAML / dicts
+
+
+def _resolve_type(tp):
+  if isinstance(tp, str):
+    tp = eval(tp, globals())  # annotations are strings under `from __future__ import annotations`
+  return tp
+
+
+def from_dict(cls, data: Mapping[str, Any] | None, where: str = ""):
+  """Builds a (nested) frozen dataclass from a dict; unknown keys are errors naming valid keys."""
+  data = dict(data or {})
+  hints = typing.get_type_hints(cls, globals())
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  unknown = sorted(set(data) - set(fields))
+  if unknown:
+    raise ConfigError(
+        f"unknown config key {where}{unknown[0]!r}; valid keys of {where or cls.__name__ + ' '}"
+        f"are: {', '.join(sorted(fields))}")
+  kwargs = {}
+  for name, value in data.items():
+    tp = _resolve_type(hints[name])
+    kwargs[name] = _coerce(tp, value, f"{where}{name}.")
+  try:
+    return cls(**kwargs)
+  except TypeError as e:
+    raise ConfigError(f"config section {where or cls.__name__}: {e}") from None
+
+
+def _coerce(tp, value, where):
+  origin = typing.get_origin(tp)
+  if origin in (typing.Union, types.UnionType):
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if value is None:
+      return None
+    return _coerce(args[0], value, where)
+  if dataclasses.is_dataclass(tp):
+    if not isinstance(value, Mapping):
+      raise ConfigError(f"config key {where[:-1]!r} must be a mapping, got {value!r}")
+    return from_dict(tp, value, where)
+  if origin is tuple:
+    return tuple(value)
+  if tp is float and isinstance(value, (int, float)):
+    return float(value)
+  if tp is int and isinstance(value, bool):
+    raise ConfigError(f"config key {where[:-1]!r} must be an int, got {value!r}")
+  if tp in (int, str, bool) and not isinstance(value, tp):
+    raise ConfigError(f"config key {where[:-1]!r} must be {tp.__name__}, got {value!r}")
+  return value
+
+
+def to_dict(obj) -> dict[str, Any]:
+  return json.loads(json.dumps(dataclasses.asdict(obj)))
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+  import yaml  # pylint: disable=import-outside-toplevel
+  if not os.path.exists(path):
+    raise ConfigError(f"config file {path} does not exist")
+  with open(path) as f:
+    data = yaml.safe_load(f) or {}
+  if not isinstance(data, dict):
+    raise ConfigError(f"config file {path} must hold a mapping at the top level")
+  return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+  """Applies ``--set a.b=value`` overrides (values parsed as YAML scalars)."""
+  import yaml  # pylint: disable=import-outside-toplevel
+  data = json.loads(json.dumps(data))
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"--set {item!r}: expected key=value, e.g. train.steps=100")
+    key, raw = item.split("=", 1)
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+      node = node.setdefault(part, {})
+      if not isinstance(node, dict):
+        raise ConfigError(f"--set {item!r}: {part!r} is not a section")
+    node[parts[-1]] = yaml.safe_load(raw)
+  return data

@@ -1,0 +1,1 @@
+"""Checkpoint conversion: GGUF, HF safetensors, the release's Lightning checkpoint."""

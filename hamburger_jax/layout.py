@@ -1,0 +1,126 @@
+"""Token smashing layout of one sample (SPEC.md 1.2, 2.2): base-input entries and predicted groups.
+
+A sample is (prompt ids [P], response ids [R], group sizes summing to R). The base model sees P
+unmerged prompt entries, then one merged entry per response group, at the RoPE position of the
+group's last token. The last prompt entry predicts group 0; the entry of group g predicts g + 1.
+Plain NumPy: used by the data pipeline (packing), tests and reference implementations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+class LayoutError(ValueError):
+  """A sample's groups do not describe its response."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleLayout:
+  input_ids: np.ndarray  # [M, K] token ids of each base-input entry (prompt entries: one id)
+  input_size: np.ndarray  # [M] tokens in each entry (1 for prompt tokens)
+  positions: np.ndarray  # [M] RoPE position of each entry
+  pred_index: np.ndarray  # [G] entry whose base output predicts group g
+  target_ids: np.ndarray  # [G, K] tokens of group g
+  target_size: np.ndarray  # [G]
+
+  @property
+  def num_entries(self) -> int:
+    return len(self.input_size)
+
+  @property
+  def num_groups(self) -> int:
+    return len(self.target_size)
+
+
+def check_groups(groups, response_len: int, max_group: int) -> np.ndarray:
+  groups = np.asarray(groups, dtype=np.int64)
+  if groups.ndim != 1 or len(groups) == 0:
+    raise LayoutError("groups must be a non-empty list of group sizes")
+  if groups.min() < 1 or groups.max() > max_group:
+    raise LayoutError(f"group sizes must be in [1, {max_group}], got {groups.tolist()}")
+  if int(groups.sum()) != response_len:
+    raise LayoutError(
+        f"group sizes sum to {int(groups.sum())} but the response has {response_len} tokens")
+  return groups
+
+
+def merged_positions(prompt_len: int, groups, position_offset: int = 0) -> np.ndarray:
+  """Prompt positions 0..P-1, then the position of each group's last token (SPEC.md 1.2)."""
+  groups = np.asarray(groups, dtype=np.int64)
+  return np.concatenate([np.arange(prompt_len),
+                         prompt_len - 1 + np.cumsum(groups) + position_offset]).astype(np.int32)
+
+
+def layout_sample(prompt_ids, response_ids, groups, max_group: int,
+                  position_offset: int = 0) -> SampleLayout:
+  prompt_ids = np.asarray(prompt_ids, dtype=np.int32)
+  response_ids = np.asarray(response_ids, dtype=np.int32)
+  p = len(prompt_ids)
+  if p == 0:
+    raise LayoutError("the prompt is empty: a group needs a prompt token to predict it")
+  groups = check_groups(groups, len(response_ids), max_group)
+  n = len(groups)
+  starts = np.concatenate([[0], np.cumsum(groups)[:-1]])
+  target_ids = np.zeros((n, max_group), np.int32)
+  for g, (s, size) in enumerate(zip(starts, groups)):
+    target_ids[g, :size] = response_ids[s:s + size]
+  input_ids = np.zeros((p + n, max_group), np.int32)
+  input_ids[:p, 0] = prompt_ids
+  input_ids[p:] = target_ids
+  input_size = np.concatenate([np.ones(p, np.int32), groups.astype(np.int32)])
+  pred_index = np.concatenate([[p - 1], p + np.arange(n - 1)]).astype(np.int32)
+  return SampleLayout(input_ids, input_size, merged_positions(p, groups, position_offset),
+                      pred_index, target_ids, groups.astype(np.int32))
+
+
+def stop_targets(group_sizes, max_group: int) -> tuple[np.ndarray, np.ndarray]:
+  """Per micro step: stop target (1 at each group's last token) and validity, both [G, K]."""
+  sizes = np.asarray(group_sizes)[:, None]
+  step = np.arange(max_group)[None, :]
+  return (step == sizes - 1).astype(np.float32), step < sizes
+
+
+@dataclasses.dataclass
+class PackedBatch:
+  """Static-shape training batch: several samples per row (NumPy or jax arrays)."""
+  input_ids: np.ndarray  # [B, M, K]
+  input_size: np.ndarray  # [B, M] 0 = padding entry
+  positions: np.ndarray  # [B, M]
+  segment_ids: np.ndarray  # [B, M] 1.. per sample in the row, 0 = padding
+  pred_index: np.ndarray  # [B, G] index into M
+  target_ids: np.ndarray  # [B, G, K]
+  target_size: np.ndarray  # [B, G] 0 = padding group
+
+  def as_dict(self) -> dict[str, np.ndarray]:
+    return dataclasses.asdict(self)
+
+
+def pack_rows(rows: list[list[SampleLayout]], entries: int, groups: int,
+              max_group: int) -> PackedBatch:
+  """Lays out rows of samples into fixed [entries] and [groups] slots; raises if one overflows."""
+  b = len(rows)
+  out = PackedBatch(
+      input_ids=np.zeros((b, entries, max_group), np.int32),
+      input_size=np.zeros((b, entries), np.int32), positions=np.zeros((b, entries), np.int32),
+      segment_ids=np.zeros((b, entries), np.int32), pred_index=np.zeros((b, groups), np.int32),
+      target_ids=np.zeros((b, groups, max_group), np.int32),
+      target_size=np.zeros((b, groups), np.int32))
+  for r, samples in enumerate(rows):
+    m = g = 0
+    for seg, s in enumerate(samples, start=1):
+      if m + s.num_entries > entries or g + s.num_groups > groups:
+        raise LayoutError(f"row {r} overflows its {entries} entries / {groups} groups")
+      sl, gl = slice(m, m + s.num_entries), slice(g, g + s.num_groups)
+      out.input_ids[r, sl] = s.input_ids
+      out.input_size[r, sl] = s.input_size
+      out.positions[r, sl] = s.positions
+      out.segment_ids[r, sl] = seg
+      out.pred_index[r, gl] = s.pred_index + m
+      out.target_ids[r, gl] = s.target_ids
+      out.target_size[r, gl] = s.target_size
+      m += s.num_entries
+      g += s.num_groups
+  return out

@@ -1,0 +1,226 @@
+"""The Llama-family base decoder in Flax NNX: RMSNorm, RoPE, GQA attention, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hamburger_jax.config import LlamaConfig
+from hamburger_jax.model.kv_cache import KVCache
+from hamburger_jax.model.rope import apply_rope, inverse_frequencies
+
+Initializer = Callable[..., jax.Array]
+_BASE_INIT = nnx.initializers.normal(0.02)  # transformers' LlamaPreTrainedModel default
+
+
+def torch_linear_init(fan_in: int) -> Initializer:
+  """PyTorch's nn.Linear default, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), for weights and biases."""
+  bound = 1.0 / fan_in ** 0.5
+  return lambda key, shape, dtype=jnp.float32: jax.random.uniform(
+      key, shape, dtype, -bound, bound)
+
+
+class GraftParam(nnx.Param):
+  """Weights of the grafted HAMburger modules; a variable type so freezing is a filter."""
+
+
+def dtype_of(name: str):
+  return jnp.dtype(name)
+
+
+class Linear(nnx.Module):
+  """y = x @ kernel (+ bias). kernel is [in, out]: transformers' weight transposed."""
+
+  def __init__(self, in_features: int, out_features: int, axes: tuple[str | None, str | None],
+               *, rngs: nnx.Rngs, use_bias: bool = False, param_type=nnx.Param,
+               init: Initializer | None = None, param_dtype=jnp.float32, dtype=jnp.float32):
+    init = init or _BASE_INIT
+    self.kernel = param_type(init(rngs.params(), (in_features, out_features), param_dtype),
+                             logical_axes=axes)
+    self.bias = (param_type(init(rngs.params(), (out_features,), param_dtype),
+                            logical_axes=(axes[1],)) if use_bias else None)
+    self.dtype = dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+    if self.bias is not None:
+      y = y + self.bias[...].astype(self.dtype)
+    return y
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, *, param_type=nnx.Param, param_dtype=jnp.float32,
+               dtype=jnp.float32):
+    self.weight = param_type(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+    self.eps = eps
+    self.dtype = dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    # transformers casts back to the input dtype before the weight multiply.
+    return (self.weight[...].astype(self.dtype) * x32.astype(x.dtype)).astype(self.dtype)
+
+
+def attend(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, mask_bts: jax.Array) -> jax.Array:
+  """Grouped-query softmax attention in fp32; mask True = may attend. Returns [B, T, H*Dh]."""
+  b, t, h, dh = q_bthd.shape
+  hkv = k_bskd.shape[2]
+  q = q_bthd.reshape(b, t, hkv, h // hkv, dh)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k_bskd,
+                      preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(dh))
+  scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_bskd.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bskd)
+  return out.reshape(b, t, h * dh)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, param_type=nnx.Param,
+               init: Callable[[int], Initializer] | None = None):
+    d, h, hkv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    kw = dict(rngs=rngs, param_type=param_type, param_dtype=dtype_of(cfg.param_dtype),
+              dtype=dtype_of(cfg.dtype))
+    mk = (lambda fan_in: init(fan_in)) if init else (lambda fan_in: None)
+    self.q_proj = Linear(d, h * dh, ("embed", "heads"), init=mk(d), **kw)
+    self.k_proj = Linear(d, hkv * dh, ("embed", "kv_heads"), init=mk(d), **kw)
+    self.v_proj = Linear(d, hkv * dh, ("embed", "kv_heads"), init=mk(d), **kw)
+    self.o_proj = Linear(h * dh, d, ("heads", "embed"), init=mk(h * dh), **kw)
+    self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, dh
+    self.inv_freq = inverse_frequencies(cfg)
+
+  def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,
+               cache: KVCache | None = None, slots_bt: jax.Array | None = None,
+               layer: int = 0) -> tuple[jax.Array, KVCache | None]:
+    b, t, _ = x_btd.shape
+    q = self.q_proj(x_btd).reshape(b, t, self.num_heads, self.head_dim)
+    k = self.k_proj(x_btd).reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x_btd).reshape(b, t, self.num_kv_heads, self.head_dim)
+    q = apply_rope(q, positions_bt, self.inv_freq)
+    k = apply_rope(k, positions_bt, self.inv_freq)
+    if cache is not None:
+      cache = cache.write(layer, slots_bt, k, v)
+      k, v = cache.k[layer].astype(q.dtype), cache.v[layer].astype(q.dtype)
+    return self.o_proj(attend(q, k, v, mask_bts)), cache
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, param_type=nnx.Param,
+               init: Callable[[int], Initializer] | None = None):
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    kw = dict(rngs=rngs, param_type=param_type, param_dtype=dtype_of(cfg.param_dtype),
+              dtype=dtype_of(cfg.dtype))
+    mk = (lambda fan_in: init(fan_in)) if init else (lambda fan_in: None)
+    self.gate_proj = Linear(d, f, ("embed", "mlp"), init=mk(d), **kw)
+    self.up_proj = Linear(d, f, ("embed", "mlp"), init=mk(d), **kw)
+    self.down_proj = Linear(f, d, ("mlp", "embed"), init=mk(f), **kw)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, param_type=nnx.Param,
+               init: Callable[[int], Initializer] | None = None):
+    kw = dict(param_type=param_type, param_dtype=dtype_of(cfg.param_dtype),
+              dtype=dtype_of(cfg.dtype))
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+    self.self_attn = Attention(cfg, rngs=rngs, param_type=param_type, init=init)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+    self.mlp = MLP(cfg, rngs=rngs, param_type=param_type, init=init)
+
+  def __call__(self, x_btd, positions_bt, mask_bts, cache=None, slots_bt=None, layer=0):
+    a, cache = self.self_attn(self.input_layernorm(x_btd), positions_bt, mask_bts, cache,
+                              slots_bt, layer)
+    x_btd = x_btd + a
+    return x_btd + self.mlp(self.post_attention_layernorm(x_btd)), cache
+
+
+class DecoderStack(nnx.Module):
+  """A list of decoder layers sharing one KV cache pytree (the base and the micro decoder)."""
+
+  def __init__(self, cfg: LlamaConfig, num_layers: int, *, rngs: nnx.Rngs, param_type=nnx.Param,
+               init: Callable[[int], Initializer] | None = None):
+    self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, param_type=param_type, init=init)
+                            for _ in range(num_layers)])
+
+  def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,
+               cache: KVCache | None = None, slots_bt: jax.Array | None = None,
+               collect: Sequence[int] = ()) -> tuple[jax.Array, list[jax.Array], KVCache | None]:
+    """Returns the last residual stream, the residual outputs of layers `collect`, the cache."""
+    collected = []
+    for i, layer in enumerate(self.layers):
+      x_btd, cache = layer(x_btd, positions_bt, mask_bts, cache, slots_bt, i)
+      if i in collect:
+        collected.append(x_btd)
+    return x_btd, collected, cache
+
+
+@dataclasses.dataclass
+class BaseOutput:
+  hidden: jax.Array  # [B, T, D] final-normed last layer
+  collected: list[jax.Array]  # residual outputs of the requested layers, each [B, T, D]
+  cache: KVCache | None
+
+
+class Llama(nnx.Module):
+  """The base model. Takes input embeddings so HAMburger can feed merged entries."""
+
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd = dtype_of(cfg.param_dtype)
+    self.embed_tokens = nnx.Param(_BASE_INIT(rngs.params(), (cfg.vocab_size, cfg.hidden_size), pd),
+                                  logical_axes=("vocab", "embed"))
+    self.decoder = DecoderStack(cfg, cfg.num_layers, rngs=rngs)
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd,
+                        dtype=dtype_of(cfg.dtype))
+    self.lm_head = (None if cfg.tie_word_embeddings else
+                    nnx.Param(_BASE_INIT(rngs.params(), (cfg.hidden_size, cfg.vocab_size), pd),
+                              logical_axes=("embed", "vocab")))
+
+  def embed(self, ids: jax.Array) -> jax.Array:
+    return jnp.take(self.embed_tokens[...], ids, axis=0).astype(dtype_of(self.cfg.dtype))
+
+  def logits(self, h: jax.Array) -> jax.Array:
+    """fp32 logits; the tied head reuses the embedding matrix."""
+    dt = dtype_of(self.cfg.dtype)
+    if self.lm_head is None:
+      return jnp.einsum("...d,vd->...v", h.astype(dt), self.embed_tokens[...].astype(dt),
+                        preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", h.astype(dt), self.lm_head[...].astype(dt),
+                      preferred_element_type=jnp.float32)
+
+  def forward(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,
+              cache: KVCache | None = None, slots_bt: jax.Array | None = None,
+              collect: Sequence[int] = ()) -> BaseOutput:
+    x, collected, cache = self.decoder(x_btd, positions_bt, mask_bts, cache, slots_bt, collect)
+    return BaseOutput(self.norm(x), collected, cache)
+
+  def __call__(self, ids_bt: jax.Array, segment_ids_bt: jax.Array | None = None,
+               positions_bt: jax.Array | None = None) -> jax.Array:
+    """Plain uncached forward: token ids -> fp32 logits [B, T, V]."""
+    b, t = ids_bt.shape
+    if segment_ids_bt is None:
+      segment_ids_bt = jnp.ones((b, t), jnp.int32)
+    if positions_bt is None:
+      positions_bt = jnp.broadcast_to(jnp.arange(t), (b, t))
+    out = self.forward(self.embed(ids_bt), positions_bt, causal_segment_mask(segment_ids_bt))
+    return self.logits(out.hidden)
+
+
+def causal_segment_mask(segment_ids_bt: jax.Array) -> jax.Array:
+  """[B, T, T] block-diagonal causal mask for packed rows; segment id 0 is padding."""
+  t = segment_ids_bt.shape[1]
+  causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+  same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+  # Padding rows attend to themselves so their softmax stays finite (their outputs are unused).
+  pad_self = (segment_ids_bt[:, :, None] == 0) & jnp.eye(t, dtype=bool)
+  return (causal & same & (segment_ids_bt[:, :, None] > 0)) | pad_self
