@@ -1,0 +1,256 @@
+"""Conversations -> token ids -> entropy groups -> the tfds training set (SPEC.md 2.1).
+
+The library half of `train.prepare_data`: tokenise with the chat template (the response keeps its
+end-of-turn token), drop samples over the max length, compute the base model's teacher-forced
+entropies in batches, segment, and write the dataset atomically.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import numpy as np
+from flax import nnx
+
+from hamburger_jax import segmentation
+from hamburger_jax.config import ConfigError, LlamaConfig, from_dict
+from hamburger_jax.data.sources import Conversation
+from hamburger_jax.data.tfds_builder import build_dataset, check_output_dir
+from hamburger_jax.model.llama import Llama
+
+# End-of-turn spellings, most specific first; the one the chat template writes is the model's.
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>")
+_ROW_BUCKET = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedSample:
+  id: str
+  source: str
+  prompt_ids: np.ndarray  # [P] int32, chat-templated, ends with the generation prompt
+  response_ids: np.ndarray  # [R] int32, ends with the end-of-turn id
+
+  def __len__(self) -> int:
+    return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclasses.dataclass
+class PrepareStats:
+  conversations: int = 0
+  samples: int = 0
+  train_samples: int = 0
+  validation_samples: int = 0
+  dropped_too_long: int = 0
+  tokens: int = 0  # prompt + response tokens kept
+  response_tokens: int = 0
+  groups: int = 0
+  group_hist: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  seconds: float = 0.0
+  segment_seconds: float = 0.0  # entropy forward passes + strategy
+
+  @property
+  def mean_group_size(self) -> float:
+    return self.response_tokens / max(self.groups, 1)
+
+  @property
+  def segment_tokens_per_s(self) -> float:
+    return self.tokens / max(self.segment_seconds, 1e-9)
+
+  def summary(self) -> str:
+    hist = "  ".join(f"{k}: {self.group_hist[k]} ({self.group_hist[k] / max(self.groups, 1):.1%})"
+                     for k in sorted(self.group_hist))
+    return "\n".join([
+        f"conversations read   {self.conversations}",
+        f"samples written      {self.samples} (train {self.train_samples}, validation "
+        f"{self.validation_samples})",
+        f"dropped (too long)   {self.dropped_too_long}",
+        f"tokens               {self.tokens} ({self.response_tokens} response)",
+        f"groups               {self.groups}, mean size {self.mean_group_size:.3f}",
+        f"group sizes          {hist}",
+        f"time                 {self.seconds:.1f} s (segmentation {self.segment_seconds:.1f} s, "
+        f"{self.segment_tokens_per_s:.0f} tokens/s)",
+    ])
+
+
+# ----------------------------------------------------------------------------- model, tokenizer
+
+
+def load_base(model_section: Mapping[str, Any]):
+  """(model, tokenizer) from a config's `model:` section.
+
+  `gguf: default | PATH` loads real weights (default: SmolLM2-135M-Instruct); `random: {LlamaConfig
+  fields}` builds a randomly initialised model (tests) with the default tokenizer.
+  """
+  # Imported here: the tokenizer pulls in jinja2 and the GGUF reader, unneeded to read data.
+  from hamburger_jax import assets  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.convert import gguf  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+  section = dict(model_section or {"gguf": "default"})
+  if ("gguf" in section) == ("random" in section):
+    raise ConfigError("config section 'model' needs exactly one of 'gguf: default|PATH' or "
+                      f"'random: {{vocab_size: ..., ...}}'; got keys {sorted(section)}")
+  if "gguf" in section:
+    path = section["gguf"]
+    path = assets.smollm2_gguf() if path in (None, "default") else os.fspath(path)
+    gguf_file = gguf.GGUFFile(path)
+    cfg = gguf_file.config()
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    gguf.load_into(model, gguf_file, cfg)
+    tokenizer = Tokenizer.from_gguf(gguf_file)
+  else:
+    cfg = from_dict(LlamaConfig, section["random"], "model.random.")
+    model = Llama(cfg, rngs=nnx.Rngs(int(section.get("seed", 0))))
+    tokenizer = Tokenizer.from_gguf(assets.smollm2_gguf())
+  if tokenizer.vocab_size > cfg.vocab_size:
+    raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                      f"vocab_size is {cfg.vocab_size}: raise vocab_size in the config")
+  return model, tokenizer
+
+
+def end_of_turn_id(tokenizer) -> int:
+  """The id that closes an assistant turn in this model's chat template (SmolLM2: <|im_end|>)."""
+  template = getattr(tokenizer, "chat_template", None) or ""
+  for token in _END_OF_TURN:
+    i = tokenizer.token_to_id(token) if hasattr(tokenizer, "token_to_id") else None
+    if i is not None and token in template:
+      return int(i)
+  if tokenizer.eos_id is None:
+    raise ValueError("the tokenizer names no end-of-turn or eos token; a response needs one")
+  return int(tokenizer.eos_id)
+
+
+def tokenize(conversation: Conversation, tokenizer, eot_id: int) -> TokenizedSample:
+  """Prompt = chat template with the generation prompt; response = its ids + end-of-turn."""
+  prompt = tokenizer.encode(tokenizer.apply_chat_template(
+      conversation.prompt_messages, add_generation_prompt=True, tokenize=False))
+  response = list(tokenizer.encode(conversation.response)) + [eot_id]
+  return TokenizedSample(conversation.id, conversation.source, np.asarray(prompt, np.int32),
+                         np.asarray(response, np.int32))
+
+
+def self_distill(conversations: Iterable[Conversation], model, tokenizer,
+                 max_new_tokens: int) -> Iterator[Conversation]:
+  """Hook: the same prompts with the base model's own greedy responses (regular, easy to group)."""
+  raise NotImplementedError(
+      "self-distillation needs infer.engine (batched greedy decoding of the base model); it is "
+      "not wired in yet: run without --self-distill")
+
+
+# ----------------------------------------------------------------------------- segmentation
+
+
+def segment(model: nnx.Module, samples: list[TokenizedSample], strategy: segmentation.Strategy,
+            max_group: int, *, batch_tokens: int = 2048, row_len: int | None = None,
+            progress: Callable[[int], None] | None = None) -> list[np.ndarray]:
+  """Group sizes of each sample's response, from the model's teacher-forced entropies."""
+  entropies = segmentation.response_entropies(
+      model, [(s.prompt_ids, s.response_ids) for s in samples], batch_tokens=batch_tokens,
+      row_len=row_len, progress=progress)
+  return [np.asarray(strategy(e, max_group), np.int32) for e in entropies]
+
+
+def _chunks(it: Iterable[Any], size: int) -> Iterator[list[Any]]:
+  chunk = []
+  for x in it:
+    chunk.append(x)
+    if len(chunk) == size:
+      yield chunk
+      chunk = []
+  if chunk:
+    yield chunk
+
+
+def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, tokenizer,
+                    out_dir: str, *, strategy: str = "decreasing_v2", max_group: int = 4,
+                    max_len: int = 384, val_fraction: float = 0.05, seed: int = 0,
+                    overwrite: bool = False, chunk_size: int = 256, batch_tokens: int = 2048,
+                    metadata: Mapping[str, Any] | None = None,
+                    progress: Callable[[int], None] | None = None) -> PrepareStats:
+  """Tokenises, segments and writes `conversations` to `out_dir` (train + validation splits).
+
+  Streams: conversations are read `chunk_size` at a time and segmented samples go to a temp
+  JSONL beside `out_dir`, so memory does not grow with the source. `progress(n)` is called as
+  conversations are segmented or dropped.
+  """
+  start = time.perf_counter()
+  strategy_fn = segmentation.get_strategy(strategy)
+  if not 0.0 <= val_fraction < 1.0:
+    raise ValueError(f"val_fraction={val_fraction} must be in [0, 1)")
+  if max_len < 2:
+    raise ValueError(f"max_len={max_len} must be at least 2 (a prompt and a response token)")
+  out = os.path.abspath(out_dir)
+  check_output_dir(out, overwrite)  # before hours of work, not after
+  parent = os.path.dirname(out)
+  os.makedirs(parent, exist_ok=True)
+  eot = end_of_turn_id(tokenizer)
+  # One row length for every entropy pass: a single compilation for the whole dataset.
+  row_len = -(-max_len // _ROW_BUCKET) * _ROW_BUCKET
+  stats = PrepareStats()
+
+  def kept() -> Iterator[TokenizedSample]:
+    for conv in conversations:
+      stats.conversations += 1
+      sample = tokenize(conv, tokenizer, eot)
+      if len(sample) > max_len:
+        stats.dropped_too_long += 1
+        if progress is not None:
+          progress(1)
+        continue
+      yield sample
+
+  with tempfile.TemporaryDirectory(prefix=f".{os.path.basename(out)}.samples-",
+                                   dir=parent) as tmp:
+    samples_path = os.path.join(tmp, "samples.jsonl")
+    with open(samples_path, "w", encoding="utf-8") as f:
+      for chunk in _chunks(kept(), chunk_size):
+        t0 = time.perf_counter()
+        groups = segment(model, chunk, strategy_fn, max_group, batch_tokens=batch_tokens,
+                         row_len=row_len, progress=progress)
+        stats.segment_seconds += time.perf_counter() - t0
+        for s, g in zip(chunk, groups):
+          f.write(json.dumps({
+              "input_ids": np.concatenate([s.prompt_ids, s.response_ids]).tolist(),
+              "prompt_len": len(s.prompt_ids), "groups": g.tolist(), "source": s.source,
+              "id": s.id}) + "\n")
+          stats.samples += 1
+          stats.tokens += len(s)
+          stats.response_tokens += len(s.response_ids)
+          stats.groups += len(g)
+          stats.group_hist.update(g.tolist())
+    if stats.samples == 0:
+      raise ValueError(f"no samples to write: {stats.conversations} conversations read, "
+                       f"{stats.dropped_too_long} longer than max_len={max_len}")
+    val = validation_indices(stats.samples, val_fraction, seed)
+    stats.validation_samples = len(val)
+    stats.train_samples = stats.samples - len(val)
+
+    def read(split: str) -> Callable[[], Iterator[dict[str, Any]]]:
+      def gen():
+        with open(samples_path, encoding="utf-8") as f:
+          for i, line in enumerate(f):
+            if (i in val) == (split == "validation"):
+              yield json.loads(line)
+      return gen
+
+    splits = {"train": read("train")}
+    if val:
+      splits["validation"] = read("validation")
+    meta = {"strategy": strategy, "max_len": max_len, "val_fraction": val_fraction, "seed": seed,
+            "end_of_turn_id": eot, **dict(metadata or {})}
+    build_dataset(out, splits, max_group=max_group, metadata=meta, overwrite=overwrite)
+  stats.seconds = time.perf_counter() - start
+  return stats
+
+
+def validation_indices(n: int, fraction: float, seed: int) -> set[int]:
+  """A seeded random `fraction` of 0..n-1 (at least one when fraction > 0 and n >= 2)."""
+  if fraction <= 0 or n < 2:
+    return set()
+  k = min(n - 1, max(1, round(n * fraction)))
+  return set(np.random.default_rng(seed).permutation(n)[:k].tolist())

