@@ -163,16 +163,10 @@ class HamburgerConfig:
 # ----------------------------------------------------------------------------- YAML / dicts
 
 
-def _resolve_type(tp):
-  if isinstance(tp, str):
-    tp = eval(tp, globals())  # annotations are strings under `from __future__ import annotations`
-  return tp
-
-
 def from_dict(cls, data: Mapping[str, Any] | None, where: str = ""):
   """Builds a (nested) frozen dataclass from a dict; unknown keys are errors naming valid keys."""
   data = dict(data or {})
-  hints = typing.get_type_hints(cls, globals())
+  hints = typing.get_type_hints(cls)  # resolves string annotations in cls's own module
   fields = {f.name: f for f in dataclasses.fields(cls)}
   unknown = sorted(set(data) - set(fields))
   if unknown:
@@ -181,8 +175,7 @@ def from_dict(cls, data: Mapping[str, Any] | None, where: str = ""):
         f"are: {', '.join(sorted(fields))}")
   kwargs = {}
   for name, value in data.items():
-    tp = _resolve_type(hints[name])
-    kwargs[name] = _coerce(tp, value, f"{where}{name}.")
+    kwargs[name] = _coerce(hints[name], value, f"{where}{name}.")
   try:
     return cls(**kwargs)
   except TypeError as e:

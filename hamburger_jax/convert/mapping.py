@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterable, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -72,6 +73,10 @@ def load(model: nnx.Module, tensors: Mapping[str, np.ndarray], table: Table, sou
           f"{value.shape} in our layout, but the model config expects {tuple(var.shape)} at "
           f"{'.'.join(map(str, rule.target))}; check that config and weights are the same model")
     var.set_value(jnp.asarray(value, dtype=var.dtype))
+  unset = [p for p, v in params.items() if isinstance(v[...], jax.ShapeDtypeStruct)]
+  if unset:
+    raise WeightsError(f"{source}: no tensor for param {'.'.join(map(str, unset[0]))} of an "
+                       f"abstract model ({len(unset)} in all); initialise the model instead")
 
 
 def export(model: nnx.Module, table: Table) -> dict[str, np.ndarray]:

@@ -93,7 +93,8 @@ class Attention(nnx.Module):
     self.v_proj = Linear(d, hkv * dh, ("embed", "kv_heads"), init=mk(d), **kw)
     self.o_proj = Linear(h * dh, d, ("heads", "embed"), init=mk(h * dh), **kw)
     self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, dh
-    self.inv_freq = inverse_frequencies(cfg)
+    self.rope_cfg = cfg  # static; frequencies are recomputed at trace time (an array here
+    # would become module state)
 
   def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,
                cache: KVCache | None = None, slots_bt: jax.Array | None = None,
@@ -102,8 +103,9 @@ class Attention(nnx.Module):
     q = self.q_proj(x_btd).reshape(b, t, self.num_heads, self.head_dim)
     k = self.k_proj(x_btd).reshape(b, t, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x_btd).reshape(b, t, self.num_kv_heads, self.head_dim)
-    q = apply_rope(q, positions_bt, self.inv_freq)
-    k = apply_rope(k, positions_bt, self.inv_freq)
+    inv_freq = inverse_frequencies(self.rope_cfg)
+    q = apply_rope(q, positions_bt, inv_freq)
+    k = apply_rope(k, positions_bt, inv_freq)
     if cache is not None:
       cache = cache.write(layer, slots_bt, k, v)
       k, v = cache.k[layer].astype(q.dtype), cache.v[layer].astype(q.dtype)
@@ -189,13 +191,14 @@ class Llama(nnx.Module):
   def embed(self, ids: jax.Array) -> jax.Array:
     return jnp.take(self.embed_tokens[...], ids, axis=0).astype(dtype_of(self.cfg.dtype))
 
+  def head_dv(self) -> jax.Array:
+    """The LM head as [D, V]; the tied head reuses the embedding matrix."""
+    return self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+
   def logits(self, h: jax.Array) -> jax.Array:
-    """fp32 logits; the tied head reuses the embedding matrix."""
+    """fp32 logits [..., V]."""
     dt = dtype_of(self.cfg.dtype)
-    if self.lm_head is None:
-      return jnp.einsum("...d,vd->...v", h.astype(dt), self.embed_tokens[...].astype(dt),
-                        preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", h.astype(dt), self.lm_head[...].astype(dt),
+    return jnp.einsum("...d,dv->...v", h.astype(dt), self.head_dv().astype(dt),
                       preferred_element_type=jnp.float32)
 
   def forward(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,

@@ -1,0 +1,92 @@
+"""HAMburger training forward and loss (SPEC.md 2.2) on a packed static-shape batch."""
+
+from __future__ import annotations
+
+import functools
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from hamburger_jax.model.hamburger import Hamburger
+from hamburger_jax.model.llama import Llama, causal_segment_mask
+
+STOP_WEIGHT = 0.5
+
+
+@functools.partial(jax.checkpoint, static_argnums=(3,))
+def _chunk_ce(h_cd: jax.Array, head_dv: jax.Array, targets_c: jax.Array,
+              dtype) -> tuple[jax.Array, jax.Array]:
+  """Cross-entropy and correctness of one chunk; rematerialised so [tokens, V] is never stored."""
+  logits = jnp.dot(h_cd.astype(dtype), head_dv.astype(dtype), preferred_element_type=jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  gold = jnp.take_along_axis(logits, targets_c[:, None], axis=-1)[:, 0]
+  return lse - gold, jnp.argmax(logits, axis=-1) == targets_c
+
+
+def chunked_cross_entropy(h_nd: jax.Array, head_dv: jax.Array, targets_n: jax.Array,
+                          chunk: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+  """Per-token CE [N] and argmax correctness [N], computed `chunk` rows at a time."""
+  n, d = h_nd.shape
+  chunk = min(chunk, n)
+  pad = -n % chunk
+  h = jnp.pad(h_nd, ((0, pad), (0, 0))).reshape(-1, chunk, d)
+  t = jnp.pad(targets_n, (0, pad)).reshape(-1, chunk)
+  _, (ce, correct) = jax.lax.scan(
+      lambda carry, xs: (carry, _chunk_ce(xs[0], head_dv, xs[1], dtype)), None, (h, t))
+  return ce.reshape(-1)[:n], correct.reshape(-1)[:n]
+
+
+def hamburger_loss(model: Hamburger, batch: Mapping[str, jax.Array],
+                   ce_chunk: int = 1024) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Token-mean CE over response tokens + 0.5 x mean stop BCE. Batch: layout.PackedBatch fields."""
+  ids, size = batch["input_ids"], batch["input_size"]
+  b, _, k = ids.shape
+  x = model.smash(ids, size)
+  mask = causal_segment_mask(batch["segment_ids"])
+  feats, _ = model.base_features(x, batch["positions"], mask)  # [B, M, F, D]
+  feats = feats[jnp.arange(b)[:, None], batch["pred_index"]]  # [B, G, F, D]
+  g, f, d = feats.shape[1:]
+  targets = batch["target_ids"].reshape(b * g, k)
+  h = model.micro_hidden(feats.reshape(b * g, f, d), targets)  # [B*G, K, D]
+  sizes = batch["target_size"].reshape(b * g)
+  step = jnp.arange(k)[None, :]
+  valid = step < sizes[:, None]  # [B*G, K]
+  stop_target = (step == sizes[:, None] - 1).astype(jnp.float32)
+
+  ce, correct = chunked_cross_entropy(h.reshape(-1, d), model.base.head_dv(), targets.reshape(-1),
+                                      ce_chunk, h.dtype)
+  ce, correct = ce.reshape(b * g, k), correct.reshape(b * g, k)
+  stop = model.stop_logits(h)  # [B*G, K] fp32
+  bce = jnp.maximum(stop, 0) - stop * stop_target + jnp.log1p(jnp.exp(-jnp.abs(stop)))
+
+  n_tok = jnp.maximum(valid.sum(), 1)
+  lm_loss = jnp.sum(jnp.where(valid, ce, 0)) / n_tok
+  stop_loss = jnp.sum(jnp.where(valid, bce, 0)) / n_tok
+  loss = lm_loss + STOP_WEIGHT * stop_loss
+  metrics = {"loss": loss, "lm_loss": lm_loss, "stop_bce": stop_loss,
+             "tokens": valid.sum(), "groups": (sizes > 0).sum(),
+             "stop_acc": jnp.sum(valid & ((stop > 0) == (stop_target > 0))) / n_tok}
+  for i in range(k):
+    metrics[f"acc_s{i + 1}"] = jnp.sum(valid[:, i] & correct[:, i]) / jnp.maximum(
+        valid[:, i].sum(), 1)
+  return loss, metrics
+
+
+def sft_loss(model: Llama, batch: Mapping[str, jax.Array],
+             ce_chunk: int = 1024) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Plain next-token SFT of the base on the same tokens (the baseline of the train bench).
+
+  Batch: tokens [B, T], segment_ids [B, T], positions [B, T], loss_mask [B, T] (1 where the token
+  at t+1 is a response token to predict).
+  """
+  tokens = batch["tokens"]
+  out = model.forward(model.embed(tokens), batch["positions"],
+                      causal_segment_mask(batch["segment_ids"]))
+  b, t, d = out.hidden.shape
+  targets = jnp.roll(tokens, -1, axis=1)
+  ce, _ = chunked_cross_entropy(out.hidden.reshape(-1, d), model.head_dv(), targets.reshape(-1),
+                                ce_chunk, out.hidden.dtype)
+  m = batch["loss_mask"].reshape(-1).astype(jnp.float32)
+  loss = jnp.sum(ce * m) / jnp.maximum(m.sum(), 1)
+  return loss, {"loss": loss, "tokens": m.sum()}

@@ -1,0 +1,83 @@
+"""HAMburger = the base Llama + compositional embedder (before) + micro-step decoder (after)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hamburger_jax.config import HamburgerConfig
+from hamburger_jax.model.compositional_embedder import CompositionalEmbedder
+from hamburger_jax.model.kv_cache import KVCache
+from hamburger_jax.model.llama import Llama, causal_segment_mask, dtype_of
+from hamburger_jax.model.micro_step_decoder import MicroStepDecoder
+
+
+class Hamburger(nnx.Module):
+
+  def __init__(self, cfg: HamburgerConfig, *, rngs: nnx.Rngs, base: Llama | None = None):
+    """`base`: an already loaded base model to graft onto (else a randomly initialised one)."""
+    self.cfg = cfg
+    b, g = cfg.base, cfg.graft
+    if base is not None and base.cfg != b:
+      raise ValueError(f"the base model's config {base.cfg} differs from the HAMburger config {b}")
+    self.base = base if base is not None else Llama(b, rngs=rngs)
+    self.embedder = CompositionalEmbedder(b.hidden_size, g.max_group, g.merger_head_dim, rngs=rngs,
+                                          param_dtype=dtype_of(b.param_dtype),
+                                          dtype=dtype_of(b.dtype))
+    self.micro = MicroStepDecoder(b, g, rngs=rngs)
+    self.feature_layers = g.resolved_feature_layers(b.num_layers)
+
+  @property
+  def max_group(self) -> int:
+    return self.cfg.graft.max_group
+
+  @property
+  def num_features(self) -> int:
+    return len(self.feature_layers)
+
+  def smash(self, ids_nk: jax.Array, size_n: jax.Array) -> jax.Array:
+    """Token ids of groups [..., K] and sizes [...] -> one base-input embedding each [..., D]."""
+    return self.embedder(self.base.embed(ids_nk), size_n)
+
+  def base_features(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,
+                    cache: KVCache | None = None,
+                    slots_bt: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+    """Base forward -> micro-decoder features [B, T, F, D]: raw residuals, then the normed last."""
+    out = self.base.forward(x_btd, positions_bt, mask_bts, cache, slots_bt,
+                            collect=self.feature_layers[:-1])
+    return jnp.stack([*out.collected, out.hidden], axis=-2), out.cache
+
+  def micro_hidden(self, features_nfd: jax.Array, teacher_nk: jax.Array) -> jax.Array:
+    """Teacher-forced micro steps: features [N, F, D], group tokens [N, K] -> h [N, K, D].
+
+    h_0 is the skip connection (the base's normed last hidden state, so token 0 of a step is the
+    base's own prediction); h_i (i >= 1) is the decoder output at the row whose input is t_{i-1}.
+    """
+    n, f, _ = features_nfd.shape
+    k = self.max_group
+    if k == 1:
+      return features_nfd[:, -1:]
+    x = jnp.concatenate([features_nfd, self.base.embed(teacher_nk[:, :k - 1])], axis=1)
+    t = f + k - 1
+    positions = jnp.broadcast_to(jnp.arange(t), (n, t))
+    h, _ = self.micro(x, positions, causal_segment_mask(jnp.ones((n, t), jnp.int32)))
+    return jnp.concatenate([features_nfd[:, -1:], h[:, f:]], axis=1)
+
+  def logits(self, h: jax.Array) -> jax.Array:
+    return self.base.logits(h)
+
+  def stop_logits(self, h: jax.Array) -> jax.Array:
+    return self.micro.stop_head(h)
+
+
+def copy_top_layers_into_micro(model: Hamburger) -> None:
+  """Initialises the micro decoder from the base's top layers (an alternative to fresh init)."""
+  base_layers = model.base.decoder.layers
+  micro_layers = model.micro.decoder.layers
+  top = base_layers[len(base_layers) - len(micro_layers):]
+  for src, dst in zip(top, micro_layers):
+    src_params = nnx.to_flat_state(nnx.state(src, nnx.Param))
+    dst_params = dict(nnx.to_flat_state(nnx.state(dst, nnx.Param)))
+    for path, var in src_params:
+      dst_params[path].set_value(jnp.array(var[...], dtype=dst_params[path].dtype))

@@ -1,0 +1,154 @@
+"""Loading real models: a base from GGUF or an HF directory, and HAMburger graft checkpoints.
+
+A graft checkpoint (the params-only export of a training run, what `infer.generate --checkpoint`
+reads) is a directory holding `hamburger.json` (configs + base source) and `graft.safetensors`
+(grafted weights under their dotted param paths), plus `base.safetensors` when the base was
+trained too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from hamburger_jax import assets
+from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig, from_dict, to_dict
+from hamburger_jax.convert import gguf, hf, mapping
+from hamburger_jax.convert.mapping import Rule, WeightsError
+from hamburger_jax.model.hamburger import Hamburger
+from hamburger_jax.model.llama import GraftParam, Llama
+from hamburger_jax.tokenizer import Tokenizer
+
+DEFAULT_BASE = "smollm2"
+GRAFT_FILE, BASE_FILE, META_FILE = "graft.safetensors", "base.safetensors", "hamburger.json"
+DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                  "checkpoints", "smollm2-135m-hamburger")
+
+
+def resolve_base(source: str) -> tuple[str, str]:
+  """'smollm2' | path/to/model.gguf | HF directory -> (kind, path)."""
+  if source in (DEFAULT_BASE, "default"):
+    return "gguf", assets.smollm2_gguf()
+  if source.endswith(".gguf"):
+    if not os.path.exists(source):
+      raise FileNotFoundError(f"GGUF file {source} does not exist")
+    return "gguf", source
+  if os.path.isdir(source):
+    return "hf", source
+  raise FileNotFoundError(
+      f"base model {source!r} is neither 'smollm2', a .gguf file nor an HF model directory")
+
+
+def load_llama(source: str = DEFAULT_BASE, **overrides: Any) -> tuple[Llama, Tokenizer]:
+  """Loads a base model and its tokenizer. `overrides` set LlamaConfig fields (e.g. dtype)."""
+  kind, path = resolve_base(source)
+  if kind == "gguf":
+    f = gguf.GGUFFile(path)
+    cfg = f.config(**overrides)
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))  # filled below, no random init
+    gguf.load_into(model, f, cfg)
+    return model, Tokenizer.from_gguf(f)
+  cfg = dataclasses.replace(hf.read_config(path), **overrides)
+  model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+  hf.load_into(model, path, cfg)
+  return model, Tokenizer.from_hf_dir(path)
+
+
+def graft_table(model: Hamburger) -> dict[str, Rule]:
+  """Dotted param path -> the grafted param (what graft.safetensors holds)."""
+  return {".".join(map(str, p)): Rule(tuple(p))
+          for p, _ in nnx.to_flat_state(nnx.state(model, GraftParam))}
+
+
+def base_table(model: Hamburger) -> dict[str, Rule]:
+  return {".".join(map(str, p)): Rule(tuple(p))
+          for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+          if not isinstance(v, GraftParam)}
+
+
+def save_graft(model: Hamburger, path: str, base_source: str, *, dtype: str = "bfloat16",
+               include_base: bool = False, extra: dict | None = None) -> None:
+  """Writes a graft checkpoint atomically (temp dir + rename)."""
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
+              "float16": np.float16}[dtype]
+  tmp = path.rstrip("/") + ".tmp"
+  os.makedirs(tmp, exist_ok=True)
+  tables = [(GRAFT_FILE, graft_table(model))] + ([(BASE_FILE, base_table(model))]
+                                                  if include_base else [])
+  for name, table in tables:
+    tensors = mapping.export(model, table)
+    save_file({k: np.ascontiguousarray(v.astype(np_dtype)) for k, v in tensors.items()},
+              os.path.join(tmp, name))
+  meta = {"format": "hamburger-jax/graft-v1", "base_source": base_source,
+          "base_config": to_dict(model.cfg.base), "graft": to_dict(model.cfg.graft),
+          "dtype": dtype, "include_base": include_base, **(extra or {})}
+  with open(os.path.join(tmp, META_FILE), "w") as f:
+    json.dump(meta, f, indent=2)
+  if os.path.exists(path):
+    import shutil  # pylint: disable=import-outside-toplevel
+    shutil.rmtree(path)
+  os.replace(tmp, path)
+
+
+def read_meta(path: str) -> dict[str, Any]:
+  meta_path = os.path.join(path, META_FILE)
+  if not os.path.exists(meta_path):
+    raise WeightsError(f"{path} is not a HAMburger checkpoint (no {META_FILE}); pass the "
+                       f"directory written by train.main's export or hamburger_jax.pretrained.save_graft")
+  with open(meta_path) as f:
+    return json.load(f)
+
+
+def _same_architecture(a: LlamaConfig, b: LlamaConfig) -> bool:
+  ignore = {"param_dtype", "dtype", "max_position_embeddings"}
+  return all(getattr(a, f.name) == getattr(b, f.name)
+             for f in dataclasses.fields(LlamaConfig) if f.name not in ignore)
+
+
+def load_hamburger(checkpoint: str | None = None, base_source: str | None = None,
+                   graft: GraftConfig | None = None, seed: int = 0,
+                   **overrides: Any) -> tuple[Hamburger, Tokenizer]:
+  """A HAMburger on a real base: from a graft checkpoint, or freshly grafted (untrained)."""
+  meta = read_meta(checkpoint) if checkpoint else None
+  source = base_source or (meta["base_source"] if meta else DEFAULT_BASE)
+  base, tok = load_llama(source, **overrides)
+  if meta:
+    ckpt_base = from_dict(LlamaConfig, meta["base_config"])
+    if not _same_architecture(ckpt_base, base.cfg):
+      raise WeightsError(
+          f"checkpoint {checkpoint} was trained on a different base ({ckpt_base}) than "
+          f"{source!r} ({base.cfg}); pass the matching --base or checkpoint")
+    graft = from_dict(GraftConfig, meta["graft"])
+  cfg = HamburgerConfig(base.cfg, graft or GraftConfig())
+  model = Hamburger(cfg, rngs=nnx.Rngs(seed), base=base)
+  if meta:
+    from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+    mapping.load(model, load_file(os.path.join(checkpoint, GRAFT_FILE)), graft_table(model),
+                 f"{checkpoint}/{GRAFT_FILE}")
+    if meta.get("include_base"):
+      mapping.load(model, load_file(os.path.join(checkpoint, BASE_FILE)), base_table(model),
+                   f"{checkpoint}/{BASE_FILE}")
+  return model, tok
+
+
+def load_base_for_run(model_cfg, seed: int = 0) -> tuple[Llama, Tokenizer | None]:
+  """The base of a run config's `model:` section (a RunConfig.model). A random base (tests) gets
+  the default tokenizer when its vocabulary can hold it, else none."""
+  overrides = {"dtype": model_cfg.dtype, "param_dtype": model_cfg.param_dtype}
+  if model_cfg.base != "random":
+    return load_llama(model_cfg.base, **overrides)
+  cfg = dataclasses.replace(model_cfg.random, **overrides)
+  model = Llama(cfg, rngs=nnx.Rngs(seed))
+  try:
+    tok = Tokenizer.from_gguf(assets.smollm2_gguf())
+  except assets.AssetError:
+    tok = None
+  return model, (tok if tok is not None and tok.vocab_size <= cfg.vocab_size else None)

@@ -1,0 +1,132 @@
+"""CLI: generate with the base model and/or HAMburger, side by side.
+
+  python -m infer.generate                                # side by side on the default model
+  python -m infer.generate --prompt "Why is the sky blue?" --mode hamburger --confidence 0.8
+  python -m infer.generate --prompts-file prompts.txt --json --max-new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+DEFAULT_PROMPTS = (
+    "What is the capital of France? Answer in one sentence.",
+    "Write a Python function that returns the factorial of n.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
+    "May. How many clips did Natalia sell altogether in April and May? Think step by step.",
+)
+COLOURS = ("\x1b[48;5;223m", "\x1b[48;5;153m")  # alternating backgrounds, as in the paper's Fig. 1
+RESET = "\x1b[0m"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--prompt", action="append", help="a user message (repeatable)")
+  p.add_argument("--prompts-file", help="a text file with one prompt per line")
+  p.add_argument("--mode", choices=("both", "hamburger", "base"), default=None,
+                 help="default: both when a HAMburger checkpoint is available, else base")
+  p.add_argument("--checkpoint", default=None,
+                 help="HAMburger graft checkpoint directory (default: the shipped one)")
+  p.add_argument("--base", default=None, help="base model: smollm2 | file.gguf | HF directory")
+  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+  p.add_argument("--top-k", type=int, default=0)
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--confidence", type=float, default=0.8,
+                 help="continue a group while P(continue) >= this (SPEC.md 3)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--json", action="store_true", help="one JSON object per prompt and mode")
+  p.add_argument("--no-color", action="store_true")
+  return p.parse_args(argv)
+
+
+def read_prompts(args) -> list[str]:
+  prompts = list(args.prompt or [])
+  if args.prompts_file:
+    if not os.path.exists(args.prompts_file):
+      raise SystemExit(f"error: --prompts-file {args.prompts_file} does not exist")
+    with open(args.prompts_file) as f:
+      prompts += [line.rstrip("\n") for line in f if line.strip()]
+  return prompts or list(DEFAULT_PROMPTS)
+
+
+def coloured(tokenizer, token_ids: list[int], groups: list[int], colour: bool) -> str:
+  """The text with each macro step's group on an alternating background."""
+  parts, start = [], 0
+  for i, size in enumerate(groups):
+    text = tokenizer.decode(token_ids[start:start + size], skip_special_tokens=True)
+    start += size
+    parts.append(f"{COLOURS[i % 2]}{text}{RESET}" if colour else (f"[{text}]" if size > 1 else text))
+  return "".join(parts)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  # Imports after argument parsing so --help is instant.
+  from hamburger_jax import pretrained
+  from infer.engine import Engine, GenerationError
+  from infer.sampling import SamplingError, SamplingParams
+
+  try:
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+  except SamplingError as e:
+    raise SystemExit(f"error: {e}") from None
+  prompts = read_prompts(args)
+  checkpoint = args.checkpoint
+  if checkpoint is None and os.path.exists(pretrained.DEFAULT_CHECKPOINT):
+    checkpoint = pretrained.DEFAULT_CHECKPOINT
+  mode = args.mode or ("both" if checkpoint else "base")
+  if mode != "base" and checkpoint is None:
+    raise SystemExit("error: --mode hamburger needs a trained checkpoint (--checkpoint DIR); "
+                     "none is shipped at " + pretrained.DEFAULT_CHECKPOINT)
+  print(f"loading {'HAMburger ' + checkpoint if mode != 'base' else 'base'} "
+        f"({args.base or 'default base'}) ...", file=sys.stderr)
+  if mode == "base":
+    model, tok = pretrained.load_llama(args.base or pretrained.DEFAULT_BASE)
+  else:
+    model, tok = pretrained.load_hamburger(checkpoint, args.base)
+  engine = Engine(model, tok)
+  modes = ("base", "hamburger") if mode == "both" else (mode,)
+  colour = sys.stdout.isatty() and not args.no_color
+  results = {}
+  for m in modes:
+    print(f"generating ({m}; the first call compiles) ...", file=sys.stderr)
+    try:
+      results[m] = engine.generate(prompts, max_new_tokens=args.max_new_tokens, mode=m,
+                                   sampling=sampling, confidence=args.confidence, seed=args.seed)
+    except GenerationError as e:
+      raise SystemExit(f"error: {e}") from None
+  for i, prompt in enumerate(prompts):
+    for m in modes:
+      g = results[m][i]
+      if args.json:
+        print(json.dumps({
+            "prompt": prompt, "mode": m, "text": g.text, "token_ids": g.token_ids,
+            "new_tokens": g.new_tokens, "decode_tokens_per_s": round(g.decode_tokens_per_s, 2),
+            "groups": g.groups, "macro_steps": g.macro_steps, "kv_entries": g.kv_entries,
+            "prompt_tokens": g.prompt_tokens, "prefill_s": round(g.prefill_s, 3),
+            "decode_s": round(g.decode_s, 3),
+            **({"confidence": args.confidence} if m == "hamburger" else {})}))
+        continue
+      if m == modes[0]:
+        print(f"\n=== prompt {i + 1}: {prompt}")
+      head = (f"--- {m}: {g.new_tokens} tokens in {g.macro_steps} base forwards "
+              f"({g.tokens_per_step:.2f} tokens/forward), batch decode {g.decode_s:.2f} s")
+      print(head)
+      print(coloured(tok, g.token_ids, g.groups, colour) if m == "hamburger" else g.text)
+  if not args.json and len(modes) == 2:
+    b, h = results["base"], results["hamburger"]
+    tb, th = sum(g.new_tokens for g in b), sum(g.new_tokens for g in h)
+    sb, sh = sum(g.macro_steps for g in b), sum(g.macro_steps for g in h)
+    print(f"\nbase: {tb} tokens / {sb} forwards; hamburger: {th} tokens / {sh} forwards "
+          f"({th / max(sh, 1):.2f} tokens per KV entry); decode time base {b[0].decode_s:.2f} s, "
+          f"hamburger {h[0].decode_s:.2f} s (whole batch, after compilation)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

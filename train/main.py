@@ -1,0 +1,71 @@
+"""Train HAMburger: python -m train.main --config configs/X.yaml [--set key=value ...]
+
+Resumes from the latest checkpoint in checkpoint.dir automatically. Multi-host: pass
+--num-processes/--process-id/--coordinator (or set JAX_NUM_PROCESSES, JAX_PROCESS_ID,
+JAX_COORDINATOR_ADDRESS); each process then feeds its own shard of the data. On CPU the processes
+talk through gloo (see train/launch_local.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="python -m train.main", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", required=True, help="YAML run config (see configs/)")
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="override a config value, e.g. --set train.steps=100 (repeatable)")
+  p.add_argument("--max-steps", type=int, default=None,
+                 help="stop after this many steps in this invocation (resume later)")
+  p.add_argument("--num-processes", type=int, default=None)
+  p.add_argument("--process-id", type=int, default=None)
+  p.add_argument("--coordinator", default=None, help="host:port of process 0")
+  p.add_argument("--cpu-devices", type=int, default=None,
+                 help="fake this many CPU devices per process (testing sharding on one machine)")
+  p.add_argument("--no-progress", action="store_true")
+  return p.parse_args(argv)
+
+
+def init_distributed(args) -> None:
+  """jax.distributed.initialize from flags or the usual environment variables (entry point only)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if args.cpu_devices:
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+  n = args.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0") or 0)
+  if n <= 1:
+    return
+  pid = args.process_id if args.process_id is not None else int(os.environ["JAX_PROCESS_ID"])
+  coord = args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if coord is None:
+    raise SystemExit("error: a multi-process run needs --coordinator host:port "
+                     "(or JAX_COORDINATOR_ADDRESS)")
+  # Only affects the CPU client (cross-process collectives on CPU); set before any backend starts.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=coord, num_processes=n, process_id=pid)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  from hamburger_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.run_config import load_run_config  # pylint: disable=import-outside-toplevel
+  try:
+    cfg = load_run_config(args.config, args.set)
+  except ConfigError as e:
+    raise SystemExit(f"error: {e}") from None
+  init_distributed(args)
+  from train import trainer  # pylint: disable=import-outside-toplevel
+  try:
+    result = trainer.run(cfg, max_steps=args.max_steps, progress=not args.no_progress)
+  except ConfigError as e:
+    raise SystemExit(f"error: {e}") from None
+  print(f"done: {result.steps_done} steps this run, at step {result.final_step}/{cfg.train.steps}"
+        + (f"; export in {result.export_dir}" if result.export_dir else ""))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,121 @@
+"""Self-distillation: replace training responses by the base model's own greedy responses.
+
+For a small base this keeps HAMburger's target equal to the base's behaviour (the graft learns to
+predict what the base would say, not a stronger model's text). Batched through our decode engine;
+appends to a JSONL file and resumes where a killed run stopped.
+
+  python -m train.self_distill --mix gsm_symbolic:1000,sharegpt:1500,basic_arithmetic:150,chain_sum:150 \
+      --out runs/distill/responses.jsonl --max-new-tokens 160 --batch 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Iterator
+
+from hamburger_jax.data.sources import Conversation, sharegpt_conversations
+from hamburger_jax.evaluation import tasks as eval_tasks
+
+REASONING = {"gsm_symbolic": eval_tasks.GSM_SYMBOLIC, "basic_arithmetic": eval_tasks.BASIC_ARITHMETIC,
+             "chain_sum": eval_tasks.CHAIN_SUM}
+MIX_SOURCES = ("sharegpt", *REASONING)
+
+
+def reasoning_prompts(name: str, n: int, seed: int = 0) -> Iterator[Conversation]:
+  """Training questions in the evaluation prompt format, minus any evaluation question."""
+  task = REASONING[name]
+  eval_questions = [it["question"] for it in task.items(task.default_size, eval_tasks.EVAL_SEED)]
+  for i, item in enumerate(task.train_items(n, seed, exclude=eval_questions)):
+    yield Conversation(task.messages(item["question"]), task.target(item), name, f"{name}/{seed + i}")
+
+
+def sharegpt_prompts(n: int, tokenizer, max_prompt_tokens: int) -> Iterator[Conversation]:
+  seen = 0
+  for conv in sharegpt_conversations():
+    if seen >= n:
+      return
+    if len(tokenizer.encode(conv.prompt_messages[-1]["content"])) > max_prompt_tokens:
+      continue
+    seen += 1
+    yield conv
+
+
+def parse_mix(spec: str) -> list[tuple[str, int]]:
+  out = []
+  for part in spec.split(","):
+    name, _, n = part.partition(":")
+    if name not in MIX_SOURCES or not n.isdigit():
+      raise SystemExit(f"error: --mix item {part!r}: use NAME:COUNT with NAME in {MIX_SOURCES}")
+    out.append((name, int(n)))
+  return out
+
+
+def read_done(path: str) -> set[str]:
+  """Ids already written; a partial last line (killed mid-write) is cut off."""
+  if not os.path.exists(path):
+    return set()
+  with open(path, "rb") as f:
+    data = f.read()
+  keep = data[:data.rfind(b"\n") + 1]
+  if len(keep) != len(data):
+    with open(path, "wb") as f:
+      f.write(keep)
+  return {json.loads(line)["id"] for line in keep.decode().splitlines() if line.strip()}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m train.self_distill", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--mix", required=True, help="e.g. gsm_symbolic:1000,sharegpt:1500")
+  p.add_argument("--out", required=True, help="JSONL output (appended to; resumable)")
+  p.add_argument("--base", default="smollm2")
+  p.add_argument("--max-new-tokens", type=int, default=160)
+  p.add_argument("--max-prompt-tokens", type=int, default=96)
+  p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--seed", type=int, default=0)
+  args = p.parse_args(argv)
+
+  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from infer.engine import Engine  # pylint: disable=import-outside-toplevel
+
+  model, tok = pretrained.load_llama(args.base)
+  convs: list[Conversation] = []
+  for name, n in parse_mix(args.mix):
+    convs += list(sharegpt_prompts(n, tok, args.max_prompt_tokens) if name == "sharegpt"
+                  else reasoning_prompts(name, n, args.seed))
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  done = read_done(args.out)
+  todo = [c for c in convs if c.id not in done]
+  # Similar prompt lengths share a batch (one prompt bucket, less padding).
+  encoded = sorted(((tok.apply_chat_template(c.prompt_messages, tokenize=True), c) for c in todo),
+                   key=lambda x: len(x[0]))
+  print(f"{len(convs)} prompts, {len(done)} already done, {len(todo)} to generate",
+        file=sys.stderr)
+  engine = Engine(model, tok)
+  t0, new_tokens = time.time(), 0
+  with open(args.out, "a") as f, tqdm(total=len(encoded), unit="prompt") as bar:
+    for i in range(0, len(encoded), args.batch):
+      chunk = encoded[i:i + args.batch]
+      outs = engine.generate([ids for ids, _ in chunk], max_new_tokens=args.max_new_tokens,
+                             mode="base")
+      for (ids, conv), g in zip(chunk, outs):
+        text = tok.decode(g.token_ids, skip_special_tokens=True)
+        f.write(json.dumps({
+            "id": conv.id, "source": conv.source,
+            "messages": [*conv.prompt_messages, {"role": "assistant", "content": text}],
+            "prompt_ids": ids, "response_ids": g.token_ids,
+            "finished": bool(g.token_ids and g.token_ids[-1] in tok.stop_ids)}) + "\n")
+        new_tokens += g.new_tokens
+      f.flush()
+      bar.update(len(chunk))
+      bar.set_postfix(tok_s=f"{new_tokens / (time.time() - t0):.0f}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,414 @@
+"""The HAMburger training loop: sharded jitted step, orbax checkpoints with exact resume, logging.
+
+State that is saved: the trainable params (graft only, or graft + base), the optimiser state and
+the step, together with the grain iterator state and the run config. A frozen base is not saved:
+it is reloaded from its source, which the saved config names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+from typing import Any, Callable, Iterator
+
+import flax.struct
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from hamburger_jax import pretrained, sharding
+from hamburger_jax.config import ConfigError, HamburgerConfig
+from hamburger_jax.data import pipeline
+from hamburger_jax.losses import hamburger_loss
+from hamburger_jax.model.hamburger import Hamburger, copy_top_layers_into_micro
+from hamburger_jax.model.llama import GraftParam
+from hamburger_jax.run_config import RunConfig
+
+# Config sections that must match to resume from a checkpoint (the rest may change between runs).
+RESUME_KEYS = ("model", "graft", "train.trainable")
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: dict  # {"graft": ..., "base": ...} pure dicts of arrays; "base" only when trained
+  opt_state: Any
+
+
+class IteratorSnapshot(grain.DatasetIterator):
+  """The data iterator's state frozen at save time (orbax may write it after training moved on)."""
+
+  def __init__(self, state: dict[str, Any]):
+    super().__init__()
+    self._state = state
+
+  def __next__(self):
+    raise StopIteration
+
+  def get_state(self) -> dict[str, Any]:
+    return self._state
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._state = state
+
+
+def build_model(cfg: RunConfig) -> tuple[Hamburger, Any]:
+  base, tok = pretrained.load_base_for_run(cfg.model, cfg.train.seed)
+  model = Hamburger(HamburgerConfig(base.cfg, cfg.graft), rngs=nnx.Rngs(cfg.train.seed), base=base)
+  if cfg.graft.micro_init == "copy_top":
+    copy_top_layers_into_micro(model)
+  return model, tok
+
+
+def schedules(cfg: RunConfig) -> dict[str, optax.Schedule]:
+  """Cosine decay to lr_final over the run (SPEC.md 2.3), after an optional linear warmup."""
+  t = cfg.train
+
+  def make(peak: float) -> optax.Schedule:
+    decay = optax.cosine_decay_schedule(peak, max(t.steps - t.warmup_steps, 1),
+                                        alpha=min(t.lr_final / peak, 1.0) if peak else 0.0)
+    if not t.warmup_steps:
+      return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, t.warmup_steps), decay],
+                                [t.warmup_steps])
+
+  return {"graft": make(t.lr_graft), "base": make(t.lr_base)}
+
+
+def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
+  """AdamW per learning-rate group (base / graft) after a global-norm clip over all of them."""
+  t = cfg.train
+  groups = {name: optax.adamw(sched, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay)
+            for name, sched in schedules(cfg).items()}
+  return optax.chain(
+      optax.clip_by_global_norm(t.clip_norm),
+      optax.multi_transform(groups, lambda params: {k: jax.tree.map(lambda _: k, v)
+                                                    for k, v in params.items()}))
+
+
+class Trainer:
+  """Owns the model split, the mesh, the jitted step and the checkpoint manager of one run."""
+
+  def __init__(self, cfg: RunConfig, *, log: Callable[[str], None] = print):
+    self.cfg = cfg
+    self.log = log
+    self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    self.process_index, self.process_count = jax.process_index(), jax.process_count()
+    d = cfg.data
+    div = sharding.batch_divisor(self.mesh)
+    if d.rows % div or d.rows % self.process_count:
+      raise ConfigError(
+          f"data.rows={d.rows} is not divisible by the data-parallel size {div} (mesh data x fsdp)"
+          f" and the process count {self.process_count}: make rows a multiple of both")
+    self.local_rows = d.rows // self.process_count
+
+    self.model, self.tokenizer = build_model(cfg)
+    self.graphdef, graft, base = nnx.split(self.model, GraftParam, nnx.Param)
+    self.trains_base = cfg.train.trainable == "all"
+    rules = sharding.TRAIN_RULES
+    shard = lambda s: nnx.to_pure_dict(sharding.state_shardings(s, self.mesh, rules))
+    self.param_shardings = {"graft": shard(graft)}
+    params = {"graft": nnx.to_pure_dict(graft)}
+    if self.trains_base:
+      self.param_shardings["base"] = shard(base)
+      params["base"] = nnx.to_pure_dict(base)
+      self.frozen = {}
+      self.frozen_shardings = {}
+    else:
+      self.frozen_shardings = {"base": shard(base)}
+      self.frozen = jax.device_put({"base": nnx.to_pure_dict(base)}, self.frozen_shardings)
+    self.tx = make_optimizer(cfg)
+    self.schedules = schedules(cfg)
+    params = jax.device_put(params, self.param_shardings)
+    opt_state = jax.jit(self.tx.init)(params)  # mu/nu inherit the params' shardings
+    replicated = NamedSharding(self.mesh, P())
+    self.state_shardings = TrainState(
+        step=replicated, params=self.param_shardings,
+        opt_state=jax.tree.map(lambda x: x.sharding, opt_state))
+    self.state = TrainState(step=jax.device_put(jnp.int32(0), replicated), params=params,
+                            opt_state=opt_state)
+    self.batch_shape = {  # one micro-batch per process, and the global shapes
+        "entries": d.entries, "groups": d.groups, "k": cfg.graft.max_group}
+    self._step_fn = jax.jit(self._train_step,
+                            in_shardings=(self.state_shardings, self.frozen_shardings,
+                                          self._batch_shardings()),
+                            out_shardings=(self.state_shardings, replicated),
+                            donate_argnums=(0,))
+    self._eval_fn = jax.jit(self._eval_step)
+
+  # ---------------------------------------------------------------- jitted
+
+  def _batch_shardings(self) -> dict[str, NamedSharding]:
+    ndims = {"input_ids": 4, "input_size": 3, "positions": 3, "segment_ids": 3, "pred_index": 3,
+             "target_ids": 4, "target_size": 3}
+    return {k: NamedSharding(self.mesh, P(None, sharding.BATCH_AXES, *([None] * (n - 2))))
+            for k, n in ndims.items()}
+
+  def _merge(self, params: dict, frozen: dict) -> Hamburger:
+    base = params.get("base", frozen.get("base"))
+    return nnx.merge(self.graphdef, params["graft"], base)
+
+  def _loss(self, params, frozen, batch):
+    return hamburger_loss(self._merge(params, frozen), batch, self.cfg.train.ce_chunk)
+
+  def _train_step(self, state: TrainState, frozen: dict, batch: dict) -> tuple[TrainState, dict]:
+    """One optimiser step over `accum` micro-batches ([accum, rows, ...]).
+
+    Each micro-batch's token-mean loss is weighted by its share of the step's response tokens, so
+    the accumulated gradient is that of the token mean over the whole step.
+    """
+    k = batch["target_ids"].shape[-1]
+    tokens = jnp.sum(jnp.minimum(batch["target_size"], k), axis=(1, 2)).astype(jnp.float32)
+    weights = tokens / jnp.maximum(tokens.sum(), 1.0)
+    grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+
+    skip = ("tokens", "groups")  # counts, summed over the step below instead
+
+    def micro(acc, xs):
+      mb, w = xs
+      (_, metrics), grads = grad_fn(state.params, frozen, mb)
+      scaled = (jax.tree.map(lambda g: g * w, grads),
+                {m: v * w for m, v in metrics.items() if m not in skip})
+      return jax.tree.map(jnp.add, acc, scaled), None
+
+    names = jax.eval_shape(lambda: self._loss(state.params, frozen,
+                                              jax.tree.map(lambda x: x[0], batch))[1])
+    init = (jax.tree.map(jnp.zeros_like, state.params),
+            {m: jnp.zeros((), jnp.float32) for m in names if m not in skip})
+    (grads, metrics), _ = jax.lax.scan(micro, init, (batch, weights))
+    metrics["tokens"] = tokens.sum()
+    metrics["groups"] = jnp.sum(batch["target_size"] > 0).astype(jnp.float32)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    for name, sched in self.schedules.items():
+      metrics[f"lr_{name}"] = sched(state.step)
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  def _eval_step(self, params, frozen, batch):
+    _, metrics = self._loss(params, frozen, batch)
+    return metrics
+
+  # ---------------------------------------------------------------- host side
+
+  def global_batch(self, local_batches: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
+    """Stacks `accum` local micro-batches and assembles the global arrays across processes."""
+    out = {}
+    for key, shard in self._batch_shardings().items():
+      local = np.stack([b[key] for b in local_batches])
+      global_shape = (local.shape[0], local.shape[1] * self.process_count, *local.shape[2:])
+      out[key] = jax.make_array_from_process_local_data(shard, local, global_shape)
+    return out
+
+  def step(self, local_batches: list[dict[str, np.ndarray]]) -> dict[str, float]:
+    self.state, metrics = self._step_fn(self.state, self.frozen, self.global_batch(local_batches))
+    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+  def evaluate(self, batches: Iterator[dict[str, np.ndarray]], max_batches: int) -> dict[str, float]:
+    """Token-weighted validation metrics over up to `max_batches` batches."""
+    totals: dict[str, float] = {}
+    weight = 0.0
+    for i, b in enumerate(batches):
+      if i >= max_batches:
+        break
+      batch = {k: v[0] for k, v in self.global_batch([b]).items()}
+      m = jax.device_get(self._eval_fn(self.state.params, self.frozen, batch))
+      w = float(m["tokens"])
+      for k, v in m.items():
+        if k not in ("tokens", "groups"):
+          totals[k] = totals.get(k, 0.0) + float(v) * w
+      weight += w
+    return {f"val_{k}": v / max(weight, 1.0) for k, v in totals.items()}
+
+  def current_model(self) -> Hamburger:
+    """The model with the current params (host-gathered when the run spans processes)."""
+    params, frozen = self.state.params, self.frozen
+    if self.process_count > 1:
+      params, frozen = multihost_utils.process_allgather((params, frozen), tiled=True)
+    return self._merge(params, frozen)
+
+
+# -------------------------------------------------------------------- the run
+
+
+def checkpoint_manager(directory: str, cfg: RunConfig) -> ocp.CheckpointManager:
+  options = ocp.CheckpointManagerOptions(
+      save_interval_steps=1, max_to_keep=cfg.checkpoint.keep, enable_async_checkpointing=True,
+      create=True)
+  return ocp.CheckpointManager(os.path.abspath(directory), options=options,
+                               item_names=("state", "data", "config"))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def check_resumable(saved: dict, cfg: RunConfig, where: str) -> None:
+  now, then = _flatten(cfg.to_dict()), _flatten(saved)
+  for key in RESUME_KEYS:
+    diff = sorted(k for k in set(now) | set(then)
+                  if (k == key or k.startswith(key + ".")) and now.get(k) != then.get(k))
+    if diff:
+      k = diff[0]
+      raise ConfigError(
+          f"checkpoint in {where} is from another model config: {k} is {then.get(k)!r} there "
+          f"but {now.get(k)!r} now; use a new checkpoint.dir or the original config")
+
+
+class MetricsLog:
+  """metrics.jsonl + TensorBoard event files (written by process 0 only)."""
+
+  def __init__(self, directory: str, enabled: bool):
+    self.enabled = enabled
+    self.path = os.path.join(directory, "metrics.jsonl")
+    self.tb = None
+    if enabled:
+      os.makedirs(directory, exist_ok=True)
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      self.tb = SummaryWriter(os.path.join(directory, "tb"))
+
+  def write(self, step: int, metrics: dict[str, float]) -> None:
+    if not self.enabled:
+      return
+    with open(self.path, "a") as f:
+      f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+    for k, v in metrics.items():
+      self.tb.add_scalar(k, v, step)
+    self.tb.flush()
+
+  def close(self) -> None:
+    if self.tb is not None:
+      self.tb.close()
+
+
+@dataclasses.dataclass
+class RunResult:
+  steps_done: int
+  final_step: int
+  metrics: dict[str, float]
+  export_dir: str | None
+
+
+def held_out_prompts(data_dir: str, n: int) -> list[list[int]]:
+  """Prompt ids of the first validation samples (held out from training)."""
+  source = pipeline.open_split(data_dir, "validation")
+  prompts = []
+  for i in range(min(n, len(source))):
+    rec = source[i]
+    prompts.append([int(t) for t in np.asarray(rec["input_ids"])[:int(rec["prompt_len"])]])
+  return prompts
+
+
+def run(cfg: RunConfig, *, max_steps: int | None = None, progress: bool = True,
+        log: Callable[[str], None] = print) -> RunResult:
+  """Trains until cfg.train.steps (or `max_steps` more steps), resuming from the latest checkpoint."""
+  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+  trainer = Trainer(cfg, log=log)
+  d, t = cfg.data, cfg.train
+  ckpt_dir = os.path.join(cfg.checkpoint.dir, "checkpoints")
+  mngr = checkpoint_manager(ckpt_dir, cfg)
+  iterator = pipeline.make_train_iterator(
+      d.dir, "train", batch_rows=trainer.local_rows, entries=d.entries, groups=d.groups,
+      max_group=cfg.graft.max_group, seed=d.seed, shard_index=trainer.process_index,
+      shard_count=trainer.process_count)
+  config_dict = cfg.to_dict()
+  latest = mngr.latest_step()
+  if latest is not None:
+    saved_cfg = mngr.restore(latest, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    check_resumable(saved_cfg["config"], cfg, ckpt_dir)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            trainer.state, trainer.state_shardings)
+    restored = mngr.restore(latest, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(iterator)))
+    trainer.state = restored["state"]
+    log(f"resumed from step {latest} in {ckpt_dir}")
+  start = int(jax.device_get(trainer.state.step))
+  end = t.steps if max_steps is None else min(t.steps, start + max_steps)
+  metrics_log = MetricsLog(cfg.checkpoint.dir, trainer.process_index == 0)
+
+  def save(step: int) -> None:
+    snapshot = IteratorSnapshot(iterator.get_state())
+    mngr.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(trainer.state), data=grain.checkpoint.CheckpointSave(snapshot),
+        config=ocp.args.JsonSave(config_dict)), force=True)
+
+  interrupted = []
+  previous = signal.signal(signal.SIGTERM, lambda *_: interrupted.append("SIGTERM"))
+  engine = prompts = None
+  last: dict[str, float] = {}
+  bar = tqdm(total=end, initial=start, unit="step", disable=not progress or trainer.process_index)
+  try:
+    for step in range(start, end):
+      t0 = time.perf_counter()
+      m = trainer.step([next(iterator) for _ in range(d.accum)])
+      dt = time.perf_counter() - t0
+      m.update(step_s=dt, tokens_per_s=m["tokens"] / dt,
+               mean_group_size=m["tokens"] / max(m["groups"], 1.0))
+      done = step + 1
+      if t.eval_every and (done % t.eval_every == 0 or done == end):
+        m.update(trainer.evaluate(pipeline.validation_batches(
+            d.dir, batch_rows=trainer.local_rows, entries=d.entries, groups=d.groups,
+            max_group=cfg.graft.max_group, shard_index=trainer.process_index,
+            shard_count=trainer.process_count), max(d.validation_rows // d.rows, 1)))
+      if t.generate_every and (done % t.generate_every == 0 or done == end):
+        if engine is None:
+          from infer.engine import Engine  # pylint: disable=import-outside-toplevel
+          prompts = held_out_prompts(d.dir, t.generate_prompts)
+          engine = Engine(trainer.current_model(), trainer.tokenizer,
+                          stop_ids=trainer.tokenizer.stop_ids if trainer.tokenizer else ())
+        else:
+          engine.set_model(trainer.current_model())
+        gens = engine.generate(prompts, max_new_tokens=t.generate_tokens, mode="hamburger",
+                               confidence=t.generate_confidence)
+        m["gen_tokens_per_step"] = sum(g.new_tokens for g in gens) / max(
+            sum(g.macro_steps for g in gens), 1)
+      last = m
+      if done % t.log_every == 0 or done == end or any(k.startswith("val_") for k in m):
+        metrics_log.write(done, m)
+      bar.update(1)
+      bar.set_postfix(loss=f"{m['loss']:.3f}", acc_s2=f"{m.get('acc_s2', 0):.2f}",
+                      tok_s=f"{m['tokens_per_s']:.0f}")
+      if done % cfg.checkpoint.every == 0 or done == end:
+        save(done)
+      if interrupted:
+        log(f"{interrupted[0]}: saving step {done} and stopping")
+        save(done)
+        break
+  except KeyboardInterrupt:
+    done = int(jax.device_get(trainer.state.step))
+    log(f"interrupted: saving step {done} and stopping")
+    save(done)
+    raise
+  finally:
+    bar.close()
+    mngr.wait_until_finished()
+    signal.signal(signal.SIGTERM, previous)
+    metrics_log.close()
+    iterator.close() if hasattr(iterator, "close") else None
+  final = int(jax.device_get(trainer.state.step))
+  export_dir = None
+  if final >= t.steps:
+    export_dir = cfg.checkpoint.export or os.path.join(cfg.checkpoint.dir, "export")
+    model = trainer.current_model()
+    if trainer.process_index == 0:
+      pretrained.save_graft(model, export_dir, cfg.model.base, dtype=cfg.checkpoint.export_dtype,
+                            include_base=trainer.trains_base,
+                            extra={"trained_steps": final, "run_dir": cfg.checkpoint.dir})
+      log(f"exported params to {export_dir}")
+  mngr.close()
+  return RunResult(final - start, final, last, export_dir)
