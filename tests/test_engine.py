@@ -1,0 +1,292 @@
+"""The decode engine: base decode consistency, HAMburger vs a plain reference loop (SPEC.md 3),
+forced single-token steps == base, batch invariance, EOS, exact lengths, program reuse, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig
+from hamburger_jax.model.hamburger import Hamburger
+from hamburger_jax.model.llama import Llama, causal_segment_mask
+from hamburger_jax.testing import sharpen
+from infer import sampling as samplers
+from infer.engine import Engine, GenerationError
+from infer.sampling import SamplingError, SamplingParams
+
+CFG = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,
+                  num_kv_heads=2, max_position_embeddings=256)
+STOP = 96
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8], list(range(10, 31)), [40, 41, 42]]
+
+
+@pytest.fixture(scope="module")
+def model() -> Hamburger:
+  m = Hamburger(HamburgerConfig(CFG, GraftConfig(merger_head_dim=16)), rngs=nnx.Rngs(0))
+  sharpen(m, 8.0)
+  # A stop head whose logits spread around 0, so that at c = 0.5 groups of 1..4 all occur.
+  sharpen(m.micro.stop_head, 3.0)
+  return m
+
+
+@pytest.fixture(scope="module")
+def engine(model) -> Engine:
+  return Engine(model, None, stop_ids=[STOP])
+
+
+# ------------------------------------------------------------------ references (no KV cache)
+
+
+PAD = 64  # the references run fixed-length (jitted) uncached forwards; rows past the end are pad
+
+
+@nnx.jit
+def _base_logits(base: Llama, ids_bt: jax.Array) -> jax.Array:
+  return base(ids_bt)
+
+
+def argmax_rollout(base: Llama, prompt: list[int], n: int) -> list[int]:
+  seq = list(prompt)
+  for _ in range(n):
+    ids = jnp.zeros((1, PAD), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq))
+    seq.append(int(jnp.argmax(_base_logits(base, ids)[0, len(seq) - 1])))
+    if seq[-1] == STOP:
+      break
+  return seq[len(prompt):]
+
+
+@nnx.jit
+def _features(model: Hamburger, x_btd, positions_bt):
+  mask = causal_segment_mask(jnp.ones(x_btd.shape[:2], jnp.int32))
+  return model.base_features(x_btd, positions_bt, mask)[0]
+
+
+@nnx.jit
+def _micro(model: Hamburger, x_btd):
+  t = x_btd.shape[1]
+  h, _ = model.micro(x_btd, jnp.arange(t)[None], causal_segment_mask(jnp.ones((1, t), jnp.int32)))
+  return model.logits(h), model.stop_logits(h)
+
+
+def reference_hamburger(model: Hamburger, prompt: list[int], max_new: int, confidence: float,
+                        ) -> tuple[list[int], list[int]]:
+  """SPEC.md section 3 as a plain per-row Python loop that recomputes everything each step."""
+  k, f = model.max_group, model.num_features
+  offset = model.cfg.graft.position_offset
+  inputs = list(model.base.embed(jnp.asarray(prompt)))  # unmerged prompt entries
+  positions = list(range(len(prompt)))
+  tokens, groups = [], []
+  while len(tokens) < max_new:
+    n = len(inputs)
+    x = jnp.zeros((1, PAD, CFG.hidden_size)).at[0, :n].set(jnp.stack(inputs))
+    pos = jnp.zeros((1, PAD), jnp.int32).at[0, :n].set(jnp.asarray(positions))
+    feats = _features(model, x, pos)[0, n - 1]  # [F, D] at the predicting position
+    group = []
+    for i in range(k):
+      if i == 0:  # the skip connection
+        logits, stop = model.logits(feats[-1]), model.stop_logits(feats[-1])
+      else:
+        seq = jnp.concatenate([feats, model.base.embed(jnp.asarray(group))])
+        padded = jnp.zeros((1, f + k - 1, CFG.hidden_size)).at[0, :len(seq)].set(seq)
+        logits, stop = _micro(model, padded)
+        logits, stop = logits[0, len(seq) - 1], stop[0, len(seq) - 1]
+      tok = int(jnp.argmax(logits))
+      group.append(tok)
+      p_continue = float(jax.nn.sigmoid(-stop))
+      if (tok == STOP or len(tokens) + len(group) >= max_new or confidence >= 1.0
+          or p_continue < confidence):
+        break
+    tokens += group
+    groups.append(len(group))
+    if tokens[-1] == STOP or len(tokens) >= max_new:
+      break
+    ids = jnp.zeros((k,), jnp.int32).at[:len(group)].set(jnp.asarray(group))
+    inputs.append(model.smash(ids[None], jnp.asarray([len(group)]))[0])
+    positions.append(len(prompt) - 1 + len(tokens) + offset)
+  return tokens, groups
+
+
+# ------------------------------------------------------------------ base decoding
+
+
+def test_base_cached_decode_equals_uncached_rollout(model, engine):
+  gens = engine.generate(PROMPTS, max_new_tokens=12, mode="base")
+  for prompt, g in zip(PROMPTS, gens):
+    assert g.token_ids == argmax_rollout(model.base, prompt, 12)
+    assert g.groups == [1] * g.new_tokens and g.macro_steps == g.new_tokens
+  # A row's output does not depend on its batch mates (nor on the batch bucket).
+  alone = engine.generate([PROMPTS[2]], max_new_tokens=12, mode="base")[0]
+  assert alone.token_ids == gens[2].token_ids
+
+
+def test_base_engine_on_plain_llama(model):
+  engine = Engine(model.base, None, stop_ids=[STOP])
+  g = engine.generate([PROMPTS[0]], max_new_tokens=10)[0]
+  assert g.token_ids == argmax_rollout(model.base, PROMPTS[0], 10)
+  with pytest.raises(GenerationError, match="needs a HAMburger model"):
+    engine.generate([PROMPTS[0]], mode="hamburger")
+
+
+# ------------------------------------------------------------------ HAMburger decoding
+
+
+@pytest.mark.parametrize("confidence", [0.5, 0.0, 0.7])
+def test_hamburger_equals_reference_loop(model, engine, confidence):
+  gens = engine.generate(PROMPTS, max_new_tokens=14, mode="hamburger", confidence=confidence)
+  sizes = set()
+  for prompt, g in zip(PROMPTS, gens):
+    tokens, groups = reference_hamburger(model, prompt, 14, confidence)
+    assert (g.token_ids, g.groups) == (tokens, groups)
+    assert sum(g.groups) == g.new_tokens and g.macro_steps == len(g.groups)
+    assert g.kv_entries == len(prompt) + g.macro_steps - 1  # one entry per forwarded step
+    sizes |= set(groups)
+  if confidence == 0.5:
+    assert sizes == {1, 2, 3, 4}  # the test exercises every group size
+
+
+def test_release_position_convention(model):
+  shifted = Hamburger(dataclasses_replace_graft(model, position_offset=1), rngs=nnx.Rngs(0))
+  nnx.update(shifted, nnx.state(model))
+  engine = Engine(shifted, None, stop_ids=[STOP])
+  g = engine.generate([PROMPTS[0]], max_new_tokens=12, mode="hamburger", confidence=0.5)[0]
+  assert (g.token_ids, g.groups) == reference_hamburger(shifted, PROMPTS[0], 12, 0.5)
+
+
+def dataclasses_replace_graft(model: Hamburger, **kw) -> HamburgerConfig:
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  return HamburgerConfig(model.cfg.base, dataclasses.replace(model.cfg.graft, **kw))
+
+
+def test_forced_single_token_steps_equal_base(engine):
+  base = engine.generate(PROMPTS, max_new_tokens=16, mode="base")
+  ham = engine.generate(PROMPTS, max_new_tokens=16, mode="hamburger", confidence=1.0)
+  for b, h in zip(base, ham):
+    assert h.token_ids == b.token_ids
+    assert h.groups == [1] * h.new_tokens
+
+
+def test_batch_invariance_mixed_lengths_and_confidences(engine):
+  confs = [0.5, 0.0, 1.0, 0.7]
+  batch = engine.generate(PROMPTS, max_new_tokens=14, mode="hamburger", confidence=confs)
+  for prompt, c, g in zip(PROMPTS, confs, batch):
+    alone = engine.generate([prompt], max_new_tokens=14, mode="hamburger", confidence=c)[0]
+    assert (alone.token_ids, alone.groups) == (g.token_ids, g.groups)
+
+
+def test_eos_inside_a_group_ends_the_row(model):
+  free = Engine(model, None, stop_ids=[]).generate(PROMPTS, max_new_tokens=16, mode="hamburger",
+                                                   confidence=0.0)
+  # Pick a token emitted in the middle of a group and declare it end-of-sequence.
+  for g in free:
+    starts = np.cumsum([0] + g.groups[:-1])
+    mids = [s + j for s, size in zip(starts, g.groups) for j in range(size - 1) if s + j > 0]
+    if mids:
+      cut = mids[0]
+      eos = g.token_ids[cut]
+      if eos not in g.token_ids[:cut]:
+        break
+  else:
+    pytest.fail("no group with a token inside it to use as EOS")
+  row = free.index(g)
+  stopped = Engine(model, None, stop_ids=[eos]).generate([PROMPTS[row]], max_new_tokens=16,
+                                                         mode="hamburger", confidence=0.0)[0]
+  assert stopped.token_ids == g.token_ids[:cut + 1]  # nothing after EOS, EOS itself kept
+  assert sum(stopped.groups) == cut + 1
+
+
+@pytest.mark.parametrize("n", [1, 5, 7])
+def test_max_new_tokens_is_exact(engine, n):
+  for g in engine.generate(PROMPTS, max_new_tokens=n, mode="hamburger", confidence=0.0):
+    assert g.new_tokens == n or g.token_ids[-1] == STOP
+    assert sum(g.groups) == g.new_tokens
+
+
+def test_programs_are_reused_within_a_bucket(model):
+  engine = Engine(model, None, stop_ids=[STOP])
+  engine.generate([[1, 2, 3]], max_new_tokens=8, mode="hamburger")
+  engine.generate([[7, 6, 5, 4, 3, 2]], max_new_tokens=8, mode="hamburger", confidence=0.3)
+  engine.generate([[9]], max_new_tokens=8, mode="hamburger", seed=3)
+  assert engine.compilations == 1  # same batch bucket, prompt bucket, length and sampler
+  engine.generate([[9], [8]], max_new_tokens=8, mode="hamburger")  # batch bucket 2
+  assert engine.compilations == 2
+
+
+def test_streaming_reports_every_macro_step(engine):
+  seen = []
+  g = engine.generate([PROMPTS[0]], max_new_tokens=12, mode="hamburger", confidence=0.5,
+                      stream=lambda group, count: seen.append((group.tolist(), count.tolist())))[0]
+  counts = [c[0] for _, c in seen if c[0] > 0]
+  assert counts == g.groups
+  assert [t for grp, c in seen for t in grp[0][:c[0]]] == g.token_ids
+
+
+# ------------------------------------------------------------------ sampling
+
+
+def test_sampling_is_seeded_and_filters_reduce_to_greedy(engine):
+  hot = SamplingParams(temperature=1.5)
+  a = engine.generate(PROMPTS, max_new_tokens=10, mode="hamburger", sampling=hot, seed=1)
+  b = engine.generate(PROMPTS, max_new_tokens=10, mode="hamburger", sampling=hot, seed=1)
+  c = engine.generate(PROMPTS, max_new_tokens=10, mode="hamburger", sampling=hot, seed=2)
+  assert [g.token_ids for g in a] == [g.token_ids for g in b]
+  assert [g.token_ids for g in a] != [g.token_ids for g in c]
+  greedy = engine.generate(PROMPTS, max_new_tokens=10, mode="hamburger")
+  for params in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0,
+                                                                          top_p=1e-6)):
+    out = engine.generate(PROMPTS, max_new_tokens=10, mode="hamburger", sampling=params, seed=5)
+    assert [g.token_ids for g in out] == [g.token_ids for g in greedy]
+
+
+def test_top_p_and_top_k_filters():
+  logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+  kept = np.isfinite(np.asarray(samplers.filter_top_p(logits, jnp.float32(0.7))))
+  assert kept.tolist() == [[True, True, False, False]]
+  kept = np.isfinite(np.asarray(samplers.filter_top_p(logits, jnp.float32(0.81))))
+  assert kept.tolist() == [[True, True, True, False]]
+  kept = np.isfinite(np.asarray(samplers.filter_top_k(logits, 3)))
+  assert kept.tolist() == [[True, True, True, False]]
+  draws = [int(samplers.sample(logits, jax.random.key(i), SamplingParams(1.0, top_p=0.7))[0])
+           for i in range(200)]
+  assert set(draws) == {0, 1}
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"confidence": 1.5}, "confidence must be in"),
+    ({"confidence": [0.5, -0.1]}, "confidence must be in"),
+    ({"max_new_tokens": 0}, "max_new_tokens=0 must be an integer >= 1"),
+    ({"max_new_tokens": 252}, "max_seq_len 256"),
+    ({"mode": "fast"}, "mode='fast'"),
+])
+def test_bad_requests(engine, kwargs, match):
+  with pytest.raises(GenerationError, match=match):
+    engine.generate([PROMPTS[0], PROMPTS[1]], **kwargs)
+
+
+def test_bad_prompts(engine):
+  with pytest.raises(GenerationError, match="empty prompt"):
+    engine.generate([[]])
+  with pytest.raises(GenerationError, match="empty prompt"):
+    engine.generate(["   "])
+  with pytest.raises(GenerationError, match="non-empty list"):
+    engine.generate([])
+  with pytest.raises(GenerationError, match="token ids must be in"):
+    engine.generate([[1, 200]])
+  with pytest.raises(GenerationError, match="need a tokenizer"):
+    engine.generate(["hello"])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"temperature": -1.0}, "temperature=-1.0 must be >= 0"),
+    ({"top_p": 0.0}, "top_p=0.0 must be in"),
+    ({"top_p": 1.5}, "top_p=1.5 must be in"),
+    ({"top_k": -2}, "top_k=-2"),
+])
+def test_bad_sampling_params(kwargs, match):
+  with pytest.raises(SamplingError, match=match):
+    SamplingParams(**kwargs)
