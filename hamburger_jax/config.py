@@ -171,8 +171,8 @@ def from_dict(cls, data: Mapping[str, Any] | None, where: str = ""):
   unknown = sorted(set(data) - set(fields))
   if unknown:
     raise ConfigError(
-        f"unknown config key {where}{unknown[0]!r}; valid keys of {where or cls.__name__ + ' '}"
-        f"are: {', '.join(sorted(fields))}")
+        f"unknown config key {where + unknown[0]!r}; valid keys of "
+        f"{where[:-1] or cls.__name__} are: {', '.join(sorted(fields))}")
   kwargs = {}
   for name, value in data.items():
     kwargs[name] = _coerce(hints[name], value, f"{where}{name}.")
@@ -195,8 +195,11 @@ def _coerce(tp, value, where):
     return from_dict(tp, value, where)
   if origin is tuple:
     return tuple(value)
-  if tp is float and isinstance(value, (int, float)):
-    return float(value)
+  if tp is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+    try:  # YAML 1.1 reads "1e-5" (no dot) as a string
+      return float(value)
+    except ValueError:
+      raise ConfigError(f"config key {where[:-1]!r} must be a number, got {value!r}") from None
   if tp is int and isinstance(value, bool):
     raise ConfigError(f"config key {where[:-1]!r} must be an int, got {value!r}")
   if tp in (int, str, bool) and not isinstance(value, tp):

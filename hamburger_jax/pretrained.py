@@ -140,15 +140,9 @@ def load_hamburger(checkpoint: str | None = None, base_source: str | None = None
 
 
 def load_base_for_run(model_cfg, seed: int = 0) -> tuple[Llama, Tokenizer | None]:
-  """The base of a run config's `model:` section (a RunConfig.model). A random base (tests) gets
-  the default tokenizer when its vocabulary can hold it, else none."""
+  """The base of a run config's `model:` section (a RunConfig.model); a random base (tests,
+  synthetic data) has no tokenizer."""
   overrides = {"dtype": model_cfg.dtype, "param_dtype": model_cfg.param_dtype}
   if model_cfg.base != "random":
     return load_llama(model_cfg.base, **overrides)
-  cfg = dataclasses.replace(model_cfg.random, **overrides)
-  model = Llama(cfg, rngs=nnx.Rngs(seed))
-  try:
-    tok = Tokenizer.from_gguf(assets.smollm2_gguf())
-  except assets.AssetError:
-    tok = None
-  return model, (tok if tok is not None and tok.vocab_size <= cfg.vocab_size else None)
+  return Llama(dataclasses.replace(model_cfg.random, **overrides), rngs=nnx.Rngs(seed)), None

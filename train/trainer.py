@@ -129,8 +129,12 @@ class Trainer:
     self.tx = make_optimizer(cfg)
     self.schedules = schedules(cfg)
     params = jax.device_put(params, self.param_shardings)
-    opt_state = jax.jit(self.tx.init)(params)  # mu/nu inherit the params' shardings
     replicated = NamedSharding(self.mesh, P())
+    # Eager init: mu/nu = zeros_like(params) keep the params' shardings (a jitted init replicates
+    # them, or puts the whole state on one device); the scalar step counts are replicated.
+    opt_state = jax.tree.map(
+        lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
+        self.tx.init(params))
     self.state_shardings = TrainState(
         step=replicated, params=self.param_shardings,
         opt_state=jax.tree.map(lambda x: x.sharding, opt_state))
@@ -187,7 +191,7 @@ class Trainer:
     (grads, metrics), _ = jax.lax.scan(micro, init, (batch, weights))
     metrics["tokens"] = tokens.sum()
     metrics["groups"] = jnp.sum(batch["target_size"] > 0).astype(jnp.float32)
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     for name, sched in self.schedules.items():
@@ -314,6 +318,27 @@ def held_out_prompts(data_dir: str, n: int) -> list[list[int]]:
   return prompts
 
 
+def _close(iterator) -> None:
+  if hasattr(iterator, "close"):
+    iterator.close()
+
+
+def resume_latest(trainer: Trainer, mngr: ocp.CheckpointManager, iterator, cfg: RunConfig,
+                  ckpt_dir: str, log: Callable[[str], None]) -> None:
+  """Restores state and data position from the latest checkpoint, if there is one."""
+  latest = mngr.latest_step()
+  if latest is None:
+    return
+  saved_cfg = mngr.restore(latest, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+  check_resumable(saved_cfg["config"], cfg, ckpt_dir)
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          trainer.state, trainer.state_shardings)
+  restored = mngr.restore(latest, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(iterator)))
+  trainer.state = restored["state"]
+  log(f"resumed from step {latest} in {ckpt_dir}")
+
+
 def run(cfg: RunConfig, *, max_steps: int | None = None, progress: bool = True,
         log: Callable[[str], None] = print) -> RunResult:
   """Trains until cfg.train.steps (or `max_steps` more steps), resuming from the latest checkpoint."""
@@ -327,16 +352,12 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, progress: bool = True,
       max_group=cfg.graft.max_group, seed=d.seed, shard_index=trainer.process_index,
       shard_count=trainer.process_count)
   config_dict = cfg.to_dict()
-  latest = mngr.latest_step()
-  if latest is not None:
-    saved_cfg = mngr.restore(latest, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-    check_resumable(saved_cfg["config"], cfg, ckpt_dir)
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            trainer.state, trainer.state_shardings)
-    restored = mngr.restore(latest, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(iterator)))
-    trainer.state = restored["state"]
-    log(f"resumed from step {latest} in {ckpt_dir}")
+  try:
+    resume_latest(trainer, mngr, iterator, cfg, ckpt_dir, log)
+  except BaseException:
+    mngr.close()
+    _close(iterator)
+    raise
   start = int(jax.device_get(trainer.state.step))
   end = t.steps if max_steps is None else min(t.steps, start + max_steps)
   metrics_log = MetricsLog(cfg.checkpoint.dir, trainer.process_index == 0)
@@ -399,7 +420,7 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, progress: bool = True,
     mngr.wait_until_finished()
     signal.signal(signal.SIGTERM, previous)
     metrics_log.close()
-    iterator.close() if hasattr(iterator, "close") else None
+    _close(iterator)
   final = int(jax.device_get(trainer.state.step))
   export_dir = None
   if final >= t.steps:

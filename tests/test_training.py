@@ -1,0 +1,568 @@
+"""Training: the sharded step equals the single-device step, two processes equal one, kill -9 then
+resume equals an uninterrupted run, frozen base and learning-rate groups, gradient accumulation,
+and clear errors for bad configs.
+
+Runs that need fake devices, several processes or a kill happen in subprocesses (jax fixes its
+device count when its backend starts). This file is also their helper script:
+`python tests/test_training.py sharded OUT_DIR DATA_DIR` (the 8-fake-device checks).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from hamburger_jax import assets, pretrained, sharding
+from hamburger_jax.config import ConfigError
+from hamburger_jax.data import pipeline
+from hamburger_jax.model.llama import GraftParam
+from hamburger_jax.run_config import RunConfig, load_run_config
+from train import trainer
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
+MESHES = {"single": (1, 1, 1), "fsdp4_tensor2": (1, 4, 2), "data2_fsdp2_tensor2": (2, 2, 2)}
+# Floats are written as YAML reads them: "1e-6" without a dot would be a string.
+# Adam's first update is lr * g / (|g| + eps). With the default eps=1e-8 a gradient element of
+# ~1e-8 moves its param by a fraction of lr that a different summation order (sharding, processes,
+# accumulation) changes by percents; runs compared across layouts use eps=1e-6, where a gradient
+# rounding difference of 1e-10 moves a param by at most lr * 1e-4.
+STABLE = {"train.eps": "1.0e-6"}
+# trainable: all with weight decay off: the first update of each param is exactly the above.
+ALL = {**STABLE, "train.trainable": "all", "train.steps": 3, "train.lr_final": "1.0e-5",
+       "train.weight_decay": 0.0}
+KILL_STEPS = 16
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _overrides(data_dir: str, run_dir: str | Path, extra: dict[str, Any] | None = None) -> list[str]:
+  """`--set` overrides of configs/tiny.yaml for a run on the synthetic data in `run_dir`."""
+  values = {"data.dir": data_dir, "checkpoint.dir": str(run_dir), "train.eval_every": 0,
+            **(extra or {})}
+  return [f"{k}={v}" for k, v in values.items()]
+
+
+def _cli(overrides: list[str], *flags: str) -> list[str]:
+  sets = [a for o in overrides for a in ("--set", o)]
+  return [sys.executable, "-m", "train.main", "--config", TINY, "--no-progress", *flags, *sets]
+
+
+def _run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+  """Runs `args` in its own process group, all of which is killed if it overruns `timeout`
+  (train/launch_local.sh starts the training processes as its children)."""
+  with subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        text=True, start_new_session=True) as proc:
+    try:
+      out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, signal.SIGKILL)
+      out, err = proc.communicate()
+      raise AssertionError(f"{' '.join(args)} ran over {timeout} s:\n{out[-3000:]}{err[-3000:]}")
+  return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+class _Background:
+  """A subprocess whose output goes to files (so it never blocks on a full pipe)."""
+
+  def __init__(self, args: list[str], env: dict[str, str], log_dir: Path):
+    log_dir.mkdir(parents=True, exist_ok=True)
+    self.out, self.err = log_dir / "stdout", log_dir / "stderr"
+    with open(self.out, "w") as out, open(self.err, "w") as err:
+      self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=err, text=True)
+
+  def result(self, timeout: float) -> subprocess.CompletedProcess:
+    self.proc.wait(timeout=timeout)
+    return subprocess.CompletedProcess(self.proc.args, self.proc.returncode,
+                                       self.out.read_text(), self.err.read_text())
+
+  def stop(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.kill()
+      self.proc.wait()
+
+
+def _key(path: tuple) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def _flat(tree: Any) -> dict[str, np.ndarray]:
+  """{'graft/micro/...': host copy} of a pytree of arrays."""
+  return {_key(p): np.array(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _spec(spec: jax.sharding.PartitionSpec | jax.sharding.Sharding) -> list:
+  """A PartitionSpec (or a sharding's) as JSON, trailing replicated dims dropped: P(None) == P().
+  A single-device sharding has no spec: it is replicated."""
+  if isinstance(spec, jax.sharding.Sharding):
+    spec = getattr(spec, "spec", jax.sharding.PartitionSpec())
+  out = [list(a) if isinstance(a, tuple) else a for a in spec]
+  while out and out[-1] is None:
+    out.pop()
+  return out
+
+
+def _batches(cfg: RunConfig, rows: int, n: int, shard_index: int = 0,
+             shard_count: int = 1) -> list[dict[str, np.ndarray]]:
+  """The first `n` batches of `rows` rows that the training pipeline gives one process."""
+  d = cfg.data
+  it = pipeline.make_train_iterator(d.dir, "train", batch_rows=rows, entries=d.entries,
+                                    groups=d.groups, max_group=cfg.graft.max_group, seed=d.seed,
+                                    shard_index=shard_index, shard_count=shard_count)
+  out = [next(it) for _ in range(n)]
+  it.close()
+  return out
+
+
+def _concat(*batches: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+
+
+def _load_export(path: str | Path) -> dict[str, np.ndarray]:
+  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+  return load_file(os.path.join(path, pretrained.GRAFT_FILE))
+
+
+def _metrics(run_dir: Path) -> list[dict[str, float]]:
+  return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _checkpoint_steps(directory: Path) -> list[int]:
+  return [int(n) for n in os.listdir(directory) if n.isdigit()] if directory.exists() else []
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _no_gguf() -> str:
+  raise assets.AssetError("tests: the random tiny base needs no tokenizer")
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def sub_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+  """Environment of the subprocesses: CPU only, one device unless asked, a shared jit cache."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
+             PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
+             JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  return env
+
+
+@pytest.fixture(scope="module")
+def no_gguf_tokenizer():
+  """Skips parsing the SmolLM2 GGUF for a tokenizer the 256-token random base cannot use."""
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(assets, "smollm2_gguf", _no_gguf)
+    yield
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory, tiny_data_dir: str,
+            sub_env: dict[str, str]) -> dict[str, Any]:
+  """One step of each mesh in MESHES on 8 fake CPU devices (see _sharded_main)."""
+  out = tmp_path_factory.mktemp("sharded")
+  proc = _run([sys.executable, __file__, "sharded", str(out), tiny_data_dir], sub_env, 400)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  results = json.loads((out / "results.json").read_text())
+  results["params"] = {name: dict(np.load(out / f"{name}.npz")) for name in MESHES}
+  return results
+
+
+@pytest.fixture(scope="module")
+def graft_run(tmp_path_factory: pytest.TempPathFactory, tiny_data_dir: str,
+              no_gguf_tokenizer) -> SimpleNamespace:
+  """3 single-process steps of configs/tiny.yaml (trainable: graft) over the global batches that
+  a 2-process run sees: each step joins the next 4-row batch of data shard 0 and of shard 1."""
+  tmp = tmp_path_factory.mktemp("graft-run")
+  cfg = load_run_config(TINY, _overrides(tiny_data_dir, tmp, {**STABLE, "train.steps": 3}))
+  tr = trainer.Trainer(cfg, log=lambda _: None)
+  shards = [_batches(cfg, cfg.data.rows // 2, 3, i, 2) for i in range(2)]
+  state_keys = set(tr.state.params)
+  base0, graft0 = _flat(tr.frozen), _flat(tr.state.params)
+  metrics = [tr.step([_concat(a, b)]) for a, b in zip(*shards)]
+  model = tr.current_model()
+  pretrained.save_graft(model, str(tmp / "export"), "random", dtype="float32")
+  _, graft, base = nnx.split(model, GraftParam, nnx.Param)
+  return SimpleNamespace(state_keys=state_keys, base0=base0, graft0=graft0, metrics=metrics,
+                         base1=_flat(tr.frozen), graft1=_flat(tr.state.params),
+                         model_base=_flat({"base": nnx.to_pure_dict(base)}),
+                         model_graft=_flat({"graft": nnx.to_pure_dict(graft)}),
+                         export=tmp / "export")
+
+
+@pytest.fixture(scope="module")
+def all_run(tmp_path_factory: pytest.TempPathFactory, tiny_data_dir: str,
+            no_gguf_tokenizer) -> SimpleNamespace:
+  """3 steps of trainable: all; step i trains on 4-row micro-batches 2i and 2i+1 joined."""
+  tmp = tmp_path_factory.mktemp("all-run")
+  cfg = load_run_config(TINY, _overrides(tiny_data_dir, tmp, ALL))
+  tr = trainer.Trainer(cfg, log=lambda _: None)
+  micro = _batches(cfg, cfg.data.rows // 2, 2 * cfg.train.steps)
+  p0 = _flat(tr.state.params)
+  metrics = [tr.step([_concat(micro[0], micro[1])])]
+  p1, opt1 = _flat(tr.state.params), _flat(tr.state.opt_state)
+  metrics += [tr.step([_concat(micro[2 * i], micro[2 * i + 1])]) for i in range(1, cfg.train.steps)]
+  return SimpleNamespace(cfg=cfg, micro=micro, p0=p0, p1=p1, opt1=opt1, metrics=metrics,
+                         schedules=tr.schedules)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory, tiny_data_dir: str,
+             sub_env: dict[str, str]) -> Path:
+  """The run dir of an uninterrupted CLI run of KILL_STEPS steps (it also fills the jit cache
+  that the kill test's runs then hit)."""
+  run_dir = tmp_path_factory.mktemp("full-run") / "run"
+  proc = _run(_cli(_overrides(tiny_data_dir, run_dir, {
+      "train.steps": KILL_STEPS, "checkpoint.every": KILL_STEPS})), sub_env, 400)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  return run_dir
+
+
+# ----------------------------------------------------------------------------- sharding
+
+
+def _expected_spec(axes: list, shape: list[int], mesh: dict[str, int]) -> list:
+  """TRAIN_RULES spelled out: a dim takes its rule's mesh axis when the axis divides it and no
+  earlier dim of the param took it; else it stays replicated."""
+  spec, used = [], set()
+  for name, dim in zip(axes, shape):
+    axis = sharding.TRAIN_RULES.get(name) if name else None
+    if axis is not None and axis not in used and dim % mesh[axis] == 0:
+      spec.append(axis)
+      used.add(axis)
+    else:
+      spec.append(None)
+  return _spec(jax.sharding.PartitionSpec(*spec))
+
+
+@pytest.mark.slow  # the `sharded` subprocess: ~50 s
+def test_sharded_step_matches_single_device(sharded):
+  assert sharded["devices"] == 8
+  want = sharded["params"]["single"]
+  for name in ("fsdp4_tensor2", "data2_fsdp2_tensor2"):
+    d, f, t = MESHES[name]
+    assert sharded[name]["mesh"] == {"data": d, "fsdp": f, "tensor": t}
+    for m in ("loss", "lm_loss", "stop_bce", "grad_norm"):
+      assert sharded[name]["metrics"][m] == pytest.approx(sharded["single"]["metrics"][m],
+                                                          abs=1e-5), (name, m)
+    assert sharded[name]["metrics"]["tokens"] == sharded["single"]["metrics"]["tokens"]
+    got = sharded["params"][name]
+    assert got.keys() == want.keys() and any(k.startswith("base/") for k in got)
+    for k in want:
+      np.testing.assert_allclose(got[k], want[k], atol=1e-5, rtol=0, err_msg=f"{name} {k}")
+
+
+@pytest.mark.slow  # the `sharded` subprocess: ~50 s
+def test_train_partition_specs(sharded):
+  fsdp_tensor = sharded["fsdp4_tensor2"]["placed"]
+  q = "graft/micro/decoder/layers/0/self_attn/q_proj/kernel"
+  assert fsdp_tensor[q] == ["fsdp", "tensor"]  # ('embed', 'heads')
+  assert fsdp_tensor["graft/micro/decoder/layers/1/mlp/down_proj/kernel"] == ["tensor", "fsdp"]
+  assert fsdp_tensor["base/base/decoder/layers/0/self_attn/k_proj/kernel"] == ["fsdp", "tensor"]
+  assert fsdp_tensor["graft/embedder/k_proj/bias"] == ["tensor"]  # ('heads',)
+  assert fsdp_tensor["graft/micro/stop_head/out/kernel"] == ["fsdp"]  # ('embed', None)
+  for norm in ("graft/micro/decoder/layers/0/input_layernorm/weight", "base/base/norm/weight"):
+    assert fsdp_tensor[norm] == []  # replicated
+  # vocab_size 257 is not divisible by tensor=2: that dim stays whole, embed still splits.
+  assert fsdp_tensor["base/base/embed_tokens"] == [None, "fsdp"]
+  for name in ("fsdp4_tensor2", "data2_fsdp2_tensor2"):
+    r = sharded[name]
+    assert r["placed"] == r["intended"], name  # the arrays live where the rules put them
+    for k, (axes, shape) in r["axes"].items():
+      assert r["placed"][k] == _expected_spec(axes, shape, r["mesh"]), (name, k, axes, shape)
+    assert r["mu"] == r["placed"], name  # Adam's moments are sharded like their params
+    assert not any("data" in str(s) for s in r["placed"].values())  # params never split on data
+
+
+@pytest.mark.slow  # the `sharded` subprocess: ~50 s
+def test_mesh_and_rows_errors(sharded):
+  errors = sharded["errors"]
+  assert errors["mesh_3_1_1"]["type"] == "ConfigError"
+  assert "does not divide the 8 devices" in errors["mesh_3_1_1"]["message"]
+  assert errors["mesh_-1_3_1"]["type"] == "ConfigError"
+  assert "'fsdp': 3" in errors["mesh_-1_3_1"]["message"]
+  assert errors["mesh_1_2_2"]["type"] == "ConfigError"
+  assert "uses 4 devices but 8 are present" in errors["mesh_1_2_2"]["message"]
+  assert errors["rows"]["type"] == "ConfigError"
+  assert "data.rows=6" in errors["rows"]["message"]
+  assert "data-parallel size 4" in errors["rows"]["message"]
+
+
+def _sharded_main(out: str, data_dir: str) -> None:
+  """On 8 fake CPU devices: one step of each mesh of MESHES on the same batch ('single' on one
+  device), saving params (npz), metrics and PartitionSpecs (results.json); plus mesh/rows errors."""
+  jax.config.update("jax_num_cpu_devices", 8)
+  assets.smollm2_gguf = _no_gguf
+  make_mesh = sharding.make_mesh
+  results: dict[str, Any] = {"devices": jax.device_count()}
+  extra = {**STABLE, "train.trainable": "all", "model.random.vocab_size": 257}
+  batch = None
+  for name, (d, f, t) in MESHES.items():
+    devices = jax.devices()[:1] if name == "single" else None
+    sharding.make_mesh = lambda *a, devices=devices: make_mesh(*a, devices=devices)
+    cfg = load_run_config(TINY, _overrides(data_dir, os.path.join(out, name), {
+        **extra, "mesh.data": d, "mesh.fsdp": f, "mesh.tensor": t}))
+    tr = trainer.Trainer(cfg, log=lambda _: None)
+    if batch is None:
+      batch = _batches(cfg, cfg.data.rows, 1)[0]
+    _, graft, base = nnx.split(tr.model, GraftParam, nnx.Param)
+    axes = {f"{group}/{'/'.join(map(str, path))}": (list(v.get_metadata()["logical_axes"]),
+                                                     list(v.shape))
+            for group, state in (("graft", graft), ("base", base))
+            for path, v in nnx.to_flat_state(state)}
+    metrics = tr.step([batch])
+    params = tr.state.params
+    np.savez(os.path.join(out, f"{name}.npz"), **_flat(params))
+    results[name] = {
+        "metrics": metrics, "mesh": dict(tr.mesh.shape), "axes": axes,
+        "intended": {_key(p): _spec(s.spec)
+                     for p, s in jax.tree_util.tree_flatten_with_path(tr.param_shardings)[0]},
+        "placed": {_key(p): _spec(x.sharding)
+                   for p, x in jax.tree_util.tree_flatten_with_path(params)[0]},
+        "mu": {_key(p).split("/mu/")[1]: _spec(x.sharding)
+               for p, x in jax.tree_util.tree_flatten_with_path(tr.state.opt_state)[0]
+               if "/mu/" in _key(p)}}
+  sharding.make_mesh = make_mesh
+
+  def rows_error() -> None:
+    trainer.Trainer(load_run_config(TINY, _overrides(data_dir, os.path.join(out, "rows"), {
+        "mesh.fsdp": 4, "mesh.tensor": 2, "data.rows": 6})))
+
+  checks: dict[str, Callable[[], Any]] = {
+      "mesh_3_1_1": lambda: sharding.make_mesh(3, 1, 1),
+      "mesh_-1_3_1": lambda: sharding.make_mesh(-1, 3, 1),
+      "mesh_1_2_2": lambda: sharding.make_mesh(1, 2, 2), "rows": rows_error}
+  results["errors"] = {}
+  for name, check in checks.items():
+    try:
+      check()
+      results["errors"][name] = {"type": None, "message": ""}
+    except Exception as e:  # pylint: disable=broad-except
+      results["errors"][name] = {"type": type(e).__name__, "message": str(e)}
+  with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump(results, f)
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+@pytest.mark.slow
+def test_two_processes_match_single_process(graft_run, tiny_data_dir: str, tmp_path: Path,
+                                            sub_env: dict[str, str]):
+  """Each process reads its own shard of the records (shard_index::shard_count), so a global
+  batch of the 2-process run is [4 rows of shard 0, 4 rows of shard 1], not what 1 process packs
+  from all records; graft_run trains on exactly those global batches in one process."""
+  run_dir = tmp_path / "run"
+  env = {**sub_env, "PORT": str(_free_port())}
+  sets = [a for o in _overrides(tiny_data_dir, run_dir, {**STABLE, "train.steps": 3})
+          for a in ("--set", o)]
+  proc = _run(["bash", "train/launch_local.sh", "2", "--config", TINY, "--cpu-devices", "1",
+               *sets], env, 400)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+  got, want = _load_export(run_dir / "export"), _load_export(graft_run.export)
+  assert got.keys() == want.keys()
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], atol=1e-5, rtol=0, err_msg=k)
+  logged = _metrics(run_dir)  # process 0 only
+  assert [m["step"] for m in logged] == [1, 2, 3]
+  for m, ref in zip(logged, graft_run.metrics):
+    assert math.isfinite(m["loss"])
+    assert m["tokens"] == ref["tokens"]  # global counts: both shards are in every step
+    assert m["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+  assert any(not np.array_equal(graft_run.graft1[k], v) for k, v in graft_run.graft0.items())
+
+
+@pytest.mark.slow
+def test_kill_and_resume_is_exact(full_run, tiny_data_dir: str, tmp_path: Path,
+                                  sub_env: dict[str, str]):
+  run_dir = tmp_path / "run"
+  args = _cli(_overrides(tiny_data_dir, run_dir, {"train.steps": KILL_STEPS,
+                                                  "checkpoint.every": 1}))
+  victim = _Background(args, sub_env, tmp_path / "killed")
+  try:
+    deadline = time.monotonic() + 300
+    while not [s for s in _checkpoint_steps(run_dir / "checkpoints") if s >= 3]:
+      assert victim.proc.poll() is None, f"the run ended early: {victim.err.read_text()[-3000:]}"
+      assert time.monotonic() < deadline, "no checkpoint at step >= 3 in time"
+      time.sleep(0.02)
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    assert victim.result(60).returncode == -signal.SIGKILL
+  finally:
+    victim.stop()
+  assert not (run_dir / "export").exists(), "the run finished before the kill"
+
+  resumed = _run(args, sub_env, 400)
+  assert resumed.returncode == 0, resumed.stderr[-5000:]
+  start = int(re.search(r"resumed from step (\d+)", resumed.stdout).group(1))
+  assert 3 <= start < KILL_STEPS
+
+  got, want = _load_export(run_dir / "export"), _load_export(full_run / "export")
+  assert got.keys() == want.keys()
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0, err_msg=k)
+  # Same batches in the same order: every logged step (before the kill, and again after the
+  # resume) saw the tokens, groups and loss of the uninterrupted run's step.
+  ref = {m["step"]: m for m in _metrics(full_run)}
+  logged = _metrics(run_dir)
+  assert set(range(start + 1, KILL_STEPS + 1)) <= {m["step"] for m in logged}
+  for m in logged:
+    r = ref[m["step"]]
+    assert (m["tokens"], m["groups"]) == (r["tokens"], r["groups"]), m["step"]
+    assert m["loss"] == pytest.approx(r["loss"], abs=1e-6), m["step"]
+
+
+# ----------------------------------------------------------------------------- freezing, lr
+
+
+def test_trainable_graft_keeps_base_bit_identical(graft_run):
+  assert graft_run.state_keys == {"graft"}  # the base is neither trained nor checkpointed
+  assert graft_run.base1.keys() == graft_run.base0.keys() == graft_run.model_base.keys()
+  for k, v in graft_run.base0.items():
+    assert graft_run.base1[k].tobytes() == v.tobytes(), k
+    assert graft_run.model_base[k].tobytes() == v.tobytes(), k  # what current_model() uses
+  for k, v in graft_run.graft0.items():
+    assert not np.array_equal(graft_run.graft1[k], v), k
+    np.testing.assert_array_equal(graft_run.model_graft[k], graft_run.graft1[k])
+
+
+def test_trainable_all_changes_base(all_run):
+  base = [k for k in all_run.p0 if k.startswith("base/")]
+  assert len(base) > 30
+  for k in base:
+    assert not np.array_equal(all_run.p1[k], all_run.p0[k]), k
+
+
+def test_learning_rate_groups_and_cosine_decay(all_run):
+  t = all_run.cfg.train
+  assert t.lr_graft != t.lr_base and t.lr_final < t.lr_base
+  for group, peak in (("graft", t.lr_graft), ("base", t.lr_base)):
+    got = [m[f"lr_{group}"] for m in all_run.metrics]
+    assert got[0] == pytest.approx(peak, rel=1e-6)
+    want = [t.lr_final + (peak - t.lr_final) * 0.5 * (1 + math.cos(math.pi * i / t.steps))
+            for i in range(t.steps)]
+    assert got == pytest.approx(want, rel=1e-5)
+    assert float(all_run.schedules[group](t.steps)) == pytest.approx(t.lr_final, rel=1e-5)
+
+
+def test_first_adam_step_moves_each_group_by_its_lr(all_run):
+  """Adam's first update is -lr * g / (|g| + eps) ~ -lr * sign(g), with g = mu / (1 - b1) (weight
+  decay is off): exactly that with the lr of the param's group, and about lr in size."""
+  t = all_run.cfg.train
+  medians = {}
+  for group, lr in (("graft", t.lr_graft), ("base", t.lr_base)):
+    mu = {k.split("/mu/")[1]: v for k, v in all_run.opt1.items()
+          if "/mu/" in k and k.split("/mu/")[1].startswith(group + "/")}
+    assert len(mu) > 30
+    for k, m in mu.items():
+      g = m / (1 - t.b1)
+      np.testing.assert_allclose(all_run.p1[k] - all_run.p0[k], -lr * g / (np.abs(g) + t.eps),
+                                 rtol=0, atol=1e-3 * lr + 1e-7, err_msg=k)
+    delta = np.concatenate([np.abs(all_run.p1[k] - all_run.p0[k]).ravel() for k in mu])
+    assert delta.max() <= lr * 1.001, group
+    medians[group] = np.median(delta)
+    assert medians[group] == pytest.approx(lr, rel=0.05), group
+  assert medians["graft"] / medians["base"] == pytest.approx(t.lr_graft / t.lr_base, rel=0.05)
+
+
+def test_gradient_accumulation_matches_larger_batch(all_run, tiny_data_dir: str, tmp_path: Path):
+  """accum=2 x 4 rows == accum=1 x 8 rows on the same rows: same loss, gradient (Adam moments)
+  and update; all_run's first step is the 8-row reference."""
+  cfg = load_run_config(TINY, _overrides(tiny_data_dir, tmp_path, {
+      **ALL, "data.rows": all_run.cfg.data.rows // 2, "data.accum": 2}))
+  tr = trainer.Trainer(cfg, log=lambda _: None)
+  p0 = _flat(tr.state.params)
+  assert all(np.array_equal(p0[k], v) for k, v in all_run.p0.items())
+  m = tr.step(all_run.micro[:2])
+  ref = all_run.metrics[0]
+  assert m["tokens"] == ref["tokens"] and m["groups"] == ref["groups"]
+  for name in ("loss", "lm_loss", "stop_bce", "acc_s1", "grad_norm"):
+    assert m[name] == pytest.approx(ref[name], rel=1e-5, abs=1e-6), name
+  p1, opt1 = _flat(tr.state.params), _flat(tr.state.opt_state)
+  for k, v in all_run.p1.items():
+    np.testing.assert_allclose(p1[k], v, atol=1e-5, rtol=0, err_msg=k)
+  # mu = (1 - b1) g and nu = (1 - b2) g^2: the accumulated gradient itself. Some gradients are
+  # zero up to rounding (a key bias shifts all of a query's logits alike), so the tolerance is
+  # relative to the largest moment of each kind.
+  for kind in ("mu", "nu"):
+    leaves = {k: v for k, v in all_run.opt1.items() if f"/{kind}/" in k}
+    scale = max(float(np.abs(v).max()) for v in leaves.values())
+    for k, v in leaves.items():
+      np.testing.assert_allclose(opt1[k], v, rtol=1e-4, atol=1e-5 * scale, err_msg=k)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_config_errors(full_run, tiny_data_dir: str, tmp_path: Path, no_gguf_tokenizer):
+  with pytest.raises(ConfigError,
+                     match=r"unknown config key .train\.stepz.; valid keys of train are: .*\bsteps\b"):
+    load_run_config(TINY, ["train.stepz=3"])
+  with pytest.raises(ConfigError, match=r"'trian'.*\btrain\b"):
+    load_run_config(TINY, ["trian.steps=3"])
+  shutil.copytree(full_run / "checkpoints", tmp_path / "checkpoints")
+  cfg = load_run_config(TINY, _overrides(tiny_data_dir, tmp_path, {"graft.micro_layers": 1}))
+  with pytest.raises(ConfigError, match=r"another model config: graft\.micro_layers is 2 there "
+                                        r"but 1 now"):
+    trainer.run(cfg, progress=False, log=lambda _: None)
+
+
+def test_cli_config_errors(full_run, tiny_data_dir: str, tmp_path: Path,
+                           sub_env: dict[str, str]):
+  """Each bad input exits non-zero with one `error: ...` line on stderr and no traceback."""
+  shutil.copytree(full_run / "checkpoints", tmp_path / "resume" / "checkpoints")
+  run = lambda name, extra: _overrides(tiny_data_dir, tmp_path / name, extra)
+  cases = {
+      "unknown_key": (_cli(run("k", {"train.stepz": 3})), ["'train.stepz'", "steps", "lr_graft"]),
+      "mesh": (_cli(run("m", {"mesh.fsdp": 3}), "--cpu-devices", "8"),
+               ["'fsdp': 3", "does not divide the 8 devices"]),
+      "rows": (_cli(run("r", {"mesh.data": 4, "data.rows": 6}), "--cpu-devices", "4"),
+               ["data.rows=6", "data-parallel size 4"]),
+      "resume": (_cli(run("resume", {"graft.micro_layers": 1})),
+                 ["another model config", "graft.micro_layers is 2 there but 1 now"]),
+  }
+  procs = {name: _Background(args, sub_env, tmp_path / "logs" / name)
+           for name, (args, _) in cases.items()}
+  try:
+    for name, (_, words) in cases.items():
+      res = procs[name].result(300)
+      assert res.returncode not in (0, None), name
+      lines = res.stderr.strip().splitlines()
+      assert len(lines) == 1 and lines[0].startswith("error: "), (name, res.stderr[-3000:])
+      for w in words:
+        assert w in lines[0], (name, w, lines[0])
+  finally:
+    for p in procs.values():
+      p.stop()
+  assert not (tmp_path / "resume" / "export").exists()
+
+
+if __name__ == "__main__":
+  if sys.argv[1:2] == ["sharded"]:
+    _sharded_main(*sys.argv[2:4])
+  else:
+    raise SystemExit("usage: python tests/test_training.py sharded OUT_DIR DATA_DIR")
