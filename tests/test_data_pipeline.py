@@ -362,7 +362,7 @@ def test_prepare_dataset_end_to_end_with_a_tiny_model(tmp_path):
 
 def test_prepare_data_cli_refuses_bad_arguments_before_loading_a_model(tmp_path, capsys):
   cfg = tmp_path / "c.yaml"
-  cfg.write_text("model: {gguf: /nonexistent.gguf}\ngraft: {max_group: 4}\n")
+  cfg.write_text("model: {base: /nonexistent.gguf}\ngraft: {max_group: 4}\n")
   (tmp_path / "ds").mkdir()
   base = ["--config", str(cfg), "--source", "gsm_symbolic", "--limit", "2"]
   assert prepare_data.main(base + ["--out", str(tmp_path / "ds")]) == 2
@@ -379,16 +379,31 @@ def test_prepare_data_cli_refuses_bad_arguments_before_loading_a_model(tmp_path,
 def _tiny_random_config(tmp_path) -> str:
   cfg = tmp_path / "tiny.yaml"
   cfg.write_text(
-      "model:\n  random: {vocab_size: 49152, hidden_size: 16, intermediate_size: 32,\n"
+      "model:\n  base: random\n  random: {vocab_size: 49152, hidden_size: 16, intermediate_size: 32,\n"
       "           num_layers: 1, num_heads: 2, num_kv_heads: 1}\n"
       "graft: {max_group: 4}\ntrain: {steps: 3}\n")
   return str(cfg)
 
 
-def test_prepare_data_cli_self_distill_is_a_stub(tmp_path):
-  with pytest.raises(NotImplementedError, match="infer.engine"):
-    prepare_data.main(["--config", _tiny_random_config(tmp_path), "--source", "gsm_symbolic",
-                       "--limit", "2", "--self-distill", "--out", str(tmp_path / "o")])
+def test_prepare_data_cli_self_distill(tmp_path):
+  # The tiny random model's own greedy responses replace the dataset's, ids kept exactly.
+  from hamburger_jax.run_config import load_run_config  # pylint: disable=import-outside-toplevel
+  from infer.engine import Engine  # pylint: disable=import-outside-toplevel
+  cfg = _tiny_random_config(tmp_path)
+  out = str(tmp_path / "ds")
+  path = _write(tmp_path / "d.jsonl", [json.dumps({"prompt": f"Count to {i}.", "response": "no"})
+                                       for i in range(4)])
+  assert prepare_data.main(["--config", cfg, "--source", f"jsonl:{path}", "--self-distill",
+                            "--distill-tokens", "6", "--val-fraction", "0", "--out", out]) == 0
+  model, tok = prepare.load_base(load_run_config(cfg).model)
+  engine = Engine(model, tok)
+  data = tfds.builder_from_directory(out).as_data_source()["train"]
+  assert len(data) == 4
+  for i in range(4):
+    rec = data[i]
+    p = int(rec["prompt_len"])
+    want = engine.generate([rec["input_ids"][:p].tolist()], max_new_tokens=6, mode="base")[0]
+    assert rec["input_ids"][p:].tolist() == want.token_ids
 
 
 def test_prepare_data_cli_end_to_end(tmp_path):
@@ -420,3 +435,18 @@ def test_prepare_data_cli_end_to_end(tmp_path):
   assert prepare_data.main(["--config", _tiny_random_config(tmp_path), "--source",
                             f"jsonl:{bad}", "--out", str(tmp_path / "bad_ds")]) == 2
   assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "d.jsonl", "ds", "tiny.yaml"]
+
+
+def test_jsonl_exact_ids_pass_through(tmp_path):
+  rec = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+         "prompt_ids": [1, 2, 3], "response_ids": [7, 8, 2]}
+  path = _write(tmp_path / "d.jsonl", [json.dumps(rec)])
+  conv = next(sources.jsonl_conversations(path))
+  assert (conv.prompt_ids, conv.response_ids) == ((1, 2, 3), (7, 8, 2))
+  sample = prepare.tokenize(conv, tokenizer=None, eot_id=2)  # ids are used as they are
+  assert sample.prompt_ids.tolist() == [1, 2, 3] and sample.response_ids.tolist() == [7, 8, 2]
+  for bad in ({**rec, "response_ids": []}, {**rec, "prompt_ids": None},
+              {**rec, "response_ids": [1, "x"]}):
+    path = _write(tmp_path / "b.jsonl", [json.dumps(bad)])
+    with pytest.raises(sources.SourceError, match="b.jsonl:1"):
+      next(sources.jsonl_conversations(path))

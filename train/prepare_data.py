@@ -3,8 +3,10 @@
   python -m train.prepare_data --config configs/smollm2.yaml --source gsm_symbolic --limit 2000 \
       --out data/gsm_symbolic
 
-Config keys read: model.gguf (default | PATH) or model.random (tests), graft.max_group; the rest
-is ignored. The output is a tfds array_record directory for hamburger_jax.data.pipeline.
+Config keys read: model (the base: smollm2 | file.gguf | HF directory | random) and
+graft.max_group, from the same run config that train.main takes. The output is a tfds
+array_record directory for hamburger_jax.data.pipeline. --self-distill replaces each response by
+the base model's own greedy response (see train/self_distill.py for a resumable JSONL version).
 """
 
 from __future__ import annotations
@@ -12,18 +14,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hamburger_jax import config as config_lib
 from hamburger_jax.assets import AssetError
 from hamburger_jax.data import prepare, sources
 from hamburger_jax.data.tfds_builder import DatasetExistsError, check_output_dir
 from hamburger_jax.layout import LayoutError
+from hamburger_jax.run_config import load_run_config
 from hamburger_jax.segmentation import get_strategy
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="python -m train.prepare_data", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", required=True, help="YAML config (model: and graft: sections)")
+  p.add_argument("--config", required=True, help="YAML run config (its model: and graft:)")
   p.add_argument("--source", required=True,
                  help=f"one of: {', '.join(sources.SOURCE_SPECS)}")
   p.add_argument("--limit", type=int, default=None, help="at most this many conversations")
@@ -38,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  help="tokens per entropy forward batch (padding included)")
   p.add_argument("--self-distill", action="store_true",
                  help="replace responses with the base model's own greedy responses")
+  p.add_argument("--distill-tokens", type=int, default=256,
+                 help="max new tokens of a self-distilled response")
+  p.add_argument("--distill-batch", type=int, default=16)
   p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
   p.add_argument("--out", required=True, help="output dataset directory")
   return p.parse_args(argv)
@@ -49,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     # Cheap checks first: a typo should not cost a model load.
     check_output_dir(args.out, args.overwrite)
     get_strategy(args.strategy)
-    cfg = config_lib.load_yaml(args.config)
-    max_group = int((cfg.get("graft") or {}).get("max_group", 4))
+    cfg = load_run_config(args.config)
+    max_group = cfg.graft.max_group
     conversations = sources.make_source(args.source, args.limit, args.seed)
   except (DatasetExistsError, ValueError) as e:
     return _fail(e)
@@ -58,12 +63,17 @@ def main(argv: list[str] | None = None) -> int:
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   tfds.disable_progress_bar()  # ours below is the one that means something
   try:
-    model, tokenizer = prepare.load_base(cfg.get("model") or {"gguf": "default"})
+    model, tokenizer = prepare.load_base(cfg.model)
   except (ValueError, AssetError, FileNotFoundError) as e:
     return _fail(e)
   if args.self_distill:
-    conversations = prepare.self_distill(conversations, model, tokenizer,
-                                         max_new_tokens=args.max_len)
+    from infer.engine import Engine  # pylint: disable=import-outside-toplevel
+    from train.self_distill import distill  # pylint: disable=import-outside-toplevel
+    conversations = list(conversations)
+    with tqdm(total=len(conversations), unit="sample", desc="self-distilling") as bar:
+      conversations = list(distill(conversations, Engine(model, tokenizer), tokenizer,
+                                   max_new_tokens=args.distill_tokens, batch=args.distill_batch,
+                                   progress=bar.update))
   try:
     with tqdm(total=args.limit, unit="sample", desc="segmenting") as bar:
       stats = prepare.prepare_dataset(

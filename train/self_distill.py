@@ -11,11 +11,12 @@ appends to a JSONL file and resumes where a killed run stopped.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from hamburger_jax.data.sources import Conversation, sharegpt_conversations
 from hamburger_jax.evaluation import tasks as eval_tasks
@@ -67,6 +68,26 @@ def read_done(path: str) -> set[str]:
   return {json.loads(line)["id"] for line in keep.decode().splitlines() if line.strip()}
 
 
+def distill(conversations: Iterable[Conversation], engine, tokenizer, *, max_new_tokens: int,
+            batch: int, progress=None) -> Iterator[Conversation]:
+  """The conversations with the base model's greedy responses and their exact token ids.
+
+  Prompts of similar length share a batch (one prompt bucket, less padding), so the output order
+  is by prompt length.
+  """
+  encoded = sorted(((tokenizer.apply_chat_template(c.prompt_messages, tokenize=True), c)
+                    for c in conversations), key=lambda x: len(x[0]))
+  for i in range(0, len(encoded), batch):
+    chunk = encoded[i:i + batch]
+    outs = engine.generate([ids for ids, _ in chunk], max_new_tokens=max_new_tokens, mode="base")
+    for (ids, conv), g in zip(chunk, outs):
+      yield dataclasses.replace(conv, response=tokenizer.decode(g.token_ids,
+                                                                 skip_special_tokens=True),
+                                prompt_ids=tuple(ids), response_ids=tuple(g.token_ids))
+    if progress is not None:
+      progress(len(chunk))
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m train.self_distill", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,28 +112,20 @@ def main(argv=None) -> int:
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   done = read_done(args.out)
   todo = [c for c in convs if c.id not in done]
-  # Similar prompt lengths share a batch (one prompt bucket, less padding).
-  encoded = sorted(((tok.apply_chat_template(c.prompt_messages, tokenize=True), c) for c in todo),
-                   key=lambda x: len(x[0]))
   print(f"{len(convs)} prompts, {len(done)} already done, {len(todo)} to generate",
         file=sys.stderr)
   engine = Engine(model, tok)
   t0, new_tokens = time.time(), 0
-  with open(args.out, "a") as f, tqdm(total=len(encoded), unit="prompt") as bar:
-    for i in range(0, len(encoded), args.batch):
-      chunk = encoded[i:i + args.batch]
-      outs = engine.generate([ids for ids, _ in chunk], max_new_tokens=args.max_new_tokens,
-                             mode="base")
-      for (ids, conv), g in zip(chunk, outs):
-        text = tok.decode(g.token_ids, skip_special_tokens=True)
-        f.write(json.dumps({
-            "id": conv.id, "source": conv.source,
-            "messages": [*conv.prompt_messages, {"role": "assistant", "content": text}],
-            "prompt_ids": ids, "response_ids": g.token_ids,
-            "finished": bool(g.token_ids and g.token_ids[-1] in tok.stop_ids)}) + "\n")
-        new_tokens += g.new_tokens
+  with open(args.out, "a") as f, tqdm(total=len(todo), unit="prompt") as bar:
+    for conv in distill(todo, engine, tok, max_new_tokens=args.max_new_tokens, batch=args.batch,
+                        progress=bar.update):
+      f.write(json.dumps({
+          "id": conv.id, "source": conv.source,
+          "messages": [*conv.prompt_messages, {"role": "assistant", "content": conv.response}],
+          "prompt_ids": list(conv.prompt_ids), "response_ids": list(conv.response_ids),
+          "finished": conv.response_ids[-1] in tok.stop_ids}) + "\n")
       f.flush()
-      bar.update(len(chunk))
+      new_tokens += len(conv.response_ids)
       bar.set_postfix(tok_s=f"{new_tokens / (time.time() - t0):.0f}")
   return 0
 

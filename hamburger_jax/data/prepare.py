@@ -19,10 +19,9 @@ import numpy as np
 from flax import nnx
 
 from hamburger_jax import segmentation
-from hamburger_jax.config import ConfigError, LlamaConfig, from_dict
+from hamburger_jax.config import ConfigError
 from hamburger_jax.data.sources import Conversation
 from hamburger_jax.data.tfds_builder import build_dataset, check_output_dir
-from hamburger_jax.model.llama import Llama
 
 # End-of-turn spellings, most specific first; the one the chat template writes is the model's.
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>")
@@ -81,35 +80,17 @@ class PrepareStats:
 # ----------------------------------------------------------------------------- model, tokenizer
 
 
-def load_base(model_section: Mapping[str, Any]):
-  """(model, tokenizer) from a config's `model:` section.
-
-  `gguf: default | PATH` loads real weights (default: SmolLM2-135M-Instruct); `random: {LlamaConfig
-  fields}` builds a randomly initialised model (tests) with the default tokenizer.
-  """
+def load_base(model_cfg):
+  """(model, tokenizer) for a run config's `model:` section (RunConfig.model); a random base
+  (tests) is paired with the default tokenizer, whose vocabulary it must hold."""
   # Imported here: the tokenizer pulls in jinja2 and the GGUF reader, unneeded to read data.
-  from hamburger_jax import assets  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.convert import gguf  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
-  section = dict(model_section or {"gguf": "default"})
-  if ("gguf" in section) == ("random" in section):
-    raise ConfigError("config section 'model' needs exactly one of 'gguf: default|PATH' or "
-                      f"'random: {{vocab_size: ..., ...}}'; got keys {sorted(section)}")
-  if "gguf" in section:
-    path = section["gguf"]
-    path = assets.smollm2_gguf() if path in (None, "default") else os.fspath(path)
-    gguf_file = gguf.GGUFFile(path)
-    cfg = gguf_file.config()
-    model = Llama(cfg, rngs=nnx.Rngs(0))
-    gguf.load_into(model, gguf_file, cfg)
-    tokenizer = Tokenizer.from_gguf(gguf_file)
-  else:
-    cfg = from_dict(LlamaConfig, section["random"], "model.random.")
-    model = Llama(cfg, rngs=nnx.Rngs(int(section.get("seed", 0))))
-    tokenizer = Tokenizer.from_gguf(assets.smollm2_gguf())
-  if tokenizer.vocab_size > cfg.vocab_size:
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.tokenizer import load_default_tokenizer  # pylint: disable=import-outside-toplevel
+  model, tokenizer = pretrained.load_base_for_run(model_cfg)
+  tokenizer = tokenizer or load_default_tokenizer()
+  if tokenizer.vocab_size > model.cfg.vocab_size:
     raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's "
-                      f"vocab_size is {cfg.vocab_size}: raise vocab_size in the config")
+                      f"vocab_size is {model.cfg.vocab_size}: raise vocab_size in the config")
   return model, tokenizer
 
 
@@ -126,20 +107,19 @@ def end_of_turn_id(tokenizer) -> int:
 
 
 def tokenize(conversation: Conversation, tokenizer, eot_id: int) -> TokenizedSample:
-  """Prompt = chat template with the generation prompt; response = its ids + end-of-turn."""
+  """Prompt = chat template with the generation prompt; response = its ids + end-of-turn.
+
+  A conversation that carries its exact ids (self-distilled) keeps them as they are.
+  """
+  if conversation.response_ids is not None:
+    return TokenizedSample(conversation.id, conversation.source,
+                           np.asarray(conversation.prompt_ids, np.int32),
+                           np.asarray(conversation.response_ids, np.int32))
   prompt = tokenizer.encode(tokenizer.apply_chat_template(
       conversation.prompt_messages, add_generation_prompt=True, tokenize=False))
   response = list(tokenizer.encode(conversation.response)) + [eot_id]
   return TokenizedSample(conversation.id, conversation.source, np.asarray(prompt, np.int32),
                          np.asarray(response, np.int32))
-
-
-def self_distill(conversations: Iterable[Conversation], model, tokenizer,
-                 max_new_tokens: int) -> Iterator[Conversation]:
-  """Hook: the same prompts with the base model's own greedy responses (regular, easy to group)."""
-  raise NotImplementedError(
-      "self-distillation needs infer.engine (batched greedy decoding of the base model); it is "
-      "not wired in yet: run without --self-distill")
 
 
 # ----------------------------------------------------------------------------- segmentation

@@ -32,6 +32,10 @@ class Conversation:
   response: str  # the assistant turn to learn, without its end-of-turn token
   source: str
   id: str
+  # Exact token ids when known (e.g. self-distilled: the ids the model emitted, so no re-encoding
+  # drift); the response ids then end with the end-of-turn id unless generation was cut off.
+  prompt_ids: tuple[int, ...] | None = None
+  response_ids: tuple[int, ...] | None = None
 
 
 # ----------------------------------------------------------------------------- ShareGPT
@@ -129,7 +133,20 @@ def jsonl_conversations(path: str) -> Iterator[Conversation]:
       except json.JSONDecodeError as e:
         raise SourceError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
       messages, response = _parse_jsonl_record(record, where)
-      yield Conversation(messages, response, f"jsonl:{name}", f"{name}:{lineno}")
+      ids = {k: _ids(record, k, where) for k in ("prompt_ids", "response_ids")}
+      if (ids["prompt_ids"] is None) != (ids["response_ids"] is None):
+        raise SourceError(f"{where}: give both 'prompt_ids' and 'response_ids' or neither")
+      yield Conversation(messages, response, f"jsonl:{name}", f"{name}:{lineno}", **ids)
+
+
+def _ids(record: dict, key: str, where: str) -> tuple[int, ...] | None:
+  ids = record.get(key)
+  if ids is None:
+    return None
+  if not isinstance(ids, list) or not ids or not all(
+      isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+    raise SourceError(f"{where}: '{key}' must be a non-empty list of token ids")
+  return tuple(ids)
 
 
 def _parse_jsonl_record(record: Any, where: str) -> tuple[list[dict[str, str]], str]:
