@@ -1,12 +1,15 @@
-"""Entropy-based segmentation of responses into groups of 1..K tokens (SPEC.md 2.1).
+"""Segmentation of responses into groups of 1..K tokens by the base model's confidence (SPEC 2.1).
 
-The original base model reads (prompt + response) teacher-forced; the entropy (nats) of the
-distribution that predicts response token j is taken at position j - 1. A strategy turns the
-response's entropies into group sizes that sum to the response length.
+The original base model reads (prompt + response) teacher-forced; the distribution that predicts
+response token j is taken at position j - 1. Per token we keep its entropy (nats) and the
+probability the model gives the token itself. A strategy turns one of those statistics into group
+sizes that sum to the response length: the SPEC's strategies read entropies; `confident:p` reads
+token probabilities (our addition, see its docstring).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Callable, Sequence
@@ -16,7 +19,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-Strategy = Callable[[np.ndarray, int], list[int]]  # (entropies [R] nats, max_group K) -> sizes
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+  """A segmentation rule and the per-token statistic it reads ("entropy" or "prob")."""
+  fn: Callable[[np.ndarray, int], list[int]]  # (statistic [R], max_group K) -> group sizes
+  reads: str = "entropy"
+
+  def __call__(self, values, max_group: int) -> list[int]:
+    return self.fn(values, max_group)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenStats:
+  entropy: np.ndarray  # [R] nats of the distribution predicting each response token
+  prob: np.ndarray  # [R] probability that distribution gives the token itself
+
 
 MIN_THRESHOLD = 0.05  # nats: a token this certain always joins (decreasing_v2)
 RATIO_THRESHOLD = 0.3  # a token joins if its entropy < this x the group's max entropy
@@ -86,6 +104,25 @@ def sliding(entropies, max_group: int, threshold: float = SLIDING_THRESHOLD) -> 
   return sizes
 
 
+def confident(probs, max_group: int, threshold: float) -> list[int]:
+  """Token j (after the first) joins the current group iff it has < max_group tokens and the
+  base model gives token j probability >= threshold.
+
+  Entropy counts the whole tail of the distribution; for self-distilled (greedy) responses what
+  the micro-step decoder must reproduce is the base's top token, so its probability is the more
+  direct measure of "predictable". With SmolLM2-135M most tokens have entropy > 1 nat even when
+  the greedy token has p > 0.6, so the entropy rules give groups of ~1.3 tokens (BENCHMARKS.md).
+  """
+  p = _as_entropies(probs)
+  sizes: list[int] = []
+  for j, x in enumerate(p):
+    if j and sizes[-1] < max_group and x >= threshold:
+      sizes[-1] += 1
+    else:
+      sizes.append(1)
+  return sizes
+
+
 def fixed(entropies, max_group: int, k: int) -> list[int]:
   """Groups of k tokens, the last one shorter; ignores the entropies."""
   if not 1 <= k <= max_group:
@@ -94,25 +131,33 @@ def fixed(entropies, max_group: int, k: int) -> list[int]:
   return [k] * (n // k) + ([n % k] if n % k else [])
 
 
-STRATEGIES = ("decreasing_v2", "fixed:k", "sliding", "small_group")
+STRATEGIES = ("decreasing_v2", "fixed:k", "sliding", "small_group", "confident:p")
 
 
 def get_strategy(name: str) -> Strategy:
-  """`name` is one of STRATEGIES; "fixed:k" takes an integer k (e.g. fixed:2)."""
-  if name == "decreasing_v2":
-    return decreasing_v2
-  if name == "sliding":
-    return sliding
-  if name == "small_group":
-    return small_group
-  if name.startswith("fixed:"):
+  """`name` is one of STRATEGIES; "fixed:k" takes an integer k (e.g. fixed:2), "confident:p" a
+  probability in (0, 1] (e.g. confident:0.6)."""
+  if name in ("decreasing_v2", "sliding", "small_group"):
+    return Strategy({"decreasing_v2": decreasing_v2, "sliding": sliding,
+                     "small_group": small_group}[name])
+  kind, sep, arg = name.partition(":")
+  if sep and kind == "fixed":
     try:
-      k = int(name[len("fixed:"):])
+      k = int(arg)
     except ValueError:
       k = 0
     if k < 1:
       raise SegmentationError(f"strategy {name!r}: k must be a positive integer, e.g. fixed:2")
-    return functools.partial(fixed, k=k)
+    return Strategy(functools.partial(fixed, k=k))
+  if sep and kind == "confident":
+    try:
+      threshold = float(arg)
+    except ValueError:
+      threshold = 0.0
+    if not 0 < threshold <= 1:
+      raise SegmentationError(f"strategy {name!r}: p must be a probability in (0, 1], "
+                              "e.g. confident:0.6")
+    return Strategy(functools.partial(confident, threshold=threshold), reads="prob")
   raise SegmentationError(
       f"unknown segmentation strategy {name!r}; valid strategies are: {', '.join(STRATEGIES)}")
 
@@ -130,12 +175,15 @@ def segment_positions(segment_ids_bt: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _entropies_jit(graphdef: nnx.GraphDef, state: nnx.State, ids_bt: jax.Array,
-                   segment_ids_bt: jax.Array) -> jax.Array:
+def _stats_jit(graphdef: nnx.GraphDef, state: nnx.State, ids_bt: jax.Array,
+               segment_ids_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Entropy at every position, and the probability given to the token at the next position."""
   model = nnx.merge(graphdef, state)
   logits = model(ids_bt, segment_ids_bt, segment_positions(segment_ids_bt))  # [B, T, V] fp32
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+  next_ids = jnp.pad(ids_bt[:, 1:], ((0, 0), (0, 1)))
+  p_next = jnp.exp(jnp.take_along_axis(logp, next_ids[..., None], axis=-1)[..., 0])
+  return -jnp.sum(jnp.exp(logp) * logp, axis=-1), p_next
 
 
 def position_entropies(model: nnx.Module, ids_bt, segment_ids_bt) -> np.ndarray:
@@ -144,14 +192,21 @@ def position_entropies(model: nnx.Module, ids_bt, segment_ids_bt) -> np.ndarray:
   Rows may pack several samples (segment ids 1.., 0 = padding; positions restart per segment).
   """
   graphdef, state = nnx.split(model)
-  return np.asarray(_entropies_jit(graphdef, state, jnp.asarray(ids_bt, jnp.int32),
-                                   jnp.asarray(segment_ids_bt, jnp.int32)))
+  return np.asarray(_stats_jit(graphdef, state, jnp.asarray(ids_bt, jnp.int32),
+                               jnp.asarray(segment_ids_bt, jnp.int32))[0])
 
 
 def response_entropies(model: nnx.Module, samples: Sequence[tuple[Sequence[int], Sequence[int]]],
-                       *, batch_tokens: int = 2048, row_len: int | None = None, bucket: int = 64,
-                       progress: Callable[[int], None] | None = None) -> list[np.ndarray]:
-  """Teacher-forced entropies of each sample's response tokens. One array [R] per sample.
+                       **kwargs) -> list[np.ndarray]:
+  """Teacher-forced entropies of each sample's response tokens. One array [R] per sample."""
+  return [s.entropy for s in response_token_stats(model, samples, **kwargs)]
+
+
+def response_token_stats(model: nnx.Module,
+                         samples: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+                         batch_tokens: int = 2048, row_len: int | None = None, bucket: int = 64,
+                         progress: Callable[[int], None] | None = None) -> list[TokenStats]:
+  """Teacher-forced entropies and token probabilities of each sample's response tokens.
 
   `samples` are (prompt ids, response ids). They are packed (longest first, first fit) into rows
   of `row_len` tokens (default: the longest sample rounded up to a multiple of `bucket`), one
@@ -184,7 +239,7 @@ def response_entropies(model: nnx.Module, samples: Sequence[tuple[Sequence[int],
       r = len(rows) - 1
     rows[r].append(k)
     free[r] -= len(seqs[k])
-  out: list[np.ndarray | None] = [None] * len(seqs)
+  out: list[TokenStats | None] = [None] * len(seqs)
   for first in range(0, len(rows), rows_per_pass):
     batch = rows[first:first + rows_per_pass]
     ids = np.zeros((rows_per_pass, row_len), np.int32)
@@ -197,12 +252,13 @@ def response_entropies(model: nnx.Module, samples: Sequence[tuple[Sequence[int],
         seg[r, t:t + len(seqs[k])] = j
         starts[k] = (r, t)
         t += len(seqs[k])
-    ent = np.asarray(_entropies_jit(graphdef, state, jnp.asarray(ids), jnp.asarray(seg)))
+    ent, prob = map(np.asarray, _stats_jit(graphdef, state, jnp.asarray(ids), jnp.asarray(seg)))
     for row in batch:
       for k in row:
         r, t = starts[k]
         p, n = len(samples[k][0]), len(samples[k][1])
-        out[k] = ent[r, t + p - 1:t + p - 1 + n].copy()
+        span = slice(t + p - 1, t + p - 1 + n)
+        out[k] = TokenStats(ent[r, span].copy(), prob[r, span].copy())
     if progress is not None:
       progress(sum(len(row) for row in batch))
   return out  # type: ignore[return-value]

@@ -185,3 +185,29 @@ def test_segment_positions_restart_per_segment():
   s = jnp.asarray([[1, 1, 1, 2, 2, 0, 0], [1, 2, 2, 2, 3, 3, 0]])
   np.testing.assert_array_equal(seg.segment_positions(s),
                                 [[0, 1, 2, 0, 1, 0, 1], [0, 0, 1, 2, 0, 1, 0]])
+
+
+def test_confident_strategy_on_hand_made_probabilities():
+  p = [0.1, 0.9, 0.6, 0.59, 0.99, 0.99, 0.99, 0.99, 0.2]
+  assert seg.confident(p, K, 0.6) == [3, 4, 1, 1]  # 0.59 opens a group; the K cap splits
+  assert seg.confident(p, K, 1.0) == [1] * len(p)
+  strategy = seg.get_strategy("confident:0.6")
+  assert strategy.reads == "prob" and strategy(p, K) == [3, 4, 1, 1]
+  assert seg.get_strategy("decreasing_v2").reads == "entropy"
+  for bad in ("confident:0", "confident:1.5", "confident:x"):
+    with pytest.raises(seg.SegmentationError, match="probability in"):
+      seg.get_strategy(bad)
+
+
+def test_token_probabilities_match_numpy():
+  model = _tiny_model()
+  rng = np.random.default_rng(2)
+  samples = [(rng.integers(0, 128, p), rng.integers(0, 128, r)) for p, r in [(4, 6), (2, 9)]]
+  stats = seg.response_token_stats(model, samples, batch_tokens=64, bucket=16)
+  for (p, r), st in zip(samples, stats):
+    seq = np.concatenate([p, r])
+    logits = np.asarray(model(jnp.asarray(seq)[None]))[0].astype(np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want = probs[np.arange(len(p) - 1, len(seq) - 1), r]
+    np.testing.assert_allclose(st.prob, want, atol=1e-5)

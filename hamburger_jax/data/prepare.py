@@ -128,11 +128,11 @@ def tokenize(conversation: Conversation, tokenizer, eot_id: int) -> TokenizedSam
 def segment(model: nnx.Module, samples: list[TokenizedSample], strategy: segmentation.Strategy,
             max_group: int, *, batch_tokens: int = 2048, row_len: int | None = None,
             progress: Callable[[int], None] | None = None) -> list[np.ndarray]:
-  """Group sizes of each sample's response, from the model's teacher-forced entropies."""
-  entropies = segmentation.response_entropies(
+  """Group sizes of each sample's response, from the model's teacher-forced token statistics."""
+  stats = segmentation.response_token_stats(
       model, [(s.prompt_ids, s.response_ids) for s in samples], batch_tokens=batch_tokens,
       row_len=row_len, progress=progress)
-  return [np.asarray(strategy(e, max_group), np.int32) for e in entropies]
+  return [np.asarray(strategy(getattr(st, strategy.reads), max_group), np.int32) for st in stats]
 
 
 def _chunks(it: Iterable[Any], size: int) -> Iterator[list[Any]]:
