@@ -130,13 +130,27 @@ def load_hamburger(checkpoint: str | None = None, base_source: str | None = None
   cfg = HamburgerConfig(base.cfg, graft or GraftConfig())
   model = Hamburger(cfg, rngs=nnx.Rngs(seed), base=base)
   if meta:
-    from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
-    mapping.load(model, load_file(os.path.join(checkpoint, GRAFT_FILE)), graft_table(model),
-                 f"{checkpoint}/{GRAFT_FILE}")
-    if meta.get("include_base"):
-      mapping.load(model, load_file(os.path.join(checkpoint, BASE_FILE)), base_table(model),
-                   f"{checkpoint}/{BASE_FILE}")
+    load_graft(model, checkpoint)
   return model, tok
+
+
+def load_graft(model: Hamburger, checkpoint: str) -> None:
+  """Loads a graft checkpoint's weights into `model` (its base too when the run trained it).
+
+  Also serves models built from a run config (e.g. a random tiny base rebuilt from its seed),
+  which `load_hamburger` cannot reload by name.
+  """
+  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+  meta = read_meta(checkpoint)
+  if meta["graft"] != to_dict(model.cfg.graft):
+    raise WeightsError(f"checkpoint {checkpoint} has graft config {meta['graft']} but the model "
+                       f"has {to_dict(model.cfg.graft)}: build the model from the run's config")
+  files = [(GRAFT_FILE, graft_table(model))]
+  if meta.get("include_base"):
+    files.append((BASE_FILE, base_table(model)))
+  for name, table in files:
+    path = os.path.join(checkpoint, name)
+    mapping.load(model, load_file(path), table, path)
 
 
 def load_base_for_run(model_cfg, seed: int = 0) -> tuple[Llama, Tokenizer | None]:

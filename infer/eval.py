@@ -145,7 +145,7 @@ def load_model(args) -> tuple[Any, Any, dict[str, Any]]:
     cfg = load_run_config(args.config)
     model, tok = build_model(cfg)
     if args.checkpoint:
-      load_graft_into(model, args.checkpoint)
+      pretrained.load_graft(model, args.checkpoint)
     return model, tok, {"config": args.config, "base": cfg.model.base,
                         "checkpoint": args.checkpoint, "trained": bool(args.checkpoint)}
   checkpoint = args.checkpoint
@@ -158,25 +158,6 @@ def load_model(args) -> tuple[Any, Any, dict[str, Any]]:
   model, tok = pretrained.load_hamburger(checkpoint, args.base)
   return model, tok, {"base": args.base or pretrained.DEFAULT_BASE, "checkpoint": checkpoint,
                       "trained": checkpoint is not None}
-
-
-def load_graft_into(model, checkpoint: str) -> None:
-  """Loads a graft checkpoint into a model built from a run config (e.g. a random tiny base,
-  rebuilt from its seed, which `pretrained.load_hamburger` cannot reload by name)."""
-  from safetensors.numpy import load_file
-  from hamburger_jax import pretrained
-  from hamburger_jax.config import to_dict
-  from hamburger_jax.convert import mapping
-  meta = pretrained.read_meta(checkpoint)
-  if meta["graft"] != to_dict(model.cfg.graft):
-    raise EvalError(f"checkpoint {checkpoint} has graft config {meta['graft']} but --config "
-                     f"builds {to_dict(model.cfg.graft)}: pass the run's own config")
-  files = [(pretrained.GRAFT_FILE, pretrained.graft_table(model))]
-  if meta.get("include_base"):
-    files.append((pretrained.BASE_FILE, pretrained.base_table(model)))
-  for name, table in files:
-    path = os.path.join(checkpoint, name)
-    mapping.load(model, load_file(path), table, path)
 
 
 # ----------------------------------------------------------------------------- generation

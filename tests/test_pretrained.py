@@ -1,0 +1,76 @@
+"""Graft checkpoints: save/load round trip, atomic export, and mismatches caught with clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from hamburger_jax import assets, pretrained
+from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig
+from hamburger_jax.convert.mapping import WeightsError
+from hamburger_jax.model.hamburger import Hamburger
+from hamburger_jax.model.llama import GraftParam
+
+CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4,
+                  num_kv_heads=2)
+
+
+def _model(seed: int, graft: GraftConfig = GraftConfig(merger_head_dim=16)) -> Hamburger:
+  return Hamburger(HamburgerConfig(CFG, graft), rngs=nnx.Rngs(seed))
+
+
+def _params(model, kind) -> dict:
+  return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, kind))}
+
+
+@pytest.mark.parametrize("include_base", [False, True])
+def test_graft_checkpoint_round_trip(tmp_path, include_base):
+  src, dst = _model(0), _model(1)
+  path = str(tmp_path / "ckpt")
+  pretrained.save_graft(src, path, "random", dtype="float32", include_base=include_base)
+  assert sorted(os.listdir(path)) == sorted(
+      ["graft.safetensors", "hamburger.json"] + (["base.safetensors"] if include_base else []))
+  assert not os.path.exists(path + ".tmp")
+  before = _params(dst, nnx.Param)
+  pretrained.load_graft(dst, path)
+  for p, v in _params(src, GraftParam).items():
+    np.testing.assert_array_equal(_params(dst, GraftParam)[p], v)
+  after = _params(dst, nnx.Param)
+  src_all = _params(src, nnx.Param)
+  for p in before:
+    if p not in _params(src, GraftParam):  # base params: loaded only when saved
+      want = src_all[p] if include_base else before[p]
+      np.testing.assert_array_equal(after[p], want)
+
+
+def test_bfloat16_export_is_close(tmp_path):
+  src, dst = _model(0), _model(1)
+  pretrained.save_graft(src, str(tmp_path / "c"), "random")  # default bfloat16
+  pretrained.load_graft(dst, str(tmp_path / "c"))
+  for p, v in _params(src, GraftParam).items():
+    np.testing.assert_allclose(_params(dst, GraftParam)[p], v, rtol=1e-2, atol=1e-3)
+
+
+def test_mismatches_are_named(tmp_path):
+  path = str(tmp_path / "c")
+  pretrained.save_graft(_model(0), path, "random", dtype="float32")
+  other = _model(0, GraftConfig(merger_head_dim=16, micro_layers=2))
+  with pytest.raises(WeightsError, match="graft config"):
+    pretrained.load_graft(other, path)
+  with pytest.raises(WeightsError, match="not a HAMburger checkpoint"):
+    pretrained.load_graft(_model(0), str(tmp_path))
+  meta_path = os.path.join(path, "hamburger.json")
+  meta = json.load(open(meta_path))
+  with open(meta_path, "w") as f:  # claims the default base: its architecture differs
+    json.dump({**meta, "base_source": "smollm2"}, f)
+  try:
+    assets.smollm2_gguf()
+  except assets.AssetError:
+    pytest.skip("needs the SmolLM2 weights package")
+  with pytest.raises(WeightsError, match="trained on a different base"):
+    pretrained.load_hamburger(path)
