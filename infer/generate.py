@@ -85,10 +85,13 @@ def main(argv=None) -> int:
                      "none is shipped at " + pretrained.DEFAULT_CHECKPOINT)
   print(f"loading {'HAMburger ' + checkpoint if mode != 'base' else 'base'} "
         f"({args.base or 'default base'}) ...", file=sys.stderr)
-  if mode == "base":
-    model, tok = pretrained.load_llama(args.base or pretrained.DEFAULT_BASE)
-  else:
-    model, tok = pretrained.load_hamburger(checkpoint, args.base)
+  try:
+    if mode == "base":
+      model, tok = pretrained.load_llama(args.base or pretrained.DEFAULT_BASE)
+    else:
+      model, tok = pretrained.load_hamburger(checkpoint, args.base)
+  except (ValueError, RuntimeError, FileNotFoundError) as e:  # weights/config/asset errors
+    raise SystemExit(f"error: {e}") from None
   engine = Engine(model, tok)
   modes = ("base", "hamburger") if mode == "both" else (mode,)
   colour = sys.stdout.isatty() and not args.no_color
