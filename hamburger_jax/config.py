@@ -132,6 +132,8 @@ class GraftConfig:
   merger_head_dim: int = 32  # release: 64 heads of 32 at D = 2048
   position_offset: int = 0  # 0: SPEC.md 1.2 (training); 1: the release's HF generate path
   micro_init: str = "fresh"  # fresh (release) | copy_top (the base's top layers)
+  base_lora_rank: int = 0  # > 0: low-rank adapters on the base's projections (frozen-base runs)
+  base_lora_alpha: float = 32.0
 
   def __post_init__(self):
     if self.max_group < 1:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hamburger_jax.model import lora
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.model.llama import Llama
@@ -102,7 +103,7 @@ class Engine:
     if stop_ids is None:
       stop_ids = tokenizer.stop_ids if tokenizer is not None else ()
     self.stop_ids = tuple(int(i) for i in stop_ids)
-    self.graphdef, self.params = nnx.split(model)
+    self.set_model(model)
     # Compiled programs by (mode, batch bucket, prompt bucket, max_new, sampler, stream): compiled
     # ahead of time so timings never include compilation and reuse is observable.
     self.programs: dict[tuple, tuple[Any, Any]] = {}
@@ -298,14 +299,15 @@ class Engine:
     dyn = sampling.dynamic()
     self.stream_callback = stream
 
-    args = (self.params, jnp.asarray(ids_bp), jnp.asarray(lens), jnp.asarray(done),
+    params = self.base_params if mode == "base" else self.params
+    args = (params, jnp.asarray(ids_bp), jnp.asarray(lens), jnp.asarray(done),
             jnp.asarray(conf_b), jax.random.key(seed), dyn["temperature"], dyn["top_p"])
     prefill, decode, compile_s = self._program(args, mode, int(max_new_tokens), sampling,
                                                stream is not None)
     t0 = time.perf_counter()
     state = jax.block_until_ready(prefill(*args))
     t1 = time.perf_counter()
-    state = decode(self.params, state)
+    state = decode(params, state)
     tokens, n_tokens, groups, n_steps, kv = jax.device_get(
         (state.tokens, state.n_tokens, state.groups, state.n_steps, state.cache.length))
     t2 = time.perf_counter()
@@ -318,11 +320,21 @@ class Engine:
     return out
 
   def set_model(self, model: Llama | Hamburger) -> None:
-    """Swaps in new weights of the same architecture; compiled programs are kept."""
+    """Takes new weights; compiled programs are kept when the architecture is the same.
+
+    Base adapters (LoRA) are folded into the base kernels for HAMburger decoding, and mode
+    "base" decodes with the original base kernels, so it is the base model, exactly.
+    """
+    self.model = model
+    base_params = None
+    if isinstance(model, Hamburger) and model.cfg.graft.base_lora_rank:
+      _, base_params = nnx.split(lora.without_adapters(model, merge=False))
+      model = lora.without_adapters(model, merge=True)
     graphdef, params = nnx.split(model)
-    if graphdef != self.graphdef:
+    if getattr(self, "graphdef", graphdef) != graphdef:
       raise GenerationError("set_model needs a model of the same architecture as the engine's")
-    self.model, self.params = model, params
+    self.graphdef, self.params = graphdef, params
+    self.base_params = params if base_params is None else base_params
 
   @property
   def compilations(self) -> int:
@@ -339,6 +351,6 @@ class Engine:
     prefill = prefill.lower(*prefill_args, mode=mode, max_new=max_new).compile()
     decode = jax.jit(self._decode_impl, static_argnames=("mode", "sampling", "stream"),
                      donate_argnames=("state",))
-    decode = decode.lower(self.params, state, mode=mode, sampling=sampling, stream=stream).compile()
+    decode = decode.lower(prefill_args[0], state, mode=mode, sampling=sampling, stream=stream).compile()
     self.programs[key] = (prefill, decode)
     return prefill, decode, time.perf_counter() - t

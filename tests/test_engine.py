@@ -290,3 +290,21 @@ def test_bad_prompts(engine):
 def test_bad_sampling_params(kwargs, match):
   with pytest.raises(SamplingError, match=match):
     SamplingParams(**kwargs)
+
+
+def test_base_adapters_fold_into_hamburger_decoding_and_stay_out_of_base_mode(model):
+  """With LoRA on the base, HAMburger decodes the adapted base (merged kernels) and mode "base"
+  is the original base, exactly."""
+  from hamburger_jax.model import lora  # pylint: disable=import-outside-toplevel
+  cfg = dataclasses_replace_graft(model, base_lora_rank=4, base_lora_alpha=8.0)
+  adapted = Hamburger(cfg, rngs=nnx.Rngs(0))
+  nnx.update(adapted, nnx.state(model))  # same weights as `model`, plus adapters
+  for i, lin in enumerate(lora.base_linears(adapted.base)):
+    lin.lora.b.set_value(0.05 * jax.random.normal(jax.random.key(i), lin.lora.b.shape))
+  engine = Engine(adapted, None, stop_ids=[STOP])
+  ham = engine.generate(PROMPTS[:2], max_new_tokens=12, mode="hamburger", confidence=0.5)
+  for prompt, g in zip(PROMPTS, ham):
+    assert (g.token_ids, g.groups) == reference_hamburger(adapted, prompt, 12, 0.5)
+  base = engine.generate(PROMPTS[:2], max_new_tokens=12, mode="base")
+  for prompt, g in zip(PROMPTS, base):
+    assert g.token_ids == argmax_rollout(model.base, prompt, 12)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hamburger_jax.config import HamburgerConfig
+from hamburger_jax.model import lora
 from hamburger_jax.model.compositional_embedder import CompositionalEmbedder
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.model.llama import Llama, causal_segment_mask, dtype_of
@@ -16,12 +17,15 @@ from hamburger_jax.model.micro_step_decoder import MicroStepDecoder
 class Hamburger(nnx.Module):
 
   def __init__(self, cfg: HamburgerConfig, *, rngs: nnx.Rngs, base: Llama | None = None):
-    """`base`: an already loaded base model to graft onto (else a randomly initialised one)."""
+    """`base`: an already loaded base model to graft onto (else a randomly initialised one);
+    with graft.base_lora_rank > 0 it gets adapters attached in place."""
     self.cfg = cfg
     b, g = cfg.base, cfg.graft
     if base is not None and base.cfg != b:
       raise ValueError(f"the base model's config {base.cfg} differs from the HAMburger config {b}")
     self.base = base if base is not None else Llama(b, rngs=rngs)
+    if g.base_lora_rank:
+      lora.attach(self.base, g.base_lora_rank, g.base_lora_alpha, rngs)
     self.embedder = CompositionalEmbedder(b.hidden_size, g.max_group, g.merger_head_dim, rngs=rngs,
                                           param_dtype=dtype_of(b.param_dtype),
                                           dtype=dtype_of(b.dtype))

@@ -44,11 +44,14 @@ class Linear(nnx.Module):
     self.bias = (param_type(init(rngs.params(), (out_features,), param_dtype),
                             logical_axes=(axes[1],)) if use_bias else None)
     self.dtype = dtype
+    self.lora = nnx.data(None)  # an adapter (hamburger_jax.model.lora.LoRA) once attached
 
   def __call__(self, x: jax.Array) -> jax.Array:
     y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
+    if self.lora is not None:
+      y = y + self.lora(x)
     return y
 
 

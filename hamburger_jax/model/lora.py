@@ -1,0 +1,69 @@
+"""Low-rank adapters on the base's projections: a small, trainable change to a frozen base.
+
+The paper trains the whole base so it learns to read merged entries. With a frozen base (the
+CPU-sized run) the base cannot: the compositional embedder alone leaves it predicting token 0 of
+a step right ~25% of the time after merged inputs (BENCHMARKS.md). LoRA lets the base adapt at
+almost no extra training cost (the backward through the base is needed for the embedder anyway)
+and keeps the export small. Adapters are GraftParams, so "train graft only" trains them too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hamburger_jax.model.llama import GraftParam, Linear, torch_linear_init
+
+
+class LoRA(nnx.Module):
+  """delta(x) = scale * (x @ a) @ b, with b = 0 at init so the base starts unchanged."""
+
+  def __init__(self, in_features: int, out_features: int, rank: int, alpha: float,
+               axes: tuple, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32):
+    self.a = GraftParam(torch_linear_init(in_features)(rngs.params(), (in_features, rank),
+                                                       param_dtype), logical_axes=(axes[0], None))
+    self.b = GraftParam(jnp.zeros((rank, out_features), param_dtype), logical_axes=(None, axes[1]))
+    self.scale = alpha / rank
+    self.dtype = dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x.astype(self.dtype)
+    return self.scale * jnp.dot(jnp.dot(x, self.a[...].astype(self.dtype)),
+                                self.b[...].astype(self.dtype))
+
+  def delta(self) -> jax.Array:
+    """The dense [in, out] change to the kernel."""
+    return self.scale * jnp.dot(self.a[...], self.b[...])
+
+
+def base_linears(base: nnx.Module) -> list[Linear]:
+  return [m for _, m in nnx.iter_graph(base.decoder) if isinstance(m, Linear)]
+
+
+def attach(base: nnx.Module, rank: int, alpha: float, rngs: nnx.Rngs) -> None:
+  """Adds an adapter to every projection of the base's decoder layers, in place."""
+  for lin in base_linears(base):
+    n_in, n_out = lin.kernel.shape
+    lin.lora = LoRA(n_in, n_out, rank, alpha, lin.kernel.get_metadata()["logical_axes"],
+                    rngs=rngs, param_dtype=lin.kernel.dtype, dtype=lin.dtype)
+
+
+def without_adapters(model, merge: bool):
+  """A copy of a HAMburger model with no adapters: their deltas folded into the base kernels
+  (`merge`, for fast decoding) or dropped (the original base). Unchanged arrays are shared."""
+  from hamburger_jax.model.hamburger import Hamburger  # pylint: disable=import-outside-toplevel
+  cfg = model.cfg
+  plain = dataclasses.replace(cfg, graft=dataclasses.replace(cfg.graft, base_lora_rank=0))
+  out = nnx.eval_shape(lambda: Hamburger(plain, rngs=nnx.Rngs(0)))
+  deltas = {(*path, "kernel"): node.lora.delta() for path, node in nnx.iter_graph(model)
+            if merge and isinstance(node, Linear) and node.lora is not None}
+  src = dict(nnx.to_flat_state(nnx.state(model)))
+  for path, var in nnx.to_flat_state(nnx.state(out)):
+    value = src[path][...]
+    if path in deltas:
+      value = value + deltas[path].astype(value.dtype)
+    var.set_value(value)
+  return out
