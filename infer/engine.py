@@ -86,18 +86,22 @@ def _continues(stop_logit: jax.Array, confidence: jax.Array) -> jax.Array:
   return (confidence < 1.0) & (jax.nn.sigmoid(-stop_logit) >= confidence)
 
 
+def base_of(model: Llama | Hamburger) -> Llama:
+  return model.base if isinstance(model, Hamburger) else model
+
+
 class Engine:
   """Batched generation for a `Llama` (mode "base") or a `Hamburger` (mode "hamburger" or "base").
 
-  Mode "base" on a Hamburger model decodes with its base weights only, so the two modes of one
-  engine compare the same weights in the same code.
+  Mode "base" on a Hamburger model decodes with its base weights only (base adapters dropped),
+  so the two modes of one engine compare the same base in the same code.
   """
 
   def __init__(self, model: Llama | Hamburger, tokenizer: Any = None, *,
                max_seq_len: int | None = None, stop_ids: Sequence[int] | None = None):
     self.model = model
     self.tokenizer = tokenizer
-    base = model.base if isinstance(model, Hamburger) else model
+    base = base_of(model)
     self.base_cfg = base.cfg
     self.max_seq_len = max_seq_len or base.cfg.max_position_embeddings
     if stop_ids is None:
@@ -115,14 +119,14 @@ class Engine:
     mask = cache.mask(slots_bt)
     if mode == "hamburger":
       return model.base_features(x_btd, positions_bt, mask, cache, slots_bt)
-    base = model.base if isinstance(model, Hamburger) else model
+    base = base_of(model)
     out = base.forward(x_btd, positions_bt, mask, cache, slots_bt)
     return out.hidden[:, :, None, :], out.cache
 
   def _prefill_impl(self, params, ids_bp, prompt_len_b, done_b, confidence_b, rng, temperature,
                     top_p, *, mode: str, max_new: int) -> DecodeState:
     model = nnx.merge(self.graphdef, params)
-    base = model.base if isinstance(model, Hamburger) else model
+    base = base_of(model)
     cfg = base.cfg
     b, p = ids_bp.shape
     k = model.max_group if mode == "hamburger" else 1
@@ -140,7 +144,7 @@ class Engine:
 
   def _propose(self, model, mode: str, state: DecodeState, sampling: SamplingParams, rng):
     """One macro step's group: tokens [B, K'] and how many of them each row emits [B]."""
-    base = model.base if isinstance(model, Hamburger) else model
+    base = base_of(model)
     dyn = {"temperature": state.temperature, "top_p": state.top_p}
     remaining = state.groups.shape[1] - state.n_tokens
     stop_ids = jnp.asarray(self.stop_ids, jnp.int32)
@@ -192,7 +196,7 @@ class Engine:
   def _decode_impl(self, params, state: DecodeState, *, mode: str, sampling: SamplingParams,
                    stream: bool) -> DecodeState:
     model = nnx.merge(self.graphdef, params)
-    base = model.base if isinstance(model, Hamburger) else model
+    base = base_of(model)
     offset = model.cfg.graft.position_offset if mode == "hamburger" else 0
     max_new = state.groups.shape[1]
     b = state.done.shape[0]

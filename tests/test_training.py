@@ -200,7 +200,7 @@ def graft_run(tmp_path_factory: pytest.TempPathFactory, tiny_data_dir: str,
   a 2-process run sees: each step joins the next 4-row batch of data shard 0 and of shard 1."""
   tmp = tmp_path_factory.mktemp("graft-run")
   cfg = load_run_config(TINY, _overrides(tiny_data_dir, tmp, {**STABLE, "train.steps": 3}))
-  tr = trainer.Trainer(cfg, log=lambda _: None)
+  tr = trainer.Trainer(cfg)
   shards = [_batches(cfg, cfg.data.rows // 2, 3, i, 2) for i in range(2)]
   state_keys = set(tr.state.params)
   base0, graft0 = _flat(tr.frozen), _flat(tr.state.params)
@@ -221,7 +221,7 @@ def all_run(tmp_path_factory: pytest.TempPathFactory, tiny_data_dir: str,
   """3 steps of trainable: all; step i trains on 4-row micro-batches 2i and 2i+1 joined."""
   tmp = tmp_path_factory.mktemp("all-run")
   cfg = load_run_config(TINY, _overrides(tiny_data_dir, tmp, ALL))
-  tr = trainer.Trainer(cfg, log=lambda _: None)
+  tr = trainer.Trainer(cfg)
   micro = _batches(cfg, cfg.data.rows // 2, 2 * cfg.train.steps)
   p0 = _flat(tr.state.params)
   metrics = [tr.step([_concat(micro[0], micro[1])])]
@@ -327,7 +327,7 @@ def _sharded_main(out: str, data_dir: str) -> None:
     sharding.make_mesh = lambda *a, devices=devices: make_mesh(*a, devices=devices)
     cfg = load_run_config(TINY, _overrides(data_dir, os.path.join(out, name), {
         **extra, "mesh.data": d, "mesh.fsdp": f, "mesh.tensor": t}))
-    tr = trainer.Trainer(cfg, log=lambda _: None)
+    tr = trainer.Trainer(cfg)
     if batch is None:
       batch = _batches(cfg, cfg.data.rows, 1)[0]
     _, graft, base = nnx.split(tr.model, GraftParam, nnx.Param)
@@ -494,7 +494,7 @@ def test_gradient_accumulation_matches_larger_batch(all_run, tiny_data_dir: str,
   and update; all_run's first step is the 8-row reference."""
   cfg = load_run_config(TINY, _overrides(tiny_data_dir, tmp_path, {
       **ALL, "data.rows": all_run.cfg.data.rows // 2, "data.accum": 2}))
-  tr = trainer.Trainer(cfg, log=lambda _: None)
+  tr = trainer.Trainer(cfg)
   p0 = _flat(tr.state.params)
   assert all(np.array_equal(p0[k], v) for k, v in all_run.p0.items())
   m = tr.step(all_run.micro[:2])

@@ -96,11 +96,10 @@ def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
 
 
 class Trainer:
-  """Owns the model split, the mesh, the jitted step and the checkpoint manager of one run."""
+  """Owns the model split, the mesh and the jitted train and eval steps of one run."""
 
-  def __init__(self, cfg: RunConfig, *, log: Callable[[str], None] = print):
+  def __init__(self, cfg: RunConfig):
     self.cfg = cfg
-    self.log = log
     self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
     d = cfg.data
@@ -140,8 +139,6 @@ class Trainer:
         opt_state=jax.tree.map(lambda x: x.sharding, opt_state))
     self.state = TrainState(step=jax.device_put(jnp.int32(0), replicated), params=params,
                             opt_state=opt_state)
-    self.batch_shape = {  # one micro-batch per process, and the global shapes
-        "entries": d.entries, "groups": d.groups, "k": cfg.graft.max_group}
     self._step_fn = jax.jit(self._train_step,
                             in_shardings=(self.state_shardings, self.frozen_shardings,
                                           self._batch_shardings()),
@@ -343,7 +340,7 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, progress: bool = True,
         log: Callable[[str], None] = print) -> RunResult:
   """Trains until cfg.train.steps (or `max_steps` more steps), resuming from the latest checkpoint."""
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-  trainer = Trainer(cfg, log=log)
+  trainer = Trainer(cfg)
   d, t = cfg.data, cfg.train
   ckpt_dir = os.path.join(cfg.checkpoint.dir, "checkpoints")
   mngr = checkpoint_manager(ckpt_dir, cfg)
