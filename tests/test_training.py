@@ -566,3 +566,19 @@ if __name__ == "__main__":
     _sharded_main(*sys.argv[2:4])
   else:
     raise SystemExit("usage: python tests/test_training.py sharded OUT_DIR DATA_DIR")
+
+
+def test_curves_plot(full_run, tmp_path: Path, capsys):
+  from train import curves  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "curves.png"
+  assert curves.main([str(full_run), "--out", str(out)]) == 0
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  # A resumed run re-logs steps after its last checkpoint: the later record of a step wins.
+  run = tmp_path / "resumed"
+  run.mkdir()
+  (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in (
+      {"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 2, "loss": 3.0})) + "\n")
+  assert [r["loss"] for r in curves.read_metrics(str(run))] == [5.0, 3.0]
+  capsys.readouterr()
+  assert curves.main([str(tmp_path / "nowhere")]) == 2
+  assert "metrics.jsonl does not exist" in capsys.readouterr().err

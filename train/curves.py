@@ -1,0 +1,108 @@
+"""Training curves of a run, from its metrics.jsonl, as one PNG.
+
+  python -m train.curves runs/smollm2-hamburger [--out curves.png]
+
+Panels: loss (train and validation), token accuracy per micro step (acc_s1..acc_s4: the
+group's tokens 1..4; s1 comes from the base's own last hidden state, s2..s4 from the micro-step
+decoder), stop-head accuracy, and the data's mean group size with the tokens per macro step of
+the periodic generations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} does not exist: pass the checkpoint.dir of a train.main run")
+  with open(path, encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  # A resumed run re-logs the steps after its last checkpoint: the later record wins.
+  by_step = {r["step"]: r for r in rows}
+  return [by_step[s] for s in sorted(by_step)]
+
+
+def _series(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+  pts = [(r["step"], r[key]) for r in rows if key in r]
+  return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _smooth(ys: Sequence[float], window: int) -> list[float]:
+  out, acc = [], []
+  for y in ys:
+    acc = (acc + [y])[-window:]
+    out.append(sum(acc) / len(acc))
+  return out
+
+
+def plot_curves(rows: Sequence[dict[str, Any]], path: str, smooth: int = 5) -> str:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  if not rows:
+    raise ValueError("no metrics to plot: the run has not logged a step yet")
+  fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+  ax = axes[0]
+  for key, style in (("loss", "-"), ("lm_loss", "-"), ("val_loss", "o-"), ("val_lm_loss", "o-")):
+    x, y = _series(rows, key)
+    if x:
+      ax.plot(x, y if key.startswith("val") else _smooth(y, smooth), style, label=key)
+  ax.set(title="loss", xlabel="step")
+  ax.legend()
+  ax = axes[1]
+  for i in range(1, 5):
+    for prefix, style in (("", "-"), ("val_", "o--")):
+      x, y = _series(rows, f"{prefix}acc_s{i}")
+      if x:
+        ax.plot(x, y if prefix else _smooth(y, smooth), style, color=f"C{i - 1}",
+                label=f"{prefix}acc_s{i}")
+  ax.set(title="micro-step token accuracy", xlabel="step", ylim=(0, 1))
+  ax.legend(fontsize=7, ncol=2)
+  ax = axes[2]
+  for key, style in (("stop_acc", "-"), ("val_stop_acc", "o-")):
+    x, y = _series(rows, key)
+    if x:
+      ax.plot(x, y if key.startswith("val") else _smooth(y, smooth), style, label=key)
+  ax.set(title="stop head accuracy", xlabel="step", ylim=(0, 1))
+  ax.legend()
+  ax = axes[3]
+  for key, style in (("mean_group_size", "-"), ("gen_tokens_per_step", "o-")):
+    x, y = _series(rows, key)
+    if x:
+      ax.plot(x, y if key.startswith("gen") else _smooth(y, smooth), style, label=key)
+  ax.set(title="tokens per group / per macro step", xlabel="step")
+  ax.legend()
+  fig.tight_layout()
+  tmp = path + ".tmp.png"
+  fig.savefig(tmp, dpi=110)
+  plt.close(fig)
+  os.replace(tmp, path)  # never a half-written PNG under the final name
+  return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m train.curves", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("run_dir")
+  p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png)")
+  p.add_argument("--smooth", type=int, default=5, help="moving-average window for train series")
+  args = p.parse_args(argv)
+  try:
+    rows = read_metrics(args.run_dir)
+    path = plot_curves(rows, args.out or os.path.join(args.run_dir, "curves.png"), args.smooth)
+  except (FileNotFoundError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(path)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
