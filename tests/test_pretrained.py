@@ -74,3 +74,33 @@ def test_mismatches_are_named(tmp_path):
     pytest.skip("needs the SmolLM2 weights package")
   with pytest.raises(WeightsError, match="trained on a different base"):
     pretrained.load_hamburger(path)
+
+
+@pytest.mark.slow
+def test_shipped_checkpoint_loads_and_is_trained():
+  """The shipped graft fits the repo budget, loads onto the real base, and has learned: on the
+  base's own greedy answer to a prompt (grouped in pairs), its teacher-forced loss is far below
+  that of an untrained graft of the same architecture."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import layout  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.losses import hamburger_loss  # pylint: disable=import-outside-toplevel
+  from infer.engine import Engine  # pylint: disable=import-outside-toplevel
+
+  ckpt = pretrained.DEFAULT_CHECKPOINT
+  size = sum(os.path.getsize(os.path.join(ckpt, n)) for n in os.listdir(ckpt))
+  assert size <= 64 * 2**20, f"{ckpt} is {size / 2**20:.1f} MiB, over the 64 MiB repo budget"
+  trained, tok = pretrained.load_hamburger(ckpt)
+  untrained, _ = pretrained.load_hamburger(None, graft=trained.cfg.graft)
+  prompt = tok.apply_chat_template(
+      [{"role": "user", "content": "Describe how a bicycle works in three sentences."}],
+      tokenize=True)
+  answer = Engine(trained, tok, stop_ids=()).generate([prompt], max_new_tokens=32,
+                                                      mode="base")[0].token_ids
+  k = trained.max_group
+  lay = layout.layout_sample(prompt, answer, [2] * 16, k)
+  batch = {n: jnp.asarray(v) for n, v in layout.pack_rows(
+      [[lay]], lay.num_entries, lay.num_groups, k).as_dict().items()}
+  loss = {name: float(hamburger_loss(m, batch)[1]["lm_loss"])
+          for name, m in (("trained", trained), ("untrained", untrained))}
+  # Measured: trained 5.5, untrained 12.7 nats (a mis-loaded graft scores like the untrained one).
+  assert loss["untrained"] > 2 * loss["trained"], loss
