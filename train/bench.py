@@ -3,9 +3,10 @@
   python -m train.bench --config configs/smollm2_135m.yaml [--data DIR] [--steps 3]
 
 Both steps see the same packed rows of samples: HAMburger as merged entries + groups, SFT as
-the plain token sequence with the loss on response tokens. Both use AdamW and the same trainable
-set (`train.trainable`, default all for this bench). Times are the best of --steps after a
-compiled warm-up; the ratio is what the issue's target (<= 1.6x) is about.
+the plain token sequence with the loss on response tokens. Both use AdamW. The SFT step always
+trains the whole base (the run a user would do instead); --trainable picks HAMburger's set (all:
+the same base weights plus the graft; graft: graft and adapters only). Times are the best of
+--steps after a compiled warm-up; the ratio is what the issue's target (<= 1.6x) is about.
 """
 
 from __future__ import annotations
