@@ -19,6 +19,7 @@ from hamburger_jax.config import (ConfigError, GraftConfig, HamburgerConfig, Lla
 from hamburger_jax.convert import release
 from hamburger_jax.convert.mapping import WeightsError
 from hamburger_jax.losses import hamburger_loss
+from hamburger_jax.model import lora
 from hamburger_jax.model.compositional_embedder import CompositionalEmbedder
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import GraftParam, causal_segment_mask
@@ -549,3 +550,26 @@ def test_lightning_checkpoint_round_trip(tmp_path):
                                   sd[k].astype(ml_dtypes.bfloat16).view(np.uint16))
   with pytest.raises(FileNotFoundError):
     release.read_lightning_checkpoint(tmp_path / "missing.ckpt")
+
+
+def test_release_export_folds_base_adapters():
+  """A LoRA-adapted model exports as the release's full base: the adapters folded into the
+  kernels, so the release model loaded back computes what the adapted one does."""
+  cfg = release_config(True, base_lora_rank=4, base_lora_alpha=8.0)
+  m = Hamburger(cfg, rngs=nnx.Rngs(0))
+  for path, var in nnx.to_flat_state(nnx.state(m, GraftParam)):
+    if path[-1] == "b" and "lora" in path:  # b = 0 at init: make the adapters do something
+      var.set_value(jnp.full(var[...].shape, 0.05, var[...].dtype))
+  sd = release.export_release_state_dict(m)
+  plain = abstract_model(release_config(True))
+  release.load_release_state_dict(plain, sd)
+  ids = jnp.array([[5, 9, 0, 0], [3, 0, 0, 0], [7, 1, 2, 0]])[None]
+  size = jnp.array([[2, 1, 3]])
+  pos = jnp.arange(3)[None]
+  mask = causal_segment_mask(jnp.ones((1, 3), jnp.int32))
+  want = m.base_features(m.smash(ids, size), pos, mask)[0]
+  got = plain.base_features(plain.smash(ids, size), pos, mask)[0]
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+  bare = lora.without_adapters(m, merge=False)  # the adapters do change the function
+  unadapted = bare.base_features(bare.smash(ids, size), pos, mask)[0]
+  assert not np.allclose(np.asarray(unadapted), np.asarray(want), atol=1e-3)

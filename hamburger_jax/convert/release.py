@@ -23,6 +23,7 @@ from flax import nnx
 from hamburger_jax.config import ConfigError, GraftConfig, HamburgerConfig, LlamaConfig
 from hamburger_jax.convert import hf, mapping
 from hamburger_jax.convert.mapping import Rule, Table, WeightsError, linear
+from hamburger_jax.model import lora
 from hamburger_jax.model.hamburger import Hamburger
 
 RELEASE_MERGER_HEADS = 64  # hard-coded in the release's CompositionalEmbedder
@@ -124,8 +125,11 @@ def export_release_state_dict(model: Hamburger) -> dict[str, np.ndarray]:
   """Our params -> a release state dict (numpy, torch layout, each param's dtype).
 
   The tied copies are included (the same array object as embed_tokens), so the authors'
-  `load_state_dict(strict=True)` finds every key it expects.
+  `load_state_dict(strict=True)` finds every key it expects. Base adapters (LoRA) have no
+  release key: they are folded into the base kernels, which is what they compute.
   """
+  if model.cfg.graft.base_lora_rank:
+    model = lora.without_adapters(model, merge=True)
   tensors = mapping.export(model, release_table(model.cfg))
   for key in tied_keys(model.cfg):
     tensors[key] = tensors[EMBED]
