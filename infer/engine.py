@@ -99,7 +99,6 @@ class Engine:
 
   def __init__(self, model: Llama | Hamburger, tokenizer: Any = None, *,
                max_seq_len: int | None = None, stop_ids: Sequence[int] | None = None):
-    self.model = model
     self.tokenizer = tokenizer
     base = base_of(model)
     self.base_cfg = base.cfg
@@ -355,6 +354,7 @@ class Engine:
     prefill = prefill.lower(*prefill_args, mode=mode, max_new=max_new).compile()
     decode = jax.jit(self._decode_impl, static_argnames=("mode", "sampling", "stream"),
                      donate_argnames=("state",))
-    decode = decode.lower(prefill_args[0], state, mode=mode, sampling=sampling, stream=stream).compile()
+    decode = decode.lower(prefill_args[0], state, mode=mode, sampling=sampling,
+                          stream=stream).compile()
     self.programs[key] = (prefill, decode)
     return prefill, decode, time.perf_counter() - t

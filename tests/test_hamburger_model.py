@@ -557,9 +557,8 @@ def test_release_export_folds_base_adapters():
   kernels, so the release model loaded back computes what the adapted one does."""
   cfg = release_config(True, base_lora_rank=4, base_lora_alpha=8.0)
   m = Hamburger(cfg, rngs=nnx.Rngs(0))
-  for path, var in nnx.to_flat_state(nnx.state(m, GraftParam)):
-    if path[-1] == "b" and "lora" in path:  # b = 0 at init: make the adapters do something
-      var.set_value(jnp.full(var[...].shape, 0.05, var[...].dtype))
+  for lin in lora.base_linears(m.base):  # b = 0 at init: make the adapters do something
+    lin.lora.b.set_value(jnp.full(lin.lora.b.shape, 0.05, lin.lora.b.dtype))
   sd = release.export_release_state_dict(m)
   plain = abstract_model(release_config(True))
   release.load_release_state_dict(plain, sd)

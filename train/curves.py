@@ -41,6 +41,15 @@ def _smooth(ys: Sequence[float], window: int) -> list[float]:
   return out
 
 
+def _line(ax, rows: Sequence[dict[str, Any]], key: str, style: str, smooth: int, **kw) -> None:
+  """One series, if the run logged it; per-step train series smoothed, periodic ones (val_,
+  gen_) drawn as they are."""
+  x, y = _series(rows, key)
+  if x:
+    periodic = key.startswith(("val_", "gen_"))
+    ax.plot(x, y if periodic else _smooth(y, smooth), style, label=key, **kw)
+
+
 def plot_curves(rows: Sequence[dict[str, Any]], path: str, smooth: int = 5) -> str:
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
@@ -51,32 +60,23 @@ def plot_curves(rows: Sequence[dict[str, Any]], path: str, smooth: int = 5) -> s
   fig, axes = plt.subplots(1, 4, figsize=(18, 4))
   ax = axes[0]
   for key, style in (("loss", "-"), ("lm_loss", "-"), ("val_loss", "o-"), ("val_lm_loss", "o-")):
-    x, y = _series(rows, key)
-    if x:
-      ax.plot(x, y if key.startswith("val") else _smooth(y, smooth), style, label=key)
+    _line(ax, rows, key, style, smooth)
   ax.set(title="loss", xlabel="step")
   ax.legend()
   ax = axes[1]
   for i in range(1, 5):
-    for prefix, style in (("", "-"), ("val_", "o--")):
-      x, y = _series(rows, f"{prefix}acc_s{i}")
-      if x:
-        ax.plot(x, y if prefix else _smooth(y, smooth), style, color=f"C{i - 1}",
-                label=f"{prefix}acc_s{i}")
+    _line(ax, rows, f"acc_s{i}", "-", smooth, color=f"C{i - 1}")
+    _line(ax, rows, f"val_acc_s{i}", "o--", smooth, color=f"C{i - 1}")
   ax.set(title="micro-step token accuracy", xlabel="step", ylim=(0, 1))
   ax.legend(fontsize=7, ncol=2)
   ax = axes[2]
-  for key, style in (("stop_acc", "-"), ("val_stop_acc", "o-")):
-    x, y = _series(rows, key)
-    if x:
-      ax.plot(x, y if key.startswith("val") else _smooth(y, smooth), style, label=key)
+  _line(ax, rows, "stop_acc", "-", smooth)
+  _line(ax, rows, "val_stop_acc", "o-", smooth)
   ax.set(title="stop head accuracy", xlabel="step", ylim=(0, 1))
   ax.legend()
   ax = axes[3]
-  for key, style in (("mean_group_size", "-"), ("gen_tokens_per_step", "o-")):
-    x, y = _series(rows, key)
-    if x:
-      ax.plot(x, y if key.startswith("gen") else _smooth(y, smooth), style, label=key)
+  _line(ax, rows, "mean_group_size", "-", smooth)
+  _line(ax, rows, "gen_tokens_per_step", "o-", smooth)
   ax.set(title="tokens per group / per macro step", xlabel="step")
   ax.legend()
   fig.tight_layout()
