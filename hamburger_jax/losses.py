@@ -44,7 +44,7 @@ def hamburger_loss(model: Hamburger, batch: Mapping[str, jax.Array],
   b, _, k = ids.shape
   x = model.smash(ids, size)
   mask = causal_segment_mask(batch["segment_ids"])
-  feats, _ = model.base_features(x, batch["positions"], mask)  # [B, M, F, D]
+  feats, _ = model.base_features(x, batch["positions"], mask, merged_bt=size >= 2)  # [B,M,F,D]
   feats = feats[jnp.arange(b)[:, None], batch["pred_index"]]  # [B, G, F, D]
   g, f, d = feats.shape[1:]
   targets = batch["target_ids"].reshape(b * g, k)

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hamburger_jax.model import lora
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.model.llama import Llama
@@ -93,7 +92,7 @@ def base_of(model: Llama | Hamburger) -> Llama:
 class Engine:
   """Batched generation for a `Llama` (mode "base") or a `Hamburger` (mode "hamburger" or "base").
 
-  Mode "base" on a Hamburger model decodes with its base weights only (base adapters dropped),
+  Mode "base" on a Hamburger model decodes with its base weights only (base adapters never act),
   so the two modes of one engine compare the same base in the same code.
   """
 
@@ -114,10 +113,11 @@ class Engine:
 
   # ------------------------------------------------------------------ traced pieces
 
-  def _features(self, model, mode: str, x_btd, positions_bt, cache: KVCache, slots_bt):
+  def _features(self, model, mode: str, x_btd, positions_bt, cache: KVCache, slots_bt,
+                merged_bt=None):
     mask = cache.mask(slots_bt)
     if mode == "hamburger":
-      return model.base_features(x_btd, positions_bt, mask, cache, slots_bt)
+      return model.base_features(x_btd, positions_bt, mask, cache, slots_bt, merged_bt)
     base = base_of(model)
     out = base.forward(x_btd, positions_bt, mask, cache, slots_bt)
     return out.hidden[:, :, None, :], out.cache
@@ -228,8 +228,11 @@ class Engine:
           x = base.embed(group[:, 0])
         pos = state.prompt_len - 1 + state.n_tokens + offset
         slot = state.cache.length
+        # Base adapters act only on a merged entry (a group of >= 2 tokens): after a single
+        # token the base runs its exact weights, so confidence 1.0 is the base, token for token.
+        merged = (count >= 2)[:, None] if mode == "hamburger" else None
         feats, cache = self._features(model, mode, x[:, None], pos[:, None], state.cache,
-                                      slot[:, None])
+                                      slot[:, None], merged)
         cache = cache.replace(length=cache.length + (~state.done).astype(jnp.int32))
         return state.replace(cache=cache, features=feats[:, 0])
 
@@ -302,7 +305,7 @@ class Engine:
     dyn = sampling.dynamic()
     self.stream_callback = stream
 
-    params = self.base_params if mode == "base" else self.params
+    params = self.params
     args = (params, jnp.asarray(ids_bp), jnp.asarray(lens), jnp.asarray(done),
             jnp.asarray(conf_b), jax.random.key(seed), dyn["temperature"], dyn["top_p"])
     prefill, decode, compile_s = self._program(args, mode, int(max_new_tokens), sampling,
@@ -325,19 +328,14 @@ class Engine:
   def set_model(self, model: Llama | Hamburger) -> None:
     """Takes new weights; compiled programs are kept when the architecture is the same.
 
-    Base adapters (LoRA) are folded into the base kernels for HAMburger decoding, and mode
-    "base" decodes with the original base kernels, so it is the base model, exactly.
+    Base adapters stay unfolded: they act per row, only on macro steps whose input is a merged
+    entry, so mode "base" (which never marks an input merged) is the base model, exactly.
     """
-    self.model = model
-    base_params = None
-    if isinstance(model, Hamburger) and model.cfg.graft.base_lora_rank:
-      _, base_params = nnx.split(lora.without_adapters(model, merge=False))
-      model = lora.without_adapters(model, merge=True)
     graphdef, params = nnx.split(model)
     if getattr(self, "graphdef", graphdef) != graphdef:
       raise GenerationError("set_model needs a model of the same architecture as the engine's")
+    self.model = model
     self.graphdef, self.params = graphdef, params
-    self.base_params = params if base_params is None else base_params
 
   @property
   def compilations(self) -> int:

@@ -552,23 +552,25 @@ def test_lightning_checkpoint_round_trip(tmp_path):
     release.read_lightning_checkpoint(tmp_path / "missing.ckpt")
 
 
-def test_release_export_folds_base_adapters():
-  """A LoRA-adapted model exports as the release's full base: the adapters folded into the
-  kernels, so the release model loaded back computes what the adapted one does."""
+def test_release_export_folds_base_adapters_only_when_asked():
+  """The release format has one set of base weights: a model with merged-entry adapters exports
+  only with fold_adapters=True, and then equals our model with the adapters acting everywhere."""
   cfg = release_config(True, base_lora_rank=4, base_lora_alpha=8.0)
   m = Hamburger(cfg, rngs=nnx.Rngs(0))
   for lin in lora.base_linears(m.base):  # b = 0 at init: make the adapters do something
     lin.lora.b.set_value(jnp.full(lin.lora.b.shape, 0.05, lin.lora.b.dtype))
-  sd = release.export_release_state_dict(m)
+  with pytest.raises(ValueError, match="fold_adapters=True"):
+    release.export_release_state_dict(m)
+  sd = release.export_release_state_dict(m, fold_adapters=True)
   plain = abstract_model(release_config(True))
   release.load_release_state_dict(plain, sd)
   ids = jnp.array([[5, 9, 0, 0], [3, 0, 0, 0], [7, 1, 2, 0]])[None]
   size = jnp.array([[2, 1, 3]])
   pos = jnp.arange(3)[None]
   mask = causal_segment_mask(jnp.ones((1, 3), jnp.int32))
-  want = m.base_features(m.smash(ids, size), pos, mask)[0]
+  everywhere = jnp.ones((1, 3), bool)
+  want = m.base_features(m.smash(ids, size), pos, mask, merged_bt=everywhere)[0]
   got = plain.base_features(plain.smash(ids, size), pos, mask)[0]
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
-  bare = lora.without_adapters(m, merge=False)  # the adapters do change the function
-  unadapted = bare.base_features(bare.smash(ids, size), pos, mask)[0]
-  assert not np.allclose(np.asarray(unadapted), np.asarray(want), atol=1e-3)
+  gated = m.base_features(m.smash(ids, size), pos, mask, merged_bt=size >= 2)[0]
+  assert not np.allclose(np.asarray(gated), np.asarray(want), atol=1e-3)  # folding changes it

@@ -121,14 +121,23 @@ def _check_tied(state_dict: Mapping[str, np.ndarray], key: str, source: str) -> 
            if key == LM_HEAD else "the checkpoint was edited or is not the release's format"))
 
 
-def export_release_state_dict(model: Hamburger) -> dict[str, np.ndarray]:
+def export_release_state_dict(model: Hamburger,
+                              fold_adapters: bool = False) -> dict[str, np.ndarray]:
   """Our params -> a release state dict (numpy, torch layout, each param's dtype).
 
   The tied copies are included (the same array object as embed_tokens), so the authors'
-  `load_state_dict(strict=True)` finds every key it expects. Base adapters (LoRA) have no
-  release key: they are folded into the base kernels, which is what they compute.
+  `load_state_dict(strict=True)` finds every key it expects. Merged-entry adapters have no
+  release key and the release applies one set of base weights everywhere, so a model with
+  adapters exports only with `fold_adapters=True`: their deltas are folded into the kernels and
+  then act at every position, prompt and single tokens included (no longer the exact base there).
   """
   if model.cfg.graft.base_lora_rank:
+    if not fold_adapters:
+      raise ValueError(
+          "this model has merged-entry base adapters (graft.base_lora_rank="
+          f"{model.cfg.graft.base_lora_rank}), which the release format cannot express: pass "
+          "fold_adapters=True to fold them into the base kernels (they then act at every "
+          "position, so prompt and single-token steps no longer run the exact base)")
     model = lora.without_adapters(model, merge=True)
   tensors = mapping.export(model, release_table(model.cfg))
   for key in tied_keys(model.cfg):

@@ -18,7 +18,7 @@ class Hamburger(nnx.Module):
 
   def __init__(self, cfg: HamburgerConfig, *, rngs: nnx.Rngs, base: Llama | None = None):
     """`base`: an already loaded base model to graft onto (else a randomly initialised one);
-    with graft.base_lora_rank > 0 it gets adapters attached in place."""
+    with graft.base_lora_rank > 0 it gets merged-entry adapters attached in place."""
     self.cfg = cfg
     b, g = cfg.base, cfg.graft
     if base is not None and base.cfg != b:
@@ -46,10 +46,14 @@ class Hamburger(nnx.Module):
 
   def base_features(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,
                     cache: KVCache | None = None,
-                    slots_bt: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
-    """Base forward -> micro-decoder features [B, T, F, D]: raw residuals, then the normed last."""
+                    slots_bt: jax.Array | None = None,
+                    merged_bt: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+    """Base forward -> micro-decoder features [B, T, F, D]: raw residuals, then the normed last.
+
+    `merged_bt` [B, T] bool: inputs that are merged groups (size >= 2); base adapters act there
+    only, so prompt tokens and single-token entries run the exact base weights."""
     out = self.base.forward(x_btd, positions_bt, mask_bts, cache, slots_bt,
-                            collect=self.feature_layers[:-1])
+                            collect=self.feature_layers[:-1], merged_bt=merged_bt)
     return jnp.stack([*out.collected, out.hidden], axis=-2), out.cache
 
   def micro_hidden(self, features_nfd: jax.Array, teacher_nk: jax.Array) -> jax.Array:

@@ -46,12 +46,14 @@ class Linear(nnx.Module):
     self.dtype = dtype
     self.lora = nnx.data(None)  # an adapter (hamburger_jax.model.lora.LoRA) once attached
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, merged: jax.Array | None = None) -> jax.Array:
+    """`merged` [...] (x's leading dims): where True, an attached adapter adds its delta; where
+    False, or when None, this is the plain layer (the adapters are merged-entry adapters)."""
     y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
-    if self.lora is not None:
-      y = y + self.lora(x)
+    if self.lora is not None and merged is not None:
+      y = jnp.where(merged[..., None], y + self.lora(x), y)
     return y
 
 
@@ -101,18 +103,19 @@ class Attention(nnx.Module):
 
   def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,
                cache: KVCache | None = None, slots_bt: jax.Array | None = None,
-               layer: int = 0) -> tuple[jax.Array, KVCache | None]:
+               layer: int = 0, merged_bt: jax.Array | None = None
+               ) -> tuple[jax.Array, KVCache | None]:
     b, t, _ = x_btd.shape
-    q = self.q_proj(x_btd).reshape(b, t, self.num_heads, self.head_dim)
-    k = self.k_proj(x_btd).reshape(b, t, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(x_btd).reshape(b, t, self.num_kv_heads, self.head_dim)
+    q = self.q_proj(x_btd, merged_bt).reshape(b, t, self.num_heads, self.head_dim)
+    k = self.k_proj(x_btd, merged_bt).reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x_btd, merged_bt).reshape(b, t, self.num_kv_heads, self.head_dim)
     inv_freq = inverse_frequencies(self.rope_cfg)
     q = apply_rope(q, positions_bt, inv_freq)
     k = apply_rope(k, positions_bt, inv_freq)
     if cache is not None:
       cache = cache.write(layer, slots_bt, k, v)
       k, v = cache.k[layer].astype(q.dtype), cache.v[layer].astype(q.dtype)
-    return self.o_proj(attend(q, k, v, mask_bts)), cache
+    return self.o_proj(attend(q, k, v, mask_bts), merged_bt), cache
 
 
 class MLP(nnx.Module):
@@ -127,8 +130,9 @@ class MLP(nnx.Module):
     self.up_proj = Linear(d, f, ("embed", "mlp"), init=mk(d), **kw)
     self.down_proj = Linear(f, d, ("mlp", "embed"), init=mk(f), **kw)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+  def __call__(self, x: jax.Array, merged_bt: jax.Array | None = None) -> jax.Array:
+    h = jax.nn.silu(self.gate_proj(x, merged_bt)) * self.up_proj(x, merged_bt)
+    return self.down_proj(h, merged_bt)
 
 
 class DecoderLayer(nnx.Module):
@@ -142,11 +146,12 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
     self.mlp = MLP(cfg, rngs=rngs, param_type=param_type, init=init)
 
-  def __call__(self, x_btd, positions_bt, mask_bts, cache=None, slots_bt=None, layer=0):
+  def __call__(self, x_btd, positions_bt, mask_bts, cache=None, slots_bt=None, layer=0,
+               merged_bt=None):
     a, cache = self.self_attn(self.input_layernorm(x_btd), positions_bt, mask_bts, cache,
-                              slots_bt, layer)
+                              slots_bt, layer, merged_bt)
     x_btd = x_btd + a
-    return x_btd + self.mlp(self.post_attention_layernorm(x_btd)), cache
+    return x_btd + self.mlp(self.post_attention_layernorm(x_btd), merged_bt), cache
 
 
 class DecoderStack(nnx.Module):
@@ -159,11 +164,14 @@ class DecoderStack(nnx.Module):
 
   def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,
                cache: KVCache | None = None, slots_bt: jax.Array | None = None,
-               collect: Sequence[int] = ()) -> tuple[jax.Array, list[jax.Array], KVCache | None]:
-    """Returns the last residual stream, the residual outputs of layers `collect`, the cache."""
+               collect: Sequence[int] = (), merged_bt: jax.Array | None = None
+               ) -> tuple[jax.Array, list[jax.Array], KVCache | None]:
+    """Returns the last residual stream, the residual outputs of layers `collect`, the cache.
+
+    `merged_bt` [B, T] bool: entries that are merged groups (only there do adapters act)."""
     collected = []
     for i, layer in enumerate(self.layers):
-      x_btd, cache = layer(x_btd, positions_bt, mask_bts, cache, slots_bt, i)
+      x_btd, cache = layer(x_btd, positions_bt, mask_bts, cache, slots_bt, i, merged_bt)
       if i in collect:
         collected.append(x_btd)
     return x_btd, collected, cache
@@ -206,19 +214,24 @@ class Llama(nnx.Module):
 
   def forward(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,
               cache: KVCache | None = None, slots_bt: jax.Array | None = None,
-              collect: Sequence[int] = ()) -> BaseOutput:
-    x, collected, cache = self.decoder(x_btd, positions_bt, mask_bts, cache, slots_bt, collect)
+              collect: Sequence[int] = (), merged_bt: jax.Array | None = None) -> BaseOutput:
+    """`merged_bt` [B, T] bool marks merged-entry inputs, where base adapters act; None (prompt,
+    base mode) runs the exact base weights everywhere."""
+    x, collected, cache = self.decoder(x_btd, positions_bt, mask_bts, cache, slots_bt, collect,
+                                       merged_bt)
     return BaseOutput(self.norm(x), collected, cache)
 
   def __call__(self, ids_bt: jax.Array, segment_ids_bt: jax.Array | None = None,
-               positions_bt: jax.Array | None = None) -> jax.Array:
-    """Plain uncached forward: token ids -> fp32 logits [B, T, V]."""
+               positions_bt: jax.Array | None = None,
+               merged_bt: jax.Array | None = None) -> jax.Array:
+    """Plain uncached forward: token ids -> fp32 logits [B, T, V] (adapters only at merged_bt)."""
     b, t = ids_bt.shape
     if segment_ids_bt is None:
       segment_ids_bt = jnp.ones((b, t), jnp.int32)
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(t), (b, t))
-    out = self.forward(self.embed(ids_bt), positions_bt, causal_segment_mask(segment_ids_bt))
+    out = self.forward(self.embed(ids_bt), positions_bt, causal_segment_mask(segment_ids_bt),
+                       merged_bt=merged_bt)
     return self.logits(out.hidden)
 
 
