@@ -77,10 +77,12 @@ def test_mismatches_are_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_shipped_checkpoint_loads_and_is_trained():
+def test_shipped_checkpoint_loads_is_trained_and_is_the_base_at_confidence_1():
   """The shipped graft fits the repo budget, loads onto the real base, and has learned: on the
   base's own greedy answer to a prompt (grouped in pairs), its teacher-forced loss is far below
-  that of an untrained graft of the same architecture."""
+  that of an untrained graft of the same architecture. With nothing merged (confidence 1.0) it
+  decodes exactly the base's greedy tokens on real prompts (its adapters act on merged entries
+  only)."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from hamburger_jax import layout  # pylint: disable=import-outside-toplevel
   from hamburger_jax.losses import hamburger_loss  # pylint: disable=import-outside-toplevel
@@ -104,3 +106,10 @@ def test_shipped_checkpoint_loads_and_is_trained():
           for name, m in (("trained", trained), ("untrained", untrained))}
   # Measured: trained 5.5, untrained 12.7 nats (a mis-loaded graft scores like the untrained one).
   assert loss["untrained"] > 2 * loss["trained"], loss
+  engine = Engine(trained, tok)
+  prompts = ["Describe how a bicycle works in three sentences.", "What is 17 + 25?",
+             "Write a haiku about the sea.", "List three uses of copper."]
+  base = engine.generate(prompts, max_new_tokens=24, mode="base")
+  one = engine.generate(prompts, max_new_tokens=24, mode="hamburger", confidence=1.0)
+  for b, h in zip(base, one):
+    assert h.token_ids == b.token_ids and h.groups == [1] * h.new_tokens
