@@ -25,6 +25,14 @@ class SampleLayout:
   pred_index: np.ndarray  # [G] entry whose base output predicts group g
   target_ids: np.ndarray  # [G, K] tokens of group g
   target_size: np.ndarray  # [G]
+  # The K response tokens from group g's first one on (past the group's end too, so that a
+  # micro step's agreement with the teacher is defined after the group's last token).
+  window_ids: np.ndarray  # [G, K]
+  window_size: np.ndarray  # [G] min(K, tokens left in the response)
+  # Teacher signals (distillation recipe), aligned to the windows; None without them.
+  teacher_topk_ids: np.ndarray | None = None  # [G, K, k]
+  teacher_topk_logp: np.ndarray | None = None  # [G, K, k]
+  teacher_features: np.ndarray | None = None  # [G, F, D] the base's features predicting g
 
   @property
   def num_entries(self) -> int:
@@ -55,7 +63,10 @@ def merged_positions(prompt_len: int, groups, position_offset: int = 0) -> np.nd
 
 
 def layout_sample(prompt_ids, response_ids, groups, max_group: int,
-                  position_offset: int = 0) -> SampleLayout:
+                  position_offset: int = 0,
+                  teacher: dict[str, np.ndarray] | None = None) -> SampleLayout:
+  """`teacher`: per-response-token topk_ids / topk_logp [R, k] and per-group features [G, F, D]
+  (as the data preparation stores them)."""
   prompt_ids = np.asarray(prompt_ids, dtype=np.int32)
   response_ids = np.asarray(response_ids, dtype=np.int32)
   p = len(prompt_ids)
@@ -72,8 +83,24 @@ def layout_sample(prompt_ids, response_ids, groups, max_group: int,
   input_ids[p:] = target_ids
   input_size = np.concatenate([np.ones(p, np.int32), groups.astype(np.int32)])
   pred_index = np.concatenate([[p - 1], p + np.arange(n - 1)]).astype(np.int32)
+  r = len(response_ids)
+  window = starts[:, None] + np.arange(max_group)[None, :]  # [G, K] response indices
+  inside = window < r
+  window_ids = np.where(inside, response_ids[np.minimum(window, r - 1)], 0).astype(np.int32)
+  window_size = np.minimum(max_group, r - starts).astype(np.int32)
+  extra = {}
+  if teacher is not None:
+    ids, logp, feats = (np.asarray(teacher[k]) for k in ("topk_ids", "topk_logp", "features"))
+    if len(ids) != r or len(logp) != r or len(feats) != n:
+      raise LayoutError(f"teacher signals cover {len(ids)} tokens and {len(feats)} groups but "
+                        f"the sample has {r} response tokens in {n} groups")
+    rows = np.minimum(window, r - 1)
+    extra = dict(teacher_topk_ids=np.where(inside[..., None], ids[rows], 0).astype(np.int32),
+                 teacher_topk_logp=np.where(inside[..., None], logp[rows], 0).astype(np.float32),
+                 teacher_features=feats.astype(np.float32))
   return SampleLayout(input_ids, input_size, merged_positions(p, groups, position_offset),
-                      pred_index, target_ids, groups.astype(np.int32))
+                      pred_index, target_ids, groups.astype(np.int32), window_ids, window_size,
+                      **extra)
 
 
 def stop_targets(group_sizes, max_group: int) -> tuple[np.ndarray, np.ndarray]:
@@ -93,21 +120,39 @@ class PackedBatch:
   pred_index: np.ndarray  # [B, G] index into M
   target_ids: np.ndarray  # [B, G, K]
   target_size: np.ndarray  # [B, G] 0 = padding group
+  window_ids: np.ndarray  # [B, G, K]
+  window_size: np.ndarray  # [B, G] 0 = padding group
+  teacher_topk_ids: np.ndarray | None = None  # [B, G, K, k]
+  teacher_topk_logp: np.ndarray | None = None  # [B, G, K, k] float32
+  teacher_features: np.ndarray | None = None  # [B, G, F, D] float32
 
   def as_dict(self) -> dict[str, np.ndarray]:
-    return dataclasses.asdict(self)
+    """The fields that are present (teacher signals only in distillation data)."""
+    return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 def pack_rows(rows: list[list[SampleLayout]], entries: int, groups: int,
               max_group: int) -> PackedBatch:
   """Lays out rows of samples into fixed [entries] and [groups] slots; raises if one overflows."""
   b = len(rows)
+  samples = [s for row in rows for s in row]
+  teacher = {}
+  if samples and samples[0].teacher_features is not None:
+    s0 = samples[0]
+    if any(s.teacher_features is None for s in samples):
+      raise LayoutError("some samples of a batch carry teacher signals and some do not")
+    teacher = dict(
+        teacher_topk_ids=np.zeros((b, groups, *s0.teacher_topk_ids.shape[1:]), np.int32),
+        teacher_topk_logp=np.zeros((b, groups, *s0.teacher_topk_logp.shape[1:]), np.float32),
+        teacher_features=np.zeros((b, groups, *s0.teacher_features.shape[1:]), np.float32))
   out = PackedBatch(
       input_ids=np.zeros((b, entries, max_group), np.int32),
       input_size=np.zeros((b, entries), np.int32), positions=np.zeros((b, entries), np.int32),
       segment_ids=np.zeros((b, entries), np.int32), pred_index=np.zeros((b, groups), np.int32),
       target_ids=np.zeros((b, groups, max_group), np.int32),
-      target_size=np.zeros((b, groups), np.int32))
+      target_size=np.zeros((b, groups), np.int32),
+      window_ids=np.zeros((b, groups, max_group), np.int32),
+      window_size=np.zeros((b, groups), np.int32), **teacher)
   for r, samples in enumerate(rows):
     m = g = 0
     for seg, s in enumerate(samples, start=1):
@@ -121,6 +166,10 @@ def pack_rows(rows: list[list[SampleLayout]], entries: int, groups: int,
       out.pred_index[r, gl] = s.pred_index + m
       out.target_ids[r, gl] = s.target_ids
       out.target_size[r, gl] = s.target_size
+      out.window_ids[r, gl] = s.window_ids
+      out.window_size[r, gl] = s.window_size
+      for name in teacher:
+        getattr(out, name)[r, gl] = getattr(s, name)
       m += s.num_entries
       g += s.num_groups
   return out

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hamburger_jax.model.llama import causal_segment_mask
+
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
@@ -34,6 +36,19 @@ class Strategy:
 class TokenStats:
   entropy: np.ndarray  # [R] nats of the distribution predicting each response token
   prob: np.ndarray  # [R] probability that distribution gives the token itself
+  # Teacher signals (TeacherSpec given): the distribution predicting each response token as its
+  # top-k (ids by decreasing probability, log-probabilities), and the base's F micro-decoder
+  # features (SPEC.md 1.3) at each predicting position (row j predicts response token j).
+  topk_ids: np.ndarray | None = None  # [R, k] int32
+  topk_logp: np.ndarray | None = None  # [R, k] float32
+  features: np.ndarray | None = None  # [R, F, D] float32
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherSpec:
+  """What the distillation recipe stores per sample from the original base's forward."""
+  top_k: int
+  feature_layers: tuple[int, ...]  # the graft's resolved feature layers (last = normed output)
 
 
 MIN_THRESHOLD = 0.05  # nats: a token this certain always joins (decreasing_v2)
@@ -174,16 +189,25 @@ def segment_positions(segment_ids_bt: jax.Array) -> jax.Array:
   return idx - jax.lax.cummax(starts, axis=1)
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("teacher",))
 def _stats_jit(graphdef: nnx.GraphDef, state: nnx.State, ids_bt: jax.Array,
-               segment_ids_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Entropy at every position, and the probability given to the token at the next position."""
+               segment_ids_bt: jax.Array, teacher: TeacherSpec | None = None) -> tuple:
+  """Entropy at every position and the probability given to the token at the next position;
+  with `teacher`, also the top-k (ids, log-probs) and the features at every position."""
   model = nnx.merge(graphdef, state)
-  logits = model(ids_bt, segment_ids_bt, segment_positions(segment_ids_bt))  # [B, T, V] fp32
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  positions = segment_positions(segment_ids_bt)
+  layers = teacher.feature_layers if teacher else ()
+  out = model.forward(model.embed(ids_bt), positions, causal_segment_mask(segment_ids_bt),
+                      collect=layers[:-1])
+  logp = jax.nn.log_softmax(model.logits(out.hidden), axis=-1)  # [B, T, V] fp32
   next_ids = jnp.pad(ids_bt[:, 1:], ((0, 0), (0, 1)))
   p_next = jnp.exp(jnp.take_along_axis(logp, next_ids[..., None], axis=-1)[..., 0])
-  return -jnp.sum(jnp.exp(logp) * logp, axis=-1), p_next
+  entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+  if teacher is None:
+    return entropy, p_next
+  top_logp, top_ids = jax.lax.top_k(logp, teacher.top_k)
+  features = jnp.stack([*out.collected, out.hidden], axis=-2)  # [B, T, F, D]
+  return entropy, p_next, top_ids, top_logp, features
 
 
 def position_entropies(model: nnx.Module, ids_bt, segment_ids_bt) -> np.ndarray:
@@ -205,8 +229,10 @@ def response_entropies(model: nnx.Module, samples: Sequence[tuple[Sequence[int],
 def response_token_stats(model: nnx.Module,
                          samples: Sequence[tuple[Sequence[int], Sequence[int]]], *,
                          batch_tokens: int = 2048, row_len: int | None = None, bucket: int = 64,
+                         teacher: TeacherSpec | None = None,
                          progress: Callable[[int], None] | None = None) -> list[TokenStats]:
-  """Teacher-forced entropies and token probabilities of each sample's response tokens.
+  """Teacher-forced entropies and token probabilities of each sample's response tokens (and,
+  with `teacher`, its teacher signals: see TokenStats).
 
   `samples` are (prompt ids, response ids). They are packed (longest first, first fit) into rows
   of `row_len` tokens (default: the longest sample rounded up to a multiple of `bucket`), one
@@ -252,13 +278,14 @@ def response_token_stats(model: nnx.Module,
         seg[r, t:t + len(seqs[k])] = j
         starts[k] = (r, t)
         t += len(seqs[k])
-    ent, prob = map(np.asarray, _stats_jit(graphdef, state, jnp.asarray(ids), jnp.asarray(seg)))
+    arrays = [np.asarray(a) for a in _stats_jit(graphdef, state, jnp.asarray(ids),
+                                                 jnp.asarray(seg), teacher)]
     for row in batch:
       for k in row:
         r, t = starts[k]
         p, n = len(samples[k][0]), len(samples[k][1])
         span = slice(t + p - 1, t + p - 1 + n)
-        out[k] = TokenStats(ent[r, span].copy(), prob[r, span].copy())
+        out[k] = TokenStats(*(a[r, span].copy() for a in arrays))
     if progress is not None:
       progress(sum(len(row) for row in batch))
   return out  # type: ignore[return-value]

@@ -6,16 +6,18 @@ import collections
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 from flax import nnx
 
 from hamburger_jax.config import LlamaConfig
-from hamburger_jax.data import pipeline, prepare, sources
+from hamburger_jax.data import pipeline, prepare, sources, tfds_builder
 from hamburger_jax.data.tfds_builder import DatasetExistsError, build_dataset
 from hamburger_jax.layout import LayoutError
-from hamburger_jax.model.llama import Llama
+from hamburger_jax.model.llama import Llama, causal_segment_mask
 from hamburger_jax.tokenizer import load_default_tokenizer
 from train import prepare_data
 
@@ -144,7 +146,7 @@ def test_tfds_round_trip(tmp_path):
   records, val = _records(7), _records(2, seed=1)
   out = _build(tmp_path / "ds", records, val, metadata={"strategy": "decreasing_v2"})
   builder = tfds.builder_from_directory(out)
-  assert str(builder.info.version) == "1.0.0" and "1.0.0" in builder.info.release_notes
+  assert str(builder.info.version) == "1.1.0" and "1.1.0" in builder.info.release_notes
   assert builder.info.metadata["max_group"] == K
   assert builder.info.metadata["strategy"] == "decreasing_v2"
   data = builder.as_data_source()
@@ -450,3 +452,49 @@ def test_jsonl_exact_ids_pass_through(tmp_path):
     path = _write(tmp_path / "b.jsonl", [json.dumps(bad)])
     with pytest.raises(sources.SourceError, match="b.jsonl:1"):
       next(sources.jsonl_conversations(path))
+
+
+def test_stored_teacher_signals_equal_an_online_teacher_forward(tmp_path):
+  """prepare_dataset(teacher=...) stores, per sample, the base's top-k log-probs for every
+  response token and its F features at each group's predicting position; they equal a plain
+  forward of the same sample (up to the stored precisions), and reach packed batches aligned
+  to each group's K-token window."""
+  from hamburger_jax.data.pipeline import record_layout  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.segmentation import TeacherSpec  # pylint: disable=import-outside-toplevel
+  cfg = LlamaConfig(vocab_size=260, hidden_size=16, intermediate_size=32, num_layers=3,
+                    num_heads=2, num_kv_heads=1)
+  model = Llama(cfg, rngs=nnx.Rngs(0))
+  convs = [sources.Conversation([{"role": "user", "content": f"q{i}" * (i % 3 + 1)}],
+                                "answer " * (i % 4 + 1), "test", str(i)) for i in range(6)]
+  teacher = TeacherSpec(top_k=5, feature_layers=(0, 2))
+  prepare.prepare_dataset(convs, model, _FakeTokenizer(), str(tmp_path / "ds"),
+                          strategy="fixed:3", max_len=80, val_fraction=0.0, teacher=teacher)
+  builder = tfds.builder_from_directory(str(tmp_path / "ds"))
+  assert builder.info.metadata["teacher"]["feature_layers"] == [0, 2]
+  assert builder.info.metadata["base_fingerprint"] == prepare.base_fingerprint(model)
+  data = builder.as_data_source()["train"]
+  assert len(data) == 6
+  for i in range(len(data)):
+    rec = data[i]
+    ids, p = np.asarray(rec["input_ids"]), int(rec["prompt_len"])
+    out = model.forward(model.embed(jnp.asarray(ids)[None]), jnp.arange(len(ids))[None],
+                        causal_segment_mask(jnp.ones((1, len(ids)), jnp.int32)), collect=(0,))
+    logp = np.asarray(jax.nn.log_softmax(model.logits(out.hidden)[0], axis=-1))
+    feats = np.stack([np.asarray(out.collected[0][0]), np.asarray(out.hidden[0])], axis=1)
+    pred = logp[p - 1:len(ids) - 1]  # row j predicts response token j
+    want_ids = np.argsort(-pred, axis=-1, kind="stable")[:, :5]
+    np.testing.assert_array_equal(rec["teacher_topk_ids"], want_ids)
+    np.testing.assert_allclose(np.asarray(rec["teacher_topk_logp"], np.float32),
+                               np.take_along_axis(pred, want_ids, -1), rtol=2e-3, atol=2e-3)
+    groups = np.asarray(rec["groups"])
+    starts = np.cumsum(groups) - groups
+    got = tfds_builder.from_bfloat16_bits(rec["teacher_features"])
+    np.testing.assert_allclose(got, feats[p - 1 + starts], rtol=1e-2, atol=1e-2)
+    lay = record_layout(rec, 4)
+    r = len(ids) - p
+    for g, s in enumerate(starts):
+      for k in range(4):
+        if s + k < r:
+          assert lay.window_ids[g, k] == ids[p + s + k]
+          np.testing.assert_array_equal(lay.teacher_topk_ids[g, k], want_ids[s + k])
+      assert lay.window_size[g] == min(4, r - s)

@@ -26,9 +26,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="python -m train.prepare_data", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", required=True, help="YAML run config (its model: and graft:)")
-  p.add_argument("--source", required=True,
-                 help=f"one of: {', '.join(sources.SOURCE_SPECS)}")
-  p.add_argument("--limit", type=int, default=None, help="at most this many conversations")
+  p.add_argument("--source", required=True, action="append",
+                 help=f"one of: {', '.join(sources.SOURCE_SPECS)}, optionally SPEC@N for at most "
+                 "N of its conversations; repeat to mix sources (read in the order given)")
+  p.add_argument("--limit", type=int, default=None,
+                 help="at most this many conversations (of each source without its own @N)")
   p.add_argument("--strategy", default="decreasing_v2",
                  help="segmentation: decreasing_v2 (default), fixed:k, sliding, small_group")
   p.add_argument("--max-len", type=int, default=384,
@@ -43,6 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--distill-tokens", type=int, default=256,
                  help="max new tokens of a self-distilled response")
   p.add_argument("--distill-batch", type=int, default=16)
+  p.add_argument("--teacher-top-k", type=int, default=0,
+                 help="store teacher signals for the distill recipe: the base's top-k "
+                 "log-probabilities per response token and its features at each group's "
+                 "predicting position (0: none, the paper recipe)")
   p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
   p.add_argument("--out", required=True, help="output dataset directory")
   return p.parse_args(argv)
@@ -56,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     get_strategy(args.strategy)
     cfg = load_run_config(args.config)
     max_group = cfg.graft.max_group
-    conversations = sources.make_source(args.source, args.limit, args.seed)
+    if args.teacher_top_k < 0:
+      raise ValueError(f"--teacher-top-k={args.teacher_top_k} must be >= 0")
+    conversations = sources.mixed_sources(args.source, args.limit, args.seed)
   except (DatasetExistsError, ValueError) as e:
     return _fail(e)
   import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
@@ -74,13 +82,23 @@ def main(argv: list[str] | None = None) -> int:
       conversations = list(distill(conversations, Engine(model, tokenizer), tokenizer,
                                    max_new_tokens=args.distill_tokens, batch=args.distill_batch,
                                    progress=bar.update))
+  teacher = None
+  if args.teacher_top_k:
+    from hamburger_jax.segmentation import TeacherSpec  # pylint: disable=import-outside-toplevel
+    if args.teacher_top_k > model.cfg.vocab_size:
+      return _fail(ValueError(f"--teacher-top-k={args.teacher_top_k} exceeds the vocabulary "
+                              f"({model.cfg.vocab_size})"))
+    teacher = TeacherSpec(args.teacher_top_k,
+                          cfg.graft.resolved_feature_layers(model.cfg.num_layers))
   try:
-    with tqdm(total=args.limit, unit="sample", desc="segmenting") as bar:
+    with tqdm(unit="sample", desc="segmenting" + (" + teacher" if teacher else "")) as bar:
       stats = prepare.prepare_dataset(
           conversations, model, tokenizer, args.out, strategy=args.strategy,
           max_group=max_group, max_len=args.max_len, val_fraction=args.val_fraction,
           seed=args.seed, overwrite=args.overwrite, batch_tokens=args.batch_tokens,
-          metadata={"source": args.source, "config": args.config}, progress=bar.update)
+          metadata={"source": ",".join(args.source), "config": args.config,
+                    "base": cfg.model.base},
+          teacher=teacher, progress=bar.update)
   except (sources.SourceError, LayoutError, DatasetExistsError) as e:  # bad data, named
     return _fail(e)
   print(stats.summary())

@@ -21,10 +21,17 @@ _READ_THREADS = 2  # the machines this runs on have few cores; the model wants t
 
 def record_layout(record: Mapping[str, Any], max_group: int,
                   position_offset: int = 0) -> SampleLayout:
-  """A stored record (tfds_builder features) -> its base-input / target layout."""
+  """A stored record (tfds_builder features) -> its base-input / target layout (with the
+  teacher signals when the record has them)."""
   ids = np.asarray(record["input_ids"], np.int32)
   p = int(record["prompt_len"])
-  return layout_sample(ids[:p], ids[p:], record["groups"], max_group, position_offset)
+  teacher = None
+  if "teacher_features" in record:
+    from hamburger_jax.data.tfds_builder import from_bfloat16_bits  # pylint: disable=import-outside-toplevel
+    teacher = {"topk_ids": record["teacher_topk_ids"],
+               "topk_logp": np.asarray(record["teacher_topk_logp"], np.float32),
+               "features": from_bfloat16_bits(record["teacher_features"])}
+  return layout_sample(ids[:p], ids[p:], record["groups"], max_group, position_offset, teacher)
 
 
 class PackBatchIterDataset(grain.IterDataset):

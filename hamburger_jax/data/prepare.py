@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import json
 import os
 import tempfile
@@ -127,12 +128,25 @@ def tokenize(conversation: Conversation, tokenizer, eot_id: int) -> TokenizedSam
 
 def segment(model: nnx.Module, samples: list[TokenizedSample], strategy: segmentation.Strategy,
             max_group: int, *, batch_tokens: int = 2048, row_len: int | None = None,
-            progress: Callable[[int], None] | None = None) -> list[np.ndarray]:
-  """Group sizes of each sample's response, from the model's teacher-forced token statistics."""
+            teacher: segmentation.TeacherSpec | None = None,
+            progress: Callable[[int], None] | None = None
+            ) -> list[tuple[np.ndarray, dict[str, np.ndarray] | None]]:
+  """Group sizes of each sample's response, from the model's teacher-forced token statistics,
+  and (with `teacher`) the sample's teacher signals: top-k per response token and the features
+  at each group's predicting position (the token before the group's first)."""
   stats = segmentation.response_token_stats(
       model, [(s.prompt_ids, s.response_ids) for s in samples], batch_tokens=batch_tokens,
-      row_len=row_len, progress=progress)
-  return [np.asarray(strategy(getattr(st, strategy.reads), max_group), np.int32) for st in stats]
+      row_len=row_len, teacher=teacher, progress=progress)
+  out = []
+  for st in stats:
+    groups = np.asarray(strategy(getattr(st, strategy.reads), max_group), np.int32)
+    signals = None
+    if teacher is not None:
+      starts = np.cumsum(groups) - groups  # row j of st.features predicts response token j
+      signals = {"teacher_topk_ids": st.topk_ids, "teacher_topk_logp": st.topk_logp,
+                 "teacher_features": st.features[starts]}
+    out.append((groups, signals))
+  return out
 
 
 def _chunks(it: Iterable[Any], size: int) -> Iterator[list[Any]]:
@@ -151,12 +165,14 @@ def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, to
                     max_len: int = 384, val_fraction: float = 0.05, seed: int = 0,
                     overwrite: bool = False, chunk_size: int = 256, batch_tokens: int = 2048,
                     metadata: Mapping[str, Any] | None = None,
+                    teacher: segmentation.TeacherSpec | None = None,
                     progress: Callable[[int], None] | None = None) -> PrepareStats:
   """Tokenises, segments and writes `conversations` to `out_dir` (train + validation splits).
 
   Streams: conversations are read `chunk_size` at a time and segmented samples go to a temp
-  JSONL beside `out_dir`, so memory does not grow with the source. `progress(n)` is called as
-  conversations are segmented or dropped.
+  JSONL beside `out_dir` (teacher arrays to .npy files there), so memory does not grow with the
+  source. `teacher` stores the distillation recipe's teacher signals with every sample (see
+  `segment`). `progress(n)` is called as conversations are segmented or dropped.
   """
   start = time.perf_counter()
   strategy_fn = segmentation.get_strategy(strategy)
@@ -190,10 +206,13 @@ def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, to
     with open(samples_path, "w", encoding="utf-8") as f:
       for chunk in _chunks(kept(), chunk_size):
         t0 = time.perf_counter()
-        groups = segment(model, chunk, strategy_fn, max_group, batch_tokens=batch_tokens,
-                         row_len=row_len, progress=progress)
+        segmented = segment(model, chunk, strategy_fn, max_group, batch_tokens=batch_tokens,
+                            row_len=row_len, teacher=teacher, progress=progress)
         stats.segment_seconds += time.perf_counter() - t0
-        for s, g in zip(chunk, groups):
+        for s, (g, signals) in zip(chunk, segmented):
+          if signals is not None:
+            for name, value in signals.items():
+              np.save(os.path.join(tmp, f"{stats.samples}.{name}.npy"), value)
           f.write(json.dumps({
               "input_ids": np.concatenate([s.prompt_ids, s.response_ids]).tolist(),
               "prompt_len": len(s.prompt_ids), "groups": g.tolist(), "source": s.source,
@@ -215,17 +234,41 @@ def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, to
         with open(samples_path, encoding="utf-8") as f:
           for i, line in enumerate(f):
             if (i in val) == (split == "validation"):
-              yield json.loads(line)
+              sample = json.loads(line)
+              for name in (TEACHER_FIELDS if teacher else ()):
+                sample[name] = np.load(os.path.join(tmp, f"{i}.{name}.npy"))
+              yield sample
       return gen
 
     splits = {"train": read("train")}
     if val:
       splits["validation"] = read("validation")
     meta = {"strategy": strategy, "max_len": max_len, "val_fraction": val_fraction, "seed": seed,
-            "end_of_turn_id": eot, **dict(metadata or {})}
-    build_dataset(out, splits, max_group=max_group, metadata=meta, overwrite=overwrite)
+            "end_of_turn_id": eot, "base_fingerprint": base_fingerprint(model),
+            **dict(metadata or {})}
+    shapes = None
+    if teacher is not None:
+      shapes = {"top_k": teacher.top_k, "num_features": len(teacher.feature_layers),
+                "hidden": model.cfg.hidden_size}
+      meta["teacher"] = {**shapes, "feature_layers": list(teacher.feature_layers)}
+    build_dataset(out, splits, max_group=max_group, metadata=meta, overwrite=overwrite,
+                  teacher=shapes)
   stats.seconds = time.perf_counter() - start
   return stats
+
+
+TEACHER_FIELDS = ("teacher_topk_ids", "teacher_topk_logp", "teacher_features")
+
+
+def base_fingerprint(model: nnx.Module) -> str:
+  """Identifies the base whose forward made a dataset's groups and teacher signals: its
+  architecture and a hash of some of its weights (the same architecture with other weights
+  would segment and teach differently)."""
+  h = hashlib.sha256(json.dumps(dataclasses.asdict(model.cfg), sort_keys=True).encode())
+  h.update(np.asarray(model.embed_tokens[...][:64], np.float32).tobytes())
+  h.update(np.asarray(model.decoder.layers[-1].mlp.down_proj.kernel[...][:64],
+                      np.float32).tobytes())
+  return h.hexdigest()[:16]
 
 
 def validation_indices(n: int, fraction: float, seed: int) -> set[int]:

@@ -7,6 +7,7 @@ response text (the response the model learns to emit, SPEC.md 2.1).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 from typing import Any, Iterator
@@ -204,6 +205,22 @@ def make_source(spec: str, limit: int | None = None, seed: int = 0) -> Iterator[
   else:
     raise SourceError(f"unknown data source {spec!r}; valid sources are: {', '.join(SOURCE_SPECS)}")
   return _take(it, limit)
+
+
+def mixed_sources(specs: list[str], limit: int | None = None,
+                  seed: int = 0) -> Iterator[Conversation]:
+  """Several sources read one after the other; "SPEC@N" takes at most N of SPEC (else `limit`).
+  Every spec is checked before any is read."""
+  parts = []
+  for spec in specs:
+    name, at, n = spec.rpartition("@") if "@" in spec else (spec, "", "")
+    own = limit
+    if at:
+      if not n.isdigit() or int(n) < 1:
+        raise SourceError(f"source {spec!r}: the count after @ must be a positive integer")
+      own = int(n)
+    parts.append(make_source(name, own, seed))
+  return itertools.chain.from_iterable(parts)
 
 
 def _take(it: Iterator[Conversation], limit: int | None) -> Iterator[Conversation]:

@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from typing import Any, Callable, Iterable, Mapping
 
+import ml_dtypes
 import numpy as np
 import tensorflow_datasets as tfds
 
@@ -29,27 +30,40 @@ class DatasetExistsError(FileExistsError):
 class HamburgerSft(tfds.core.GeneratorBasedBuilder):
   """Tokenised SFT samples with their entropy groups, for HAMburger training."""
 
-  VERSION = tfds.core.Version("1.0.0")
+  VERSION = tfds.core.Version("1.1.0")
   RELEASE_NOTES = {
       "1.0.0": "input_ids (prompt + response incl. end-of-turn), prompt_len, groups, source.",
+      "1.1.0": "optional teacher signals for distillation: teacher_topk_ids / teacher_topk_logp "
+               "[R, k] per response token, teacher_features [G, F, D] (bfloat16 bits) per group.",
   }
 
   def __init__(self, *, splits: Mapping[str, Callable[[], Iterable[Sample]]] | None = None,
-               max_group: int = 4, metadata: Mapping[str, Any] | None = None, **kwargs):
-    """`splits` maps a split name to a function returning its samples (read once, lazily)."""
+               max_group: int = 4, metadata: Mapping[str, Any] | None = None,
+               teacher: Mapping[str, int] | None = None, **kwargs):
+    """`splits` maps a split name to a function returning its samples (read once, lazily);
+    `teacher` ({top_k, num_features, hidden}) adds the teacher-signal features."""
     self._splits = dict(splits or {})
     self._max_group = max_group
     self._metadata = dict(metadata or {})
+    self._teacher = dict(teacher) if teacher else None
     super().__init__(**kwargs)
 
   def _info(self) -> tfds.core.DatasetInfo:
+    features = {
+        "input_ids": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+        "prompt_len": tfds.features.Scalar(dtype=np.int32),
+        "groups": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+        "source": tfds.features.Text(),
+    }
+    if self._teacher:
+      k, f, d = (self._teacher[n] for n in ("top_k", "num_features", "hidden"))
+      features.update(
+          teacher_topk_ids=tfds.features.Tensor(shape=(None, k), dtype=np.int32),
+          teacher_topk_logp=tfds.features.Tensor(shape=(None, k), dtype=np.float16),
+          # bfloat16 bit patterns: residual streams hold values far beyond float16's range.
+          teacher_features=tfds.features.Tensor(shape=(None, f, d), dtype=np.uint16))
     return self.dataset_info_from_configs(
-        features=tfds.features.FeaturesDict({
-            "input_ids": tfds.features.Tensor(shape=(None,), dtype=np.int32),
-            "prompt_len": tfds.features.Scalar(dtype=np.int32),
-            "groups": tfds.features.Tensor(shape=(None,), dtype=np.int32),
-            "source": tfds.features.Text(),
-        }),
+        features=tfds.features.FeaturesDict(features),
         metadata=tfds.core.MetadataDict(max_group=self._max_group, **self._metadata),
         # Records keep the generator's order; the training pipeline shuffles.
         disable_shuffling=True)
@@ -63,10 +77,11 @@ class HamburgerSft(tfds.core.GeneratorBasedBuilder):
 
   def _generate_examples(self, split: str, samples_fn: Callable[[], Iterable[Sample]]):
     for i, sample in enumerate(samples_fn()):
-      yield i, encode_sample(sample, self._max_group, f"{split} sample {i}")
+      yield i, encode_sample(sample, self._max_group, f"{split} sample {i}", self._teacher)
 
 
-def encode_sample(sample: Sample, max_group: int, where: str = "sample") -> dict[str, Any]:
+def encode_sample(sample: Sample, max_group: int, where: str = "sample",
+                  teacher: Mapping[str, int] | None = None) -> dict[str, Any]:
   """Validates one sample and converts it to the feature dtypes; raises LayoutError if bad."""
   ids = np.asarray(sample["input_ids"], np.int32)
   prompt_len = int(sample["prompt_len"])
@@ -77,13 +92,33 @@ def encode_sample(sample: Sample, max_group: int, where: str = "sample") -> dict
     groups = check_groups(sample["groups"], len(ids) - prompt_len, max_group)
   except LayoutError as e:
     raise LayoutError(f"{where} ({sample.get('source', '?')}): {e}") from None
-  return {"input_ids": ids, "prompt_len": np.int32(prompt_len),
-          "groups": groups.astype(np.int32), "source": str(sample.get("source", ""))}
+  out = {"input_ids": ids, "prompt_len": np.int32(prompt_len),
+         "groups": groups.astype(np.int32), "source": str(sample.get("source", ""))}
+  if teacher:
+    r, g = len(ids) - prompt_len, len(groups)
+    want = {"teacher_topk_ids": (r, teacher["top_k"]), "teacher_topk_logp": (r, teacher["top_k"]),
+            "teacher_features": (g, teacher["num_features"], teacher["hidden"])}
+    for name, shape in want.items():
+      value = np.asarray(sample[name])
+      if value.shape != shape:
+        raise LayoutError(f"{where}: {name} has shape {value.shape}, expected {shape}")
+    out["teacher_topk_ids"] = np.asarray(sample["teacher_topk_ids"], np.int32)
+    out["teacher_topk_logp"] = np.asarray(sample["teacher_topk_logp"], np.float16)
+    out["teacher_features"] = bfloat16_bits(sample["teacher_features"])
+  return out
+
+
+def bfloat16_bits(x) -> np.ndarray:
+  return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def from_bfloat16_bits(bits) -> np.ndarray:
+  return np.asarray(bits, np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def build_dataset(out_dir: str, splits: Mapping[str, Callable[[], Iterable[Sample]]], *,
                   max_group: int, metadata: Mapping[str, Any] | None = None,
-                  overwrite: bool = False) -> str:
+                  overwrite: bool = False, teacher: Mapping[str, int] | None = None) -> str:
   """Writes the dataset so that `tfds.builder_from_directory(out_dir)` reads it; returns out_dir.
 
   Built in a temp directory next to `out_dir` and renamed into place at the end, so an
@@ -97,7 +132,7 @@ def build_dataset(out_dir: str, splits: Mapping[str, Callable[[], Iterable[Sampl
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
   try:
     builder = HamburgerSft(splits=splits, max_group=max_group, metadata=metadata,
-                           data_dir=tmp, file_format="array_record")
+                           teacher=teacher, data_dir=tmp, file_format="array_record")
     builder.download_and_prepare()
     built = os.fspath(builder.data_dir)  # tmp/hamburger_sft/1.0.0
     if os.path.exists(out):  # overwrite: move the old one aside first, delete it after
