@@ -14,27 +14,54 @@ from hamburger_jax.model.llama import Llama, causal_segment_mask
 STOP_WEIGHT = 0.5
 
 
-@functools.partial(jax.checkpoint, static_argnums=(3,))
-def _chunk_ce(h_cd: jax.Array, head_dv: jax.Array, targets_c: jax.Array,
-              dtype) -> tuple[jax.Array, jax.Array]:
-  """Cross-entropy and correctness of one chunk; rematerialised so [tokens, V] is never stored."""
+@functools.partial(jax.checkpoint, static_argnums=(5,))
+def _chunk_stats(h_cd: jax.Array, head_dv: jax.Array, targets_c: jax.Array,
+                 topk_ids_ck: jax.Array | None, topk_logp_ck: jax.Array | None,
+                 dtype) -> dict[str, jax.Array]:
+  """One chunk's CE, argmax and (with teacher top-k) KL; rematerialised so that [tokens, V] is
+  never stored for the backward pass."""
   logits = jnp.dot(h_cd.astype(dtype), head_dv.astype(dtype), preferred_element_type=jnp.float32)
   lse = jax.nn.logsumexp(logits, axis=-1)
   gold = jnp.take_along_axis(logits, targets_c[:, None], axis=-1)[:, 0]
-  return lse - gold, jnp.argmax(logits, axis=-1) == targets_c
+  out = {"ce": lse - gold, "argmax": jnp.argmax(logits, axis=-1).astype(jnp.int32)}
+  if topk_ids_ck is not None:
+    out["kl"] = topk_kl(logits - lse[:, None], topk_ids_ck, topk_logp_ck)
+  return out
+
+
+def topk_kl(logq_nv: jax.Array, topk_ids_nk: jax.Array, topk_logp_nk: jax.Array) -> jax.Array:
+  """KL(p || q) [N] where p is the teacher's distribution restricted to its stored top-k and
+  renormalised there, q the student's full log-softmax. (The teacher's tail beyond k is not
+  stored; renormalising keeps this a true KL between distributions, >= 0, 0 iff q = p on the
+  top-k up to the tail mass.)"""
+  logp = jax.nn.log_softmax(topk_logp_nk.astype(jnp.float32), axis=-1)
+  logq = jnp.take_along_axis(logq_nv, topk_ids_nk, axis=-1)
+  return jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
+
+
+def chunked_token_stats(h_nd: jax.Array, head_dv: jax.Array, targets_n: jax.Array, chunk: int,
+                        dtype=jnp.float32, topk_ids_nk: jax.Array | None = None,
+                        topk_logp_nk: jax.Array | None = None) -> dict[str, jax.Array]:
+  """Per token [N]: CE against `targets`, the argmax token, and (given the teacher's top-k)
+  the KL from the teacher; computed `chunk` rows at a time."""
+  n, d = h_nd.shape
+  chunk = min(chunk, n)
+  pad = -n % chunk
+  rows = lambda x: jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(
+      -1, chunk, *x.shape[1:])
+  xs = (rows(h_nd), rows(targets_n),
+        None if topk_ids_nk is None else rows(topk_ids_nk),
+        None if topk_logp_nk is None else rows(topk_logp_nk))
+  _, out = jax.lax.scan(
+      lambda carry, x: (carry, _chunk_stats(x[0], head_dv, x[1], x[2], x[3], dtype)), None, xs)
+  return {k: v.reshape(-1)[:n] for k, v in out.items()}
 
 
 def chunked_cross_entropy(h_nd: jax.Array, head_dv: jax.Array, targets_n: jax.Array,
                           chunk: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
   """Per-token CE [N] and argmax correctness [N], computed `chunk` rows at a time."""
-  n, d = h_nd.shape
-  chunk = min(chunk, n)
-  pad = -n % chunk
-  h = jnp.pad(h_nd, ((0, pad), (0, 0))).reshape(-1, chunk, d)
-  t = jnp.pad(targets_n, (0, pad)).reshape(-1, chunk)
-  _, (ce, correct) = jax.lax.scan(
-      lambda carry, xs: (carry, _chunk_ce(xs[0], head_dv, xs[1], dtype)), None, (h, t))
-  return ce.reshape(-1)[:n], correct.reshape(-1)[:n]
+  out = chunked_token_stats(h_nd, head_dv, targets_n, chunk, dtype)
+  return out["ce"], out["argmax"] == targets_n
 
 
 def hamburger_loss(model: Hamburger, batch: Mapping[str, jax.Array],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Mapping
 
 from hamburger_jax.config import (ConfigError, GraftConfig, LlamaConfig, apply_overrides,
@@ -32,9 +33,18 @@ class DataConfig:
   validation_rows: int = 64  # rows of the validation split used per evaluation
 
 
+# What a run trains. Stages of the distill recipe: "micro" (stage 1: micro-step decoder + stop
+# head), "merger" (stage 2: compositional embedder + merged-entry adapters), "graft" (every grafted
+# module, stage 3 or the paper recipe on a frozen base), "all" (the paper: base too).
+TRAINABLE = ("graft", "all", "micro", "merger")
+RECIPES = ("paper", "distill")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  trainable: str = "graft"  # graft | all
+  trainable: str = "graft"  # one of TRAINABLE
+  recipe: str = "paper"  # paper (SPEC.md 2.2) | distill (hamburger_jax.distillation)
+  init_from: str = ""  # a graft export to start from (a stage starts from the previous one's)
   steps: int = 1000  # optimiser steps (the cosine schedule spans them)
   lr_base: float = 5e-5
   lr_graft: float = 1e-4
@@ -55,8 +65,34 @@ class TrainConfig:
   seed: int = 0
 
   def __post_init__(self):
-    if self.trainable not in ("graft", "all"):
-      raise ConfigError(f"train.trainable={self.trainable!r}: use 'graft' or 'all'")
+    if self.trainable not in TRAINABLE:
+      raise ConfigError(f"train.trainable={self.trainable!r}: use one of {', '.join(TRAINABLE)}")
+    if self.recipe not in RECIPES:
+      raise ConfigError(f"train.recipe={self.recipe!r}: use one of {', '.join(RECIPES)}")
+    if self.trainable == "micro" and self.recipe != "distill":
+      raise ConfigError("train.trainable=micro (stage 1) learns from the teacher's stored "
+                        "features: it needs train.recipe=distill")
+
+
+STOP_TARGETS = ("teacher", "segments")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+  """Loss weights of the distill recipe (hamburger_jax.distillation says what each is)."""
+  kl_weight: float = 1.0
+  feature_weight: float = 1.0
+  stop_weight: float = 0.5
+  ce_weight: float = 0.0
+  stop_target: str = "teacher"  # teacher | segments
+
+  def __post_init__(self):
+    if self.stop_target not in STOP_TARGETS:
+      raise ConfigError(f"distill.stop_target={self.stop_target!r}: use one of "
+                        f"{', '.join(STOP_TARGETS)}")
+    for name in ("kl_weight", "feature_weight", "stop_weight", "ce_weight"):
+      if getattr(self, name) < 0:
+        raise ConfigError(f"distill.{name}={getattr(self, name)} must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +119,60 @@ class RunConfig:
   train: TrainConfig = TrainConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   mesh: MeshConfig = MeshConfig()
+  distill: DistillConfig = DistillConfig()
+  stage: str = ""  # the stage of the config's `stages:` this run is ("" = no stages)
 
   def to_dict(self) -> dict[str, Any]:
     return to_dict(self)
 
 
 def load_run_config(path: str | None, overrides: list[str] = (),
-                    data: Mapping[str, Any] | None = None) -> RunConfig:
-  """YAML file (or a dict) + `--set key=value` overrides -> RunConfig; unknown keys are errors."""
+                    data: Mapping[str, Any] | None = None, stage: str | None = None) -> RunConfig:
+  """YAML file (or a dict) + `--set key=value` overrides -> RunConfig; unknown keys are errors.
+
+  A config with `stages:` (a list of {name, <sections to override>}) is run one stage at a time:
+  `stage` picks one. Stage S checkpoints to <checkpoint.dir>/S, exports to
+  <checkpoint.dir>/S/export (the last stage: to checkpoint.export) and starts from the previous
+  stage's export (train.init_from), unless the stage says otherwise.
+  """
   raw = dict(data) if data is not None else load_yaml(path) if path else {}
+  stages = raw.pop("stages", None)
+  if stages is not None or stage is not None:
+    raw = _select_stage(raw, stages, stage)
   return from_dict(RunConfig, apply_overrides(raw, list(overrides)))
+
+
+def stage_names(raw: Mapping[str, Any]) -> list[str]:
+  return [str(s.get("name", "")) for s in raw.get("stages") or []]
+
+
+def _select_stage(raw: dict[str, Any], stages: Any, stage: str | None) -> dict[str, Any]:
+  if not isinstance(stages, list) or not stages or not all(
+      isinstance(s, Mapping) and s.get("name") for s in stages):
+    raise ConfigError("`stages:` must be a non-empty list of mappings, each with a name"
+                      if stages is not None else f"--stage {stage}: this config has no stages")
+  names = [str(s["name"]) for s in stages]
+  if stage is None:
+    raise ConfigError(f"this config is trained in stages ({', '.join(names)}): run them in "
+                      "order with --stage NAME")
+  if stage not in names:
+    raise ConfigError(f"unknown stage {stage!r}; this config's stages are: {', '.join(names)}")
+  i = names.index(stage)
+  out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
+  ckpt = dict(out.get("checkpoint") or {})
+  root = ckpt.get("dir", CheckpointConfig.dir)
+  stage_export = lambda j: os.path.join(root, names[j], "export")
+  ckpt["dir"] = os.path.join(root, stage)
+  if i < len(names) - 1 or not ckpt.get("export"):
+    ckpt["export"] = stage_export(i)
+  out["checkpoint"] = ckpt
+  if i > 0:
+    out["train"] = {**dict(out.get("train") or {}), "init_from": stage_export(i - 1)}
+  for section, values in stages[i].items():
+    if section == "name":
+      continue
+    if not isinstance(values, Mapping):
+      raise ConfigError(f"stage {stage!r}: {section} must be a mapping of keys to override")
+    out[section] = {**dict(out.get(section) or {}), **values}
+  out["stage"] = stage
+  return out

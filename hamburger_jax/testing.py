@@ -38,6 +38,29 @@ def build_synthetic_dataset(out_dir: str, vocab: int, max_group: int, n_train: i
                        max_group=max_group, metadata={"source": "synthetic"}, overwrite=overwrite)
 
 
+def build_synthetic_teacher_dataset(out_dir: str, run_cfg, top_k: int = 8, n_train: int = 64,
+                                    n_val: int = 16, seed: int = 0) -> str:
+  """The synthetic samples with the teacher signals of `run_cfg`'s (random) base, stored as
+  train.prepare_data --teacher-top-k stores them: data for the distill recipe's tests."""
+  from hamburger_jax import pretrained, segmentation  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.data import prepare  # pylint: disable=import-outside-toplevel
+  base, _ = pretrained.load_base_for_run(run_cfg.model, run_cfg.train.seed)
+  teacher = segmentation.TeacherSpec(
+      top_k, run_cfg.graft.resolved_feature_layers(base.cfg.num_layers))
+  k = run_cfg.graft.max_group
+
+  def with_signals(samples: list[dict]) -> list[dict]:
+    pairs = [(s["input_ids"][:s["prompt_len"]], s["input_ids"][s["prompt_len"]:]) for s in samples]
+    stats = segmentation.response_token_stats(base, pairs, teacher=teacher)
+    return [{**s, **prepare.teacher_signals(st, s["groups"])} for s, st in zip(samples, stats)]
+
+  train = with_signals(synthetic_samples(n_train, base.cfg.vocab_size, k, seed))
+  val = with_signals(synthetic_samples(n_val, base.cfg.vocab_size, k, seed + 1))
+  meta, shapes = prepare.teacher_metadata(base, teacher)
+  return build_dataset(out_dir, {"train": lambda: train, "validation": lambda: val},
+                       max_group=k, metadata={"source": "synthetic", **meta}, teacher=shapes)
+
+
 def sharpen(model, scale: float = 8.0) -> None:
   """Multiplies every weight matrix by `scale` (norm weights untouched), in place.
 

@@ -1,4 +1,4 @@
-"""Train HAMburger: python -m train.main --config configs/X.yaml [--set key=value ...]
+"""Train HAMburger: python -m train.main --config configs/X.yaml [--stage S] [--set key=value ...]
 
 Resumes from the latest checkpoint in checkpoint.dir automatically. Multi-host: pass
 --num-processes/--process-id/--coordinator (or set JAX_NUM_PROCESSES, JAX_PROCESS_ID,
@@ -19,6 +19,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--config", required=True, help="YAML run config (see configs/)")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                  help="override a config value, e.g. --set train.steps=100 (repeatable)")
+  p.add_argument("--stage", default=None,
+                 help="for a config with `stages:`, the stage to run (each starts from the "
+                 "previous stage's export)")
   p.add_argument("--max-steps", type=int, default=None,
                  help="stop after this many steps in this invocation (resume later)")
   p.add_argument("--num-processes", type=int, default=None)
@@ -53,14 +56,14 @@ def main(argv=None) -> int:
   from hamburger_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
   from hamburger_jax.run_config import load_run_config  # pylint: disable=import-outside-toplevel
   try:
-    cfg = load_run_config(args.config, args.set)
+    cfg = load_run_config(args.config, args.set, stage=args.stage)
   except ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   init_distributed(args)
   from train import trainer  # pylint: disable=import-outside-toplevel
   try:
     result = trainer.run(cfg, max_steps=args.max_steps, progress=not args.no_progress)
-  except ConfigError as e:
+  except (ConfigError, FileNotFoundError) as e:
     raise SystemExit(f"error: {e}") from None
   print(f"done: {result.steps_done} steps this run, at step {result.final_step}/{cfg.train.steps}"
         + (f"; export in {result.export_dir}" if result.export_dir else ""))

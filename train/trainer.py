@@ -28,13 +28,28 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hamburger_jax import pretrained, sharding
 from hamburger_jax.config import ConfigError, HamburgerConfig
 from hamburger_jax.data import pipeline
+from hamburger_jax.distillation import distill_loss, micro_distill_loss
 from hamburger_jax.losses import hamburger_loss
 from hamburger_jax.model.hamburger import Hamburger, copy_top_layers_into_micro
 from hamburger_jax.model.llama import GraftParam
 from hamburger_jax.run_config import RunConfig
 
 # Config sections that must match to resume from a checkpoint (the rest may change between runs).
-RESUME_KEYS = ("model", "graft", "train.trainable")
+RESUME_KEYS = ("model", "graft", "train.trainable", "train.recipe", "train.init_from")
+
+# The params each `train.trainable` optimises (the rest is frozen, and not checkpointed: it is
+# rebuilt from the base source and train.init_from). "all" trains the base as well.
+TRAINED = {
+    "graft": GraftParam, "all": GraftParam,
+    "micro": nnx.All(GraftParam, nnx.PathContains("micro")),
+    "merger": nnx.All(GraftParam, nnx.Not(nnx.PathContains("micro"))),
+}
+
+# Batch fields and their ranks (the leading accumulation axis included).
+BATCH_NDIMS = {"input_ids": 4, "input_size": 3, "positions": 3, "segment_ids": 3,
+               "pred_index": 3, "target_ids": 4, "target_size": 3, "window_ids": 4,
+               "window_size": 3, "teacher_topk_ids": 5, "teacher_topk_logp": 5,
+               "teacher_features": 5}
 
 
 @flax.struct.dataclass
@@ -62,11 +77,53 @@ class IteratorSnapshot(grain.DatasetIterator):
 
 
 def build_model(cfg: RunConfig) -> tuple[Hamburger, Any]:
+  """The run's model: its base, the graft freshly initialised or from train.init_from."""
+  check_init_from(cfg)
   base, tok = pretrained.load_base_for_run(cfg.model, cfg.train.seed)
   model = Hamburger(HamburgerConfig(base.cfg, cfg.graft), rngs=nnx.Rngs(cfg.train.seed), base=base)
   if cfg.graft.micro_init == "copy_top":
     copy_top_layers_into_micro(model)
+  if cfg.train.init_from:
+    pretrained.load_graft(model, cfg.train.init_from)
   return model, tok
+
+
+def check_init_from(cfg: RunConfig) -> None:
+  """A stage that starts from its predecessor's export fails early, and says how to make it."""
+  path = cfg.train.init_from
+  if not path or os.path.exists(os.path.join(path, pretrained.META_FILE)):
+    return
+  what = f"train.init_from={path}"
+  if cfg.stage:
+    what = f"stage {cfg.stage!r} starts from the previous stage's export {path}, which"
+    raise ConfigError(f"{what} does not exist yet: run the previous stage to its end first "
+                      "(python -m train.main --config CONFIG --stage PREVIOUS)")
+  raise ConfigError(f"{what} is not a graft export (no {pretrained.META_FILE}); point it at the "
+                    "export directory a run wrote")
+
+
+def check_data(cfg: RunConfig, model: Hamburger) -> None:
+  """The dataset fits the recipe and was made by this run's base (its groups and teacher
+  signals come from the base's forward)."""
+  meta = pipeline.dataset_metadata(cfg.data.dir)
+  if cfg.train.recipe == "distill":
+    teacher = meta.get("teacher")
+    if not teacher:
+      raise ConfigError(
+          f"train.recipe=distill needs teacher signals but {cfg.data.dir} has none: prepare it "
+          "with python -m train.prepare_data ... --teacher-top-k 16")
+    if list(teacher["feature_layers"]) != list(model.feature_layers):
+      raise ConfigError(
+          f"{cfg.data.dir} stores the teacher's features of layers {teacher['feature_layers']} "
+          f"but the graft reads layers {list(model.feature_layers)}: prepare the data with this "
+          "run's config")
+  from hamburger_jax.data.prepare import base_fingerprint  # pylint: disable=import-outside-toplevel
+  stored = meta.get("base_fingerprint")
+  if stored and stored != base_fingerprint(model.base):
+    raise ConfigError(
+        f"{cfg.data.dir} was segmented with another base model ({meta.get('base', '?')}, "
+        f"fingerprint {stored}) than this run's {cfg.model.base!r}: prepare the data with this "
+        "run's base")
 
 
 def schedules(cfg: RunConfig) -> dict[str, optax.Schedule]:
@@ -111,7 +168,8 @@ class Trainer:
     self.local_rows = d.rows // self.process_count
 
     self.model, self.tokenizer = build_model(cfg)
-    self.graphdef, graft, base = nnx.split(self.model, GraftParam, nnx.Param)
+    # "graft" holds the trained grafted params, "base" the rest (trained only with "all").
+    self.graphdef, graft, base = nnx.split(self.model, TRAINED[cfg.train.trainable], nnx.Param)
     self.trains_base = cfg.train.trainable == "all"
     rules = sharding.TRAIN_RULES
     shard = lambda s: nnx.to_pure_dict(sharding.state_shardings(s, self.mesh, rules))
@@ -139,27 +197,40 @@ class Trainer:
         opt_state=jax.tree.map(lambda x: x.sharding, opt_state))
     self.state = TrainState(step=jax.device_put(jnp.int32(0), replicated), params=params,
                             opt_state=opt_state)
-    self._step_fn = jax.jit(self._train_step,
-                            in_shardings=(self.state_shardings, self.frozen_shardings,
-                                          self._batch_shardings()),
-                            out_shardings=(self.state_shardings, replicated),
-                            donate_argnums=(0,))
+    self._step_fns: dict[tuple[str, ...], Any] = {}  # by the batch's fields
     self._eval_fn = jax.jit(self._eval_step)
 
   # ---------------------------------------------------------------- jitted
 
-  def _batch_shardings(self) -> dict[str, NamedSharding]:
-    ndims = {"input_ids": 4, "input_size": 3, "positions": 3, "segment_ids": 3, "pred_index": 3,
-             "target_ids": 4, "target_size": 3}
-    return {k: NamedSharding(self.mesh, P(None, sharding.BATCH_AXES, *([None] * (n - 2))))
-            for k, n in ndims.items()}
+  def _batch_sharding(self, key: str) -> NamedSharding:
+    n = BATCH_NDIMS[key]
+    return NamedSharding(self.mesh, P(None, sharding.BATCH_AXES, *([None] * (n - 2))))
+
+  def _step_fn(self, keys: tuple[str, ...]):
+    """The jitted train step for batches with these fields (teacher signals or not)."""
+    if keys not in self._step_fns:
+      replicated = NamedSharding(self.mesh, P())
+      self._step_fns[keys] = jax.jit(
+          self._train_step,
+          in_shardings=(self.state_shardings, self.frozen_shardings,
+                        {k: self._batch_sharding(k) for k in keys}),
+          out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
+    return self._step_fns[keys]
 
   def _merge(self, params: dict, frozen: dict) -> Hamburger:
     base = params.get("base", frozen.get("base"))
     return nnx.merge(self.graphdef, params["graft"], base)
 
   def _loss(self, params, frozen, batch):
-    return hamburger_loss(self._merge(params, frozen), batch, self.cfg.train.ce_chunk)
+    model, t = self._merge(params, frozen), self.cfg.train
+    if t.recipe == "paper":
+      return hamburger_loss(model, batch, t.ce_chunk)
+    loss_fn = micro_distill_loss if t.trainable == "micro" else distill_loss
+    return loss_fn(model, batch, self.cfg.distill, t.ce_chunk)
+
+  def _sizes(self, batch: dict) -> jax.Array:
+    """Tokens each predicted group is trained on: its window (distill) or the group (paper)."""
+    return batch["window_size" if self.cfg.train.recipe == "distill" else "target_size"]
 
   def _train_step(self, state: TrainState, frozen: dict, batch: dict) -> tuple[TrainState, dict]:
     """One optimiser step over `accum` micro-batches ([accum, rows, ...]).
@@ -168,7 +239,7 @@ class Trainer:
     the accumulated gradient is that of the token mean over the whole step.
     """
     k = batch["target_ids"].shape[-1]
-    tokens = jnp.sum(jnp.minimum(batch["target_size"], k), axis=(1, 2)).astype(jnp.float32)
+    tokens = jnp.sum(jnp.minimum(self._sizes(batch), k), axis=(1, 2)).astype(jnp.float32)
     weights = tokens / jnp.maximum(tokens.sum(), 1.0)
     grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
@@ -204,14 +275,16 @@ class Trainer:
   def global_batch(self, local_batches: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
     """Stacks `accum` local micro-batches and assembles the global arrays across processes."""
     out = {}
-    for key, shard in self._batch_shardings().items():
+    for key in sorted(local_batches[0]):
+      shard = self._batch_sharding(key)
       local = np.stack([b[key] for b in local_batches])
       global_shape = (local.shape[0], local.shape[1] * self.process_count, *local.shape[2:])
       out[key] = jax.make_array_from_process_local_data(shard, local, global_shape)
     return out
 
   def step(self, local_batches: list[dict[str, np.ndarray]]) -> dict[str, float]:
-    self.state, metrics = self._step_fn(self.state, self.frozen, self.global_batch(local_batches))
+    batch = self.global_batch(local_batches)
+    self.state, metrics = self._step_fn(tuple(batch))(self.state, self.frozen, batch)
     return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
   def evaluate(self, batches: Iterator[dict[str, np.ndarray]], max_batches: int) -> dict[str, float]:
@@ -340,7 +413,10 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, progress: bool = True,
         log: Callable[[str], None] = print) -> RunResult:
   """Trains until cfg.train.steps (or `max_steps` more steps), resuming from the latest checkpoint."""
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+  pipeline.dataset_metadata(cfg.data.dir)  # a missing dataset fails before the model loads
+  check_init_from(cfg)
   trainer = Trainer(cfg)
+  check_data(cfg, trainer.model)
   d, t = cfg.data, cfg.train
   ckpt_dir = os.path.join(cfg.checkpoint.dir, "checkpoints")
   mngr = checkpoint_manager(ckpt_dir, cfg)

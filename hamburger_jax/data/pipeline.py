@@ -161,14 +161,26 @@ def packed_dataset(source: Sequence[Mapping[str, Any]], *, batch_rows: int, entr
   return it_ds
 
 
-def open_split(data_dir: str, split: str, max_group: int | None = None):
-  """The tfds data source of `split` in a dataset written by train.prepare_data."""
+def _builder(data_dir: str):
   import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  if not data_dir:
+    raise FileNotFoundError("no dataset given (data.dir is empty): build one with "
+                            "python -m train.prepare_data ... --out DIR and set data.dir to it")
   try:
-    builder = tfds.builder_from_directory(data_dir)
+    return tfds.builder_from_directory(data_dir)
   except Exception as e:  # pylint: disable=broad-except
     raise FileNotFoundError(f"{data_dir} is not a dataset written by train.prepare_data ({e}); "
                             "build one with: python -m train.prepare_data ... --out DIR") from None
+
+
+def dataset_metadata(data_dir: str) -> dict[str, Any]:
+  """What train.prepare_data recorded: strategy, base fingerprint, teacher signals, ..."""
+  return dict(_builder(data_dir).info.metadata or {})
+
+
+def open_split(data_dir: str, split: str, max_group: int | None = None):
+  """The tfds data source of `split` in a dataset written by train.prepare_data."""
+  builder = _builder(data_dir)
   sources = builder.as_data_source()
   if split not in sources:
     raise ValueError(f"{data_dir} has no split {split!r}; it has: {', '.join(sorted(sources))}")

@@ -140,13 +140,29 @@ def segment(model: nnx.Module, samples: list[TokenizedSample], strategy: segment
   out = []
   for st in stats:
     groups = np.asarray(strategy(getattr(st, strategy.reads), max_group), np.int32)
-    signals = None
-    if teacher is not None:
-      starts = np.cumsum(groups) - groups  # row j of st.features predicts response token j
-      signals = {"teacher_topk_ids": st.topk_ids, "teacher_topk_logp": st.topk_logp,
-                 "teacher_features": st.features[starts]}
-    out.append((groups, signals))
+    out.append((groups, teacher_signals(st, groups) if teacher is not None else None))
   return out
+
+
+def teacher_signals(stats: segmentation.TokenStats, groups) -> dict[str, np.ndarray]:
+  """What a sample stores for distillation: the top-k of every response token, and the features
+  at each group's predicting position (the token before the group's first)."""
+  groups = np.asarray(groups)
+  starts = np.cumsum(groups) - groups  # row j of stats.features predicts response token j
+  return {"teacher_topk_ids": stats.topk_ids, "teacher_topk_logp": stats.topk_logp,
+          "teacher_features": stats.features[starts]}
+
+
+def teacher_metadata(model: nnx.Module, teacher: segmentation.TeacherSpec | None
+                     ) -> tuple[dict[str, Any], dict[str, int] | None]:
+  """(dataset metadata naming the base and the teacher signals, the builder's teacher shapes)."""
+  meta: dict[str, Any] = {"base_fingerprint": base_fingerprint(model)}
+  if teacher is None:
+    return meta, None
+  shapes = {"top_k": teacher.top_k, "num_features": len(teacher.feature_layers),
+            "hidden": model.cfg.hidden_size}
+  meta["teacher"] = {**shapes, "feature_layers": list(teacher.feature_layers)}
+  return meta, shapes
 
 
 def _chunks(it: Iterable[Any], size: int) -> Iterator[list[Any]]:
@@ -243,14 +259,9 @@ def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, to
     splits = {"train": read("train")}
     if val:
       splits["validation"] = read("validation")
+    base_meta, shapes = teacher_metadata(model, teacher)
     meta = {"strategy": strategy, "max_len": max_len, "val_fraction": val_fraction, "seed": seed,
-            "end_of_turn_id": eot, "base_fingerprint": base_fingerprint(model),
-            **dict(metadata or {})}
-    shapes = None
-    if teacher is not None:
-      shapes = {"top_k": teacher.top_k, "num_features": len(teacher.feature_layers),
-                "hidden": model.cfg.hidden_size}
-      meta["teacher"] = {**shapes, "feature_layers": list(teacher.feature_layers)}
+            "end_of_turn_id": eot, **base_meta, **dict(metadata or {})}
     build_dataset(out, splits, max_group=max_group, metadata=meta, overwrite=overwrite,
                   teacher=shapes)
   stats.seconds = time.perf_counter() - start

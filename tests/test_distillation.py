@@ -1,0 +1,158 @@
+"""The distill recipe: its losses against a slow NumPy reference written from the module's
+definitions, and its training stages on the tiny config (stage 1 never runs the base forward,
+each stage lowers its loss and starts from its predecessor's export, killed stages resume
+exactly, bad inputs are named)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hamburger_jax import layout
+from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig
+from hamburger_jax.distillation import distill_loss, micro_distill_loss
+from hamburger_jax.model import lora
+from hamburger_jax.model.hamburger import Hamburger
+from hamburger_jax.model.llama import causal_segment_mask
+from hamburger_jax.run_config import DistillConfig
+from hamburger_jax.testing import sharpen
+
+CFG = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,
+                  num_kv_heads=2, max_position_embeddings=256)
+GRAFT = GraftConfig(merger_head_dim=16, base_lora_rank=4, base_lora_alpha=8.0)
+K, TOP = GRAFT.max_group, 5
+
+
+@pytest.fixture(scope="module")
+def model() -> Hamburger:
+  m = Hamburger(HamburgerConfig(CFG, GRAFT), rngs=nnx.Rngs(0))
+  sharpen(m, 4.0)
+  sharpen(m.micro.stop_head, 3.0)
+  for i, lin in enumerate(lora.base_linears(m.base)):
+    lin.lora.b.set_value(0.05 * jax.random.normal(jax.random.key(i), lin.lora.b.shape))
+  return m
+
+
+def _teacher(rng, r: int, g: int, f: int) -> dict[str, np.ndarray]:
+  ids = np.stack([rng.permutation(CFG.vocab_size)[:TOP] for _ in range(r)])
+  logp = -np.sort(rng.exponential(2.0, (r, TOP)), axis=-1)
+  scale = np.array([1.0, 10.0, 100.0, 1.0])[:f, None]  # raw residuals differ in scale
+  return {"topk_ids": ids, "topk_logp": logp,
+          "features": rng.normal(size=(g, f, CFG.hidden_size)) * scale}
+
+
+@pytest.fixture(scope="module")
+def batch(model) -> dict[str, np.ndarray]:
+  """Two samples in one packed row, with random teacher signals."""
+  rng = np.random.default_rng(0)
+  samples = []
+  for prompt, groups in (([1, 5, 9, 33], [2, 1, 3, 1, 2]), ([7, 8], [1, 4, 2])):
+    r = sum(groups)
+    response = rng.integers(3, CFG.vocab_size, r)
+    samples.append(layout.layout_sample(prompt, response, groups, K, teacher=_teacher(
+        rng, r, len(groups), model.num_features)))
+  return layout.pack_rows([samples], 24, 10, K).as_dict()
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+  x = x.astype(np.float64)
+  m = x.max(-1, keepdims=True)
+  return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def _bce(logit: float, target: float) -> float:
+  return max(logit, 0) - logit * target + np.log1p(np.exp(-abs(logit)))
+
+
+def reference(model: Hamburger, batch: dict, cfg: DistillConfig, stage1: bool) -> dict[str, float]:
+  """The losses one group and one micro step at a time, in NumPy float64."""
+  b = {k: np.asarray(v) for k, v in batch.items()}
+  emb = np.asarray(model.base.embed_tokens[...], np.float64)
+  if not stage1:
+    feats_all = np.asarray(model.base_features(
+        model.smash(jnp.asarray(b["input_ids"]), jnp.asarray(b["input_size"])),
+        jnp.asarray(b["positions"]), causal_segment_mask(jnp.asarray(b["segment_ids"])),
+        merged_bt=jnp.asarray(b["input_size"] >= 2))[0])
+  kl, ce, bce, feat = [], [], [], []
+  agree0 = {True: [], False: []}
+  for r in range(b["window_size"].shape[0]):
+    for g in range(b["window_size"].shape[1]):
+      size = int(b["window_size"][r, g])
+      if size == 0:
+        continue
+      if stage1:
+        f_s = b["teacher_features"][r, g]
+        from_merged = False
+      else:
+        entry = b["pred_index"][r, g]
+        f_s = feats_all[r, entry]
+        from_merged = bool(b["input_size"][r, entry] >= 2)
+      window = b["window_ids"][r, g]
+      h = np.asarray(model.micro_hidden(jnp.asarray(f_s)[None], jnp.asarray(window)[None])[0])
+      stop = np.asarray(model.stop_logits(jnp.asarray(h)), np.float64)
+      logq = _log_softmax(h.astype(np.float64) @ emb.T)
+      agree = [int(np.argmax(logq[i])) == int(b["teacher_topk_ids"][r, g, i, 0])
+               for i in range(size)]
+      agree0[from_merged].append(agree[0])
+      group_end = int(b["target_size"][r, g])
+      for i in range(size):
+        p = _log_softmax(b["teacher_topk_logp"][r, g, i])
+        kl.append(float(np.sum(np.exp(p) * (p - logq[i, b["teacher_topk_ids"][r, g, i]]))))
+        ce.append(-float(logq[i, window[i]]))
+        if cfg.stop_target == "teacher":
+          target = 0.0 if i + 1 < size and agree[i + 1] else 1.0
+          bce.append(_bce(stop[i], target))
+        elif i < group_end:
+          bce.append(_bce(stop[i], 1.0 if i == group_end - 1 else 0.0))
+      if from_merged:
+        t = b["teacher_features"][r, g].astype(np.float64)
+        err = ((f_s - t) ** 2).sum(-1) / ((t * t).sum(-1) + 1e-6)
+        feat.append(float(err.mean()))
+  out = {"kl": np.mean(kl), "lm_loss": np.mean(ce), "stop_bce": np.mean(bce)}
+  out["loss"] = cfg.kl_weight * out["kl"] + cfg.ce_weight * out["lm_loss"] + (
+      cfg.stop_weight * out["stop_bce"])
+  if not stage1:
+    out["feature_loss"] = np.mean(feat)
+    out["loss"] += cfg.feature_weight * out["feature_loss"]
+    out["agree_merged"] = np.mean(agree0[True])
+    out["agree_unmerged"] = np.mean(agree0[False])
+  return out
+
+
+@pytest.mark.parametrize("stop_target", ["teacher", "segments"])
+def test_distill_loss_matches_numpy_reference(model, batch, stop_target):
+  cfg = DistillConfig(kl_weight=1.0, feature_weight=0.7, stop_weight=0.5, ce_weight=0.3,
+                      stop_target=stop_target)
+  got = distill_loss(model, {k: jnp.asarray(v) for k, v in batch.items()}, cfg, ce_chunk=7)[1]
+  want = reference(model, batch, cfg, stage1=False)
+  assert 0 < int(np.sum(np.asarray(batch["input_size"]) >= 2))  # merged entries are read
+  for name, value in want.items():
+    np.testing.assert_allclose(float(got[name]), value, rtol=2e-4, atol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("stop_target", ["teacher", "segments"])
+def test_micro_distill_loss_matches_numpy_reference(model, batch, stop_target):
+  cfg = DistillConfig(ce_weight=0.2, stop_target=stop_target)
+  got = micro_distill_loss(model, {k: jnp.asarray(v) for k, v in batch.items()}, cfg)[1]
+  want = reference(model, batch, cfg, stage1=True)
+  for name, value in want.items():
+    np.testing.assert_allclose(float(got[name]), value, rtol=2e-4, atol=2e-5, err_msg=name)
+
+
+def test_kl_is_zero_when_the_student_is_the_teacher(model, batch):
+  """Teacher top-k taken from the student's own distribution (all of it: k = V): KL = 0."""
+  b = {k: jnp.asarray(v) for k, v in batch.items()}
+  feats = b["teacher_features"]
+  n, g = feats.shape[:2]
+  h = model.micro_hidden(feats.reshape(n * g, *feats.shape[2:]), b["window_ids"].reshape(n * g, K))
+  logq = jax.nn.log_softmax(model.logits(h), axis=-1).reshape(n, g, K, -1)
+  top_logp, top_ids = jax.lax.top_k(logq, CFG.vocab_size)
+  own = dict(b, teacher_topk_ids=top_ids, teacher_topk_logp=top_logp)
+  got = micro_distill_loss(model, own, DistillConfig())[1]
+  assert abs(float(got["kl"])) < 1e-5
+  assert float(got["agree_s2"]) == 1.0
