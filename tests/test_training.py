@@ -582,3 +582,128 @@ def test_curves_plot(full_run, tmp_path: Path, capsys):
   capsys.readouterr()
   assert curves.main([str(tmp_path / "nowhere")]) == 2
   assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- distill stages
+
+
+STAGE_STEPS = 8
+
+
+def _staged_config(path: Path, data_dir: str, run_dir: Path) -> str:
+  """configs/tiny.yaml trained as the distill recipe's stages 1 (micro) and 2 (merger)."""
+  import yaml  # pylint: disable=import-outside-toplevel
+  raw = yaml.safe_load(Path(TINY).read_text())
+  raw["graft"]["base_lora_rank"] = 4
+  raw["data"]["dir"] = data_dir
+  raw["train"].update(recipe="distill", eval_every=0, eps=1.0e-6)
+  raw["checkpoint"].update(dir=str(run_dir), every=2)
+  raw["stages"] = [{"name": "micro", "train": {"trainable": "micro", "steps": STAGE_STEPS}},
+                   {"name": "merger", "train": {"trainable": "merger", "steps": STAGE_STEPS}}]
+  path.write_text(yaml.safe_dump(raw))
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def teacher_data_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+  from hamburger_jax.testing import build_synthetic_teacher_dataset  # pylint: disable=import-outside-toplevel
+  cfg = load_run_config(TINY, ["graft.base_lora_rank=4"])
+  return build_synthetic_teacher_dataset(str(tmp_path_factory.mktemp("teacher") / "data"), cfg)
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory: pytest.TempPathFactory, teacher_data_dir: str,
+           no_gguf_tokenizer) -> SimpleNamespace:
+  """Stage 1 then stage 2 of the staged tiny config, in process, counting base forwards."""
+  from hamburger_jax.model.llama import Llama  # pylint: disable=import-outside-toplevel
+  tmp = tmp_path_factory.mktemp("staged")
+  config = _staged_config(tmp / "staged.yaml", teacher_data_dir, tmp / "run")
+  calls = {"n": 0}
+  forward = Llama.forward
+
+  def counted(self, *args, **kwargs):
+    calls["n"] += 1
+    return forward(self, *args, **kwargs)
+
+  results = {}
+  for stage in ("micro", "merger"):
+    calls["n"] = 0
+    with pytest.MonkeyPatch.context() as mp:
+      mp.setattr(Llama, "forward", counted)
+      cfg = load_run_config(config, stage=stage)
+      results[stage] = trainer.run(cfg, progress=False, log=lambda *_: None)
+    results[f"{stage}_base_forwards"] = calls["n"]
+  return SimpleNamespace(config=config, run=tmp / "run", **results)
+
+
+def test_stage_1_never_runs_the_base_forward_and_learns(staged):
+  assert staged.micro_base_forwards == 0
+  losses = [m["loss"] for m in _metrics(staged.run / "micro")]
+  assert len(losses) == STAGE_STEPS
+  assert np.mean(losses[-2:]) < np.mean(losses[:2]), losses
+  assert (staged.run / "micro" / "export" / pretrained.META_FILE).exists()
+
+
+def test_stage_2_starts_from_stage_1_trains_the_merger_only_and_learns(staged):
+  assert staged.merger_base_forwards > 0
+  losses = [m["loss"] for m in _metrics(staged.run / "merger")]
+  assert np.mean(losses[-2:]) < np.mean(losses[:2]), losses
+  one, two = (_load_export(staged.run / s / "export") for s in ("micro", "merger"))
+  micro = [k for k in one if ".micro." in f".{k}." or k.startswith("micro")]
+  merger = [k for k in one if k not in micro]
+  assert micro and merger
+  for k in micro:  # stage 2 started from stage 1's micro decoder and kept it frozen
+    np.testing.assert_array_equal(two[k], one[k], err_msg=k)
+  assert any(not np.array_equal(two[k], one[k]) for k in merger)  # and trained the merger
+  assert "feature_loss" in _metrics(staged.run / "merger")[-1]
+
+
+def test_stage_and_distill_data_errors(staged, teacher_data_dir: str, tiny_data_dir: str,
+                                       tmp_path: Path, no_gguf_tokenizer):
+  fresh = _staged_config(tmp_path / "fresh.yaml", teacher_data_dir, tmp_path / "fresh")
+  with pytest.raises(ConfigError, match="run the previous stage to its end first"):
+    trainer.run(load_run_config(fresh, stage="merger"), progress=False)
+  with pytest.raises(ConfigError, match=r"trained in stages \(micro, merger\)"):
+    load_run_config(fresh)
+  with pytest.raises(ConfigError, match="unknown stage 'polish'"):
+    load_run_config(fresh, stage="polish")
+  no_teacher = load_run_config(fresh, [f"data.dir={tiny_data_dir}"], stage="micro")
+  with pytest.raises(ConfigError, match="needs teacher signals"):
+    trainer.run(no_teacher, progress=False)
+  other_base = load_run_config(fresh, ["train.seed=1"], stage="micro")  # another random base
+  with pytest.raises(ConfigError, match="segmented with another base"):
+    trainer.run(other_base, progress=False)
+  with pytest.raises(ConfigError, match="needs train.recipe=distill"):
+    load_run_config(fresh, ["train.recipe=paper"], stage="micro")
+  assert not (tmp_path / "fresh").exists()  # nothing written by the refused runs
+
+
+@pytest.mark.slow
+def test_killed_stage_resumes_exactly(staged, tmp_path: Path, sub_env: dict[str, str]):
+  """Stage 2 (frozen micro decoder from stage 1's export, trained merger) killed mid-run and
+  resumed ends where the uninterrupted stage 2 ended."""
+  run = tmp_path / "run"
+  shutil.copytree(staged.run / "micro", run / "micro")  # stage 1 done, as in the fixture
+  config = _staged_config(tmp_path / "staged.yaml", str(load_run_config(
+      staged.config, stage="micro").data.dir), run)
+  args = [sys.executable, "-m", "train.main", "--config", config, "--stage", "merger",
+          "--no-progress", "--set", "checkpoint.every=1"]
+  victim = _Background(args, sub_env, tmp_path / "killed")
+  try:
+    deadline = time.monotonic() + 300
+    while not [s for s in _checkpoint_steps(run / "merger" / "checkpoints") if s >= 2]:
+      assert victim.proc.poll() is None, f"the run ended early: {victim.err.read_text()[-3000:]}"
+      assert time.monotonic() < deadline, "no checkpoint at step >= 2 in time"
+      time.sleep(0.02)
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.result(60)
+  finally:
+    victim.stop()
+  assert not (run / "merger" / "export").exists(), "the stage finished before the kill"
+  resumed = _run(args, sub_env, 400)
+  assert resumed.returncode == 0, resumed.stderr[-5000:]
+  assert re.search(r"resumed from step (\d+)", resumed.stdout)
+  got, want = _load_export(run / "merger" / "export"), _load_export(staged.run / "merger" / "export")
+  assert got.keys() == want.keys()
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0, err_msg=k)

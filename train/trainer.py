@@ -102,16 +102,18 @@ def check_init_from(cfg: RunConfig) -> None:
                     "export directory a run wrote")
 
 
-def check_data(cfg: RunConfig, model: Hamburger) -> None:
-  """The dataset fits the recipe and was made by this run's base (its groups and teacher
-  signals come from the base's forward)."""
-  meta = pipeline.dataset_metadata(cfg.data.dir)
+def check_data(cfg: RunConfig, meta: dict[str, Any], model: Hamburger | None = None) -> None:
+  """The dataset (its `meta`data) fits the recipe and was made by this run's base (its groups and
+  teacher signals come from the base's forward). Without `model`: the checks that need no model,
+  run before loading one."""
+  teacher = meta.get("teacher")
+  if cfg.train.recipe == "distill" and not teacher:
+    raise ConfigError(
+        f"train.recipe=distill needs teacher signals but {cfg.data.dir} has none: prepare it "
+        "with python -m train.prepare_data ... --teacher-top-k 16")
+  if model is None:
+    return
   if cfg.train.recipe == "distill":
-    teacher = meta.get("teacher")
-    if not teacher:
-      raise ConfigError(
-          f"train.recipe=distill needs teacher signals but {cfg.data.dir} has none: prepare it "
-          "with python -m train.prepare_data ... --teacher-top-k 16")
     if list(teacher["feature_layers"]) != list(model.feature_layers):
       raise ConfigError(
           f"{cfg.data.dir} stores the teacher's features of layers {teacher['feature_layers']} "
@@ -413,10 +415,11 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, progress: bool = True,
         log: Callable[[str], None] = print) -> RunResult:
   """Trains until cfg.train.steps (or `max_steps` more steps), resuming from the latest checkpoint."""
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-  pipeline.dataset_metadata(cfg.data.dir)  # a missing dataset fails before the model loads
+  meta = pipeline.dataset_metadata(cfg.data.dir)  # data problems fail before the model loads
+  check_data(cfg, meta)
   check_init_from(cfg)
   trainer = Trainer(cfg)
-  check_data(cfg, trainer.model)
+  check_data(cfg, meta, trainer.model)
   d, t = cfg.data, cfg.train
   ckpt_dir = os.path.join(cfg.checkpoint.dir, "checkpoints")
   mngr = checkpoint_manager(ckpt_dir, cfg)
