@@ -40,13 +40,15 @@ import numpy as np
 
 from hamburger_jax.evaluation import tasks as eval_tasks
 
-TEXT_TASKS = ("gsm_symbolic", "basic_arithmetic", "chain_sum", "humaneval", "mt_bench")
+TEXT_TASKS = ("gsm_symbolic", "basic_arithmetic", "chain_sum", "letter_counting", "gcd", "lcm",
+              "humaneval", "mt_bench")
 TOKEN_TASKS = ("synthetic", "nll")
 ALL_TASKS = TEXT_TASKS + TOKEN_TASKS
 # New-token budgets that fit each task's expected answer (a chain of thought, a function, a
 # chat answer, a number); --max-new-tokens overrides them all.
-MAX_NEW_TOKENS = {"gsm_symbolic": 256, "basic_arithmetic": 16, "chain_sum": 16, "humaneval": 320,
-                  "mt_bench": 256, "synthetic": 32}
+MAX_NEW_TOKENS = {"gsm_symbolic": 256, "basic_arithmetic": 16, "chain_sum": 16,
+                  "letter_counting": 24, "gcd": 24, "lcm": 24, "humaneval": 320, "mt_bench": 256,
+                  "synthetic": 32}
 DEFAULT_LIMIT = {"synthetic": 32}  # the other tasks default to their own sizes
 # Synthetic eval prompts come from this seed; build_synthetic_dataset's seeds (0, 1) stay below.
 SYNTHETIC_SEED = eval_tasks.EVAL_SEED

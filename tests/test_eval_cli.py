@@ -104,7 +104,8 @@ def test_overlapping_training_prompts_are_an_error(tmp_path: Path):
 
 @pytest.mark.parametrize("args, message", [
     (["--tasks", "synthetic,bogus"], "unknown task 'bogus': valid tasks are gsm_symbolic, "
-     "basic_arithmetic, chain_sum, humaneval, mt_bench, synthetic, nll"),
+     "basic_arithmetic, chain_sum, letter_counting, gcd, lcm, humaneval, mt_bench, synthetic, "
+     "nll"),
     (["--tasks", "synthetic", "--confidence", "0.5,1.5"], "every confidence must be in [0, 1]"),
     (["--tasks", "synthetic", "--confidence", "high"], "give comma-separated numbers"),
     (["--tasks", "synthetic", "--checkpoint", "/nonexistent/ckpt"],

@@ -41,7 +41,8 @@ def test_numbers_equal() -> None:
   assert not tasks.numbers_equal("abc", "1")
 
 
-REASONING_TASKS = [tasks.GSM_SYMBOLIC, tasks.BASIC_ARITHMETIC, tasks.CHAIN_SUM]
+REASONING_TASKS = [tasks.GSM_SYMBOLIC, tasks.BASIC_ARITHMETIC, tasks.CHAIN_SUM,
+                   tasks.LETTER_COUNTING, tasks.GCD, tasks.LCM]
 
 
 @pytest.mark.parametrize("task", REASONING_TASKS, ids=lambda t: t.name)

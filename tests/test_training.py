@@ -707,3 +707,14 @@ def test_killed_stage_resumes_exactly(staged, tmp_path: Path, sub_env: dict[str,
   assert got.keys() == want.keys()
   for k in want:
     np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0, err_msg=k)
+
+
+def test_max_minutes_saves_and_stops_after_a_step(staged, tmp_path: Path, no_gguf_tokenizer):
+  config = _staged_config(tmp_path / "boxed.yaml", str(load_run_config(
+      staged.config, stage="micro").data.dir), tmp_path / "boxed")
+  cfg = load_run_config(config, stage="micro")
+  out = trainer.run(cfg, max_minutes=0, progress=False, log=lambda *_: None)
+  assert (out.steps_done, out.final_step, out.export_dir) == (1, 1, None)
+  assert _checkpoint_steps(tmp_path / "boxed" / "micro" / "checkpoints") == [1]
+  with pytest.raises(ConfigError, match="max_steps=-3 must be >= 1"):
+    trainer.run(cfg, max_steps=-3, progress=False)

@@ -1,6 +1,7 @@
 """Train-step cost: a HAMburger step vs a plain SFT step of the base on the same samples.
 
   python -m train.bench --config configs/smollm2_135m.yaml [--data DIR] [--steps 3]
+  python -m train.bench --config configs/smollm2_135m.yaml --stage micro --data DIR  # stage 1
 
 Both steps see the same packed rows of samples: HAMburger as merged entries + groups, SFT as
 the plain token sequence with the loss on response tokens. Both use AdamW. The SFT step always
@@ -16,6 +17,8 @@ import sys
 import time
 
 import numpy as np
+
+from hamburger_jax.run_config import RECIPES, TRAINABLE
 
 
 def sft_rows(rows, width: int) -> dict[str, np.ndarray]:
@@ -40,10 +43,15 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", required=True)
+  p.add_argument("--stage", default=None, help="a stage of a staged config (its trainable set)")
   p.add_argument("--set", action="append", default=[])
   p.add_argument("--data", default=None, help="tfds dataset dir (default: synthetic samples)")
   p.add_argument("--steps", type=int, default=3)
-  p.add_argument("--trainable", default="all", choices=("all", "graft"))
+  p.add_argument("--trainable", default=None, choices=TRAINABLE,
+                 help="HAMburger's trained set: all, graft, or a distill stage's (micro: stage "
+                 "1, on stored teacher features; merger: stage 2)")
+  p.add_argument("--recipe", default=None, choices=RECIPES,
+                 help="default: the config's (micro needs distill and a teacher dataset)")
   args = p.parse_args(argv)
 
   import jax  # pylint: disable=import-outside-toplevel
@@ -56,8 +64,12 @@ def main(argv=None) -> int:
   from hamburger_jax.run_config import load_run_config  # pylint: disable=import-outside-toplevel
   from train.trainer import Trainer  # pylint: disable=import-outside-toplevel
 
-  cfg = load_run_config(args.config, args.set + [f"train.trainable={args.trainable}",
-                                                 "data.accum=1"])
+  recipe = [f"train.recipe={args.recipe}"] if args.recipe else []
+  trainable = [] if args.stage and args.trainable is None else [
+      f"train.trainable={args.trainable or 'all'}"]
+  cfg = load_run_config(args.config, args.set + recipe + trainable + ["data.accum=1",
+                                                                      "train.init_from="],
+                        stage=args.stage)
   d, k = cfg.data, cfg.graft.max_group
   trainer = Trainer(cfg)
   vocab = trainer.model.cfg.base.vocab_size
@@ -72,9 +84,7 @@ def main(argv=None) -> int:
   # First-fit rows under both limits, the HAMburger packer's rule.
   rows, cur, m, g = [], [], 0, 0
   for rec in records:
-    ids = np.asarray(rec["input_ids"])
-    pl = int(rec["prompt_len"])
-    lay = layout.layout_sample(ids[:pl], ids[pl:], rec["groups"], k)
+    lay = pipeline.record_layout(rec, k)
     if lay.num_entries > d.entries or lay.num_groups > d.groups:
       continue  # larger than a whole row: prepare_data's --max-len keeps these out
     if m + lay.num_entries > d.entries or g + lay.num_groups > d.groups:
@@ -122,7 +132,8 @@ def main(argv=None) -> int:
   n = int(np.mean(tokens[1:]))
   print(f"{args.config}: {d.rows} rows/step, HAMburger rows of {d.entries} entries / {d.groups} "
         f"groups, SFT rows of {width} tokens; ~{n} response tokens per step; trainable "
-        f"{args.trainable}; best of {len(ham_times)} steps after warm-up")
+        f"{cfg.train.trainable}, recipe {cfg.train.recipe}; best of {len(ham_times)} steps after "
+        "warm-up")
   print("| step | seconds | response tokens/s |")
   print("|---|---|---|")
   print(f"| plain SFT of the base | {s:.2f} | {n / s:.0f} |")

@@ -24,6 +24,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "previous stage's export)")
   p.add_argument("--max-steps", type=int, default=None,
                  help="stop after this many steps in this invocation (resume later)")
+  p.add_argument("--max-minutes", type=float, default=None,
+                 help="stop (and save) after the first step that ends past this many minutes")
   p.add_argument("--num-processes", type=int, default=None)
   p.add_argument("--process-id", type=int, default=None)
   p.add_argument("--coordinator", default=None, help="host:port of process 0")
@@ -62,7 +64,8 @@ def main(argv=None) -> int:
   init_distributed(args)
   from train import trainer  # pylint: disable=import-outside-toplevel
   try:
-    result = trainer.run(cfg, max_steps=args.max_steps, progress=not args.no_progress)
+    result = trainer.run(cfg, max_steps=args.max_steps, max_minutes=args.max_minutes,
+                         progress=not args.no_progress)
   except (ConfigError, FileNotFoundError) as e:
     raise SystemExit(f"error: {e}") from None
   print(f"done: {result.steps_done} steps this run, at step {result.final_step}/{cfg.train.steps}"

@@ -411,9 +411,14 @@ def resume_latest(trainer: Trainer, mngr: ocp.CheckpointManager, iterator, cfg: 
   log(f"resumed from step {latest} in {ckpt_dir}")
 
 
-def run(cfg: RunConfig, *, max_steps: int | None = None, progress: bool = True,
-        log: Callable[[str], None] = print) -> RunResult:
-  """Trains until cfg.train.steps (or `max_steps` more steps), resuming from the latest checkpoint."""
+def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | None = None,
+        progress: bool = True, log: Callable[[str], None] = print) -> RunResult:
+  """Trains until cfg.train.steps (or `max_steps` more steps, or the first step ending after
+  `max_minutes` of training), resuming from the latest checkpoint; saves where it stops."""
+  if max_steps is not None and max_steps < 1:
+    raise ConfigError(f"max_steps={max_steps} must be >= 1")
+  if max_minutes is not None and max_minutes < 0:
+    raise ConfigError(f"max_minutes={max_minutes} must be >= 0")
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   meta = pipeline.dataset_metadata(cfg.data.dir)  # data problems fail before the model loads
   check_data(cfg, meta)
@@ -449,6 +454,7 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, progress: bool = True,
   engine = prompts = None
   last: dict[str, float] = {}
   bar = tqdm(total=end, initial=start, unit="step", disable=not progress or trainer.process_index)
+  deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
   try:
     for step in range(start, end):
       t0 = time.perf_counter()
@@ -484,6 +490,11 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, progress: bool = True,
         save(done)
       if interrupted:
         log(f"{interrupted[0]}: saving step {done} and stopping")
+        save(done)
+        break
+      if deadline is not None and time.monotonic() >= deadline and done < end:
+        log(f"{max_minutes} min of training: saving step {done} and stopping (run again to "
+            "resume)")
         save(done)
         break
   except KeyboardInterrupt:

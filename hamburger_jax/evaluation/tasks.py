@@ -2,8 +2,8 @@
 
 Tasks (TASKS, get_task):
 - reasoning-gym exact match: `gsm_symbolic` (GSM8K-style word problems, chain of thought ending in
-  "#### N"), and two easier ones where a 135M model is above zero: `basic_arithmetic` and
-  `chain_sum` with small numbers. Score: exact numeric equality of `extract_answer(text)` with the
+  "#### N"), and easier ones where a 135M model is above zero: `basic_arithmetic` and
+  `chain_sum` with small numbers, `letter_counting`, `gcd` and `lcm` (well above zero). Score: exact numeric equality of `extract_answer(text)` with the
   item's answer (Decimal comparison, so "1,234.0" == "1234"). reasoning-gym's own `score_answer`
   is not used because it gives partial credit (0.01 for any wrong number in gsm_symbolic, a length
   ratio when the answer is a substring in basic_arithmetic), which would blur method comparisons.
@@ -202,6 +202,26 @@ CHAIN_SUM = ReasoningGymTask(
     instruction="Answer with the number only.",
     config={"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
 )
+# Tasks where SmolLM2-135M-Instruct scores well above zero (greedy, 24 new tokens, 40 items:
+# letter_counting 0.53, gcd 0.33, lcm 0.30), so that a decoding method's losses show with n = 200.
+LETTER_COUNTING = ReasoningGymTask(
+    name="letter_counting",
+    dataset="letter_counting",
+    instruction="Answer with the number only.",
+    config={"min_words": 2, "max_words": 4},
+)
+GCD = ReasoningGymTask(
+    name="gcd",
+    dataset="gcd",
+    instruction="Answer with the number only.",
+    config={"max_value": 20},
+)
+LCM = ReasoningGymTask(
+    name="lcm",
+    dataset="lcm",
+    instruction="Answer with the number only.",
+    config={"max_value": 10},
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,7 +358,8 @@ HUMANEVAL = HumanEvalTask()
 MT_BENCH = MTBenchTask()
 
 TASKS: dict[str, Task] = {
-    t.name: t for t in (GSM_SYMBOLIC, BASIC_ARITHMETIC, CHAIN_SUM, HUMANEVAL, MT_BENCH)
+    t.name: t for t in (GSM_SYMBOLIC, BASIC_ARITHMETIC, CHAIN_SUM, LETTER_COUNTING, GCD, LCM,
+                        HUMANEVAL, MT_BENCH)
 }
 
 
