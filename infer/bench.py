@@ -10,6 +10,7 @@ Times exclude compilation (reported separately); each figure is the best of --re
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -124,9 +125,11 @@ def bench_base(args) -> None:
     print(f"batch 8 throughput / batch 1: {by_b[8] / by_b[1]:.2f}x")
 
 
-def micro_cost_ratio(model, repeats: int, batch: int = 1) -> float:
-  """r = cost of one micro step / cost of one base decode step, both with their LM head,
-  measured as jitted single steps at this batch size (SPEC.md 6's ceiling k / (1 + (k - 1) r))."""
+def step_costs(model, repeats: int, batch: int = 1) -> dict[str, float]:
+  """Seconds of one jitted decode step at this batch size, each with its LM head: "base" (an
+  unmerged input: the exact base), "merged" (a merged input: the base with its merged-entry
+  adapters acting, unfolded; equal to "base" without adapters) and "micro" (one micro step).
+  r = micro / base is SPEC.md 6's cost ratio in the ceiling k / (1 + (k - 1) r)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
@@ -136,10 +139,10 @@ def micro_cost_ratio(model, repeats: int, batch: int = 1) -> float:
   graphdef, params = nnx.split(model)
   slots = 512
 
-  def base_step(params, cache, x):
+  def base_step(params, cache, x, merged):
     m = nnx.merge(graphdef, params)
     pos = cache.length[:, None]
-    feats, cache = m.base_features(x, pos, cache.mask(pos), cache, pos)
+    feats, cache = m.base_features(x, pos, cache.mask(pos), cache, pos, merged)
     return m.logits(feats[:, :, -1]), cache
 
   def micro_step(params, cache, x):
@@ -153,15 +156,16 @@ def micro_cost_ratio(model, repeats: int, batch: int = 1) -> float:
   base_cache = base_cache.replace(length=jnp.full((batch,), 200, jnp.int32))
   micro_cache = KVCache.init(len(model.micro.decoder.layers), batch, model.num_features +
                              model.max_group - 1, cfg.num_kv_heads, cfg.head_dim)
-  fb, fm = jax.jit(base_step), jax.jit(micro_step)
-  jax.block_until_ready(fb(params, base_cache, x))
-  jax.block_until_ready(fm(params, micro_cache, x))
-  n = 20
-  tb = min(_timed(lambda: [jax.block_until_ready(fb(params, base_cache, x)) for _ in range(n)])
-           for _ in range(repeats)) / n
-  tm = min(_timed(lambda: [jax.block_until_ready(fm(params, micro_cache, x)) for _ in range(n)])
-           for _ in range(repeats)) / n
-  return tm / tb
+  steps = {"base": functools.partial(jax.jit(base_step), params, base_cache, x, None),
+           "merged": functools.partial(jax.jit(base_step), params, base_cache, x,
+                                       jnp.ones((batch, 1), bool)),
+           "micro": functools.partial(jax.jit(micro_step), params, micro_cache, x)}
+  n, out = 20, {}
+  for name, fn in steps.items():
+    jax.block_until_ready(fn())
+    out[name] = min(_timed(lambda: [jax.block_until_ready(fn()) for _ in range(n)])
+                    for _ in range(repeats)) / n
+  return out
 
 
 def bench_hamburger(args) -> None:
@@ -177,20 +181,24 @@ def bench_hamburger(args) -> None:
   print(f"HAMburger on SmolLM2-135M-Instruct: {label}")
   print(f"greedy, {args.new_tokens} new tokens/row (EOS ignored), confidence {args.confidence}; "
         "r = micro step / base step, measured at each batch size")
+  print("adapter cost = a base step reading a merged entry (merged-entry adapters acting, "
+        "unfolded) vs an unmerged one")
   print("\n| batch | base tok/s | HAMburger tok/s | ratio | tokens/step k | KV entries/token | r | "
-        "ceiling | of ceiling | compile s (base, ham) |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
+        "adapter cost | ceiling | of ceiling | compile s (base, ham) |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   for b in args.batches:
     ids = chat_ids(tok, (PROMPTS * (b // len(PROMPTS) + 1))[:b])
     base_s, base_c, _ = run_ours(engine, ids, args.new_tokens, "base", args.repeats)
     ham_s, ham_c, gens = run_ours(engine, ids, args.new_tokens, "hamburger", args.repeats,
                                   args.confidence)
-    r = micro_cost_ratio(model, args.repeats, b)
+    cost = step_costs(model, args.repeats, b)
+    r = cost["micro"] / cost["base"]
     k = b * args.new_tokens / sum(g.macro_steps for g in gens)
     ceiling = args.new_tokens / lockstep_cost(gens, r)
     ratio = base_s / ham_s
     print(f"| {b} | {b * args.new_tokens / base_s:.1f} | {b * args.new_tokens / ham_s:.1f} | "
-          f"{ratio:.2f}x | {k:.2f} | {1 / k:.2f} | {r:.3f} | {ceiling:.2f}x | "
+          f"{ratio:.2f}x | {k:.2f} | {1 / k:.2f} | {r:.3f} | "
+          f"{cost['merged'] / cost['base'] - 1:+.1%} | {ceiling:.2f}x | "
           f"{ratio / ceiling:.0%} | {base_c:.0f}, {ham_c:.0f} |")
 
 
