@@ -718,3 +718,20 @@ def test_max_minutes_saves_and_stops_after_a_step(staged, tmp_path: Path, no_ggu
   assert _checkpoint_steps(tmp_path / "boxed" / "micro" / "checkpoints") == [1]
   with pytest.raises(ConfigError, match="max_steps=-3 must be >= 1"):
     trainer.run(cfg, max_steps=-3, progress=False)
+
+
+def test_recipe_comparison_plot(staged, tmp_path: Path, capsys):
+  from train import curves  # pylint: disable=import-outside-toplevel
+  # Stages chain on one minutes axis: stage 2's steps come after stage 1's minutes.
+  one = [{"step": s, "step_s": 60.0, "val_agree_s2": 0.1 * s} for s in (1, 2)]
+  two = [{"step": s, "step_s": 30.0, "val_agree_merged": 0.2} for s in (1, 2, 3, 4)]
+  assert [m for m, _ in curves.minutes_axis([one, two])] == [1.0, 2.0, 2.5, 3.0, 3.5, 4.0]
+  out = tmp_path / "cmp.png"
+  stages = f"{staged.run / 'micro'},{staged.run / 'merger'}"
+  assert curves.main(["--compare", f"distill={stages}", f"again={stages}", "--out",
+                      str(out)]) == 0
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  with pytest.raises(SystemExit):  # --compare without --out
+    curves.main(["--compare", f"distill={stages}"])
+  assert curves.main(["--compare", "distill", "--out", str(out)]) == 2
+  assert "use NAME=DIR" in capsys.readouterr().err

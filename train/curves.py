@@ -1,6 +1,7 @@
 """Training curves of a run, from its metrics.jsonl, as one PNG.
 
   python -m train.curves runs/smollm2-hamburger [--out curves.png]
+  python -m train.curves --compare paper=runs/p distill=runs/d/micro,runs/d/merger --out cmp.png
 
 Panels: loss (train and validation), token accuracy per micro step (acc_s1..acc_s4: the
 group's tokens 1..4; s1 comes from the base's own last hidden state, s2..s4 from the micro-step
@@ -87,16 +88,72 @@ def plot_curves(rows: Sequence[dict[str, Any]], path: str, smooth: int = 5) -> s
   return path
 
 
+COMPARED = (("val_agree_unmerged", "token 0 after an unmerged entry"),
+            ("val_agree_merged", "token 0 after a merged entry"),
+            ("val_agree_s2", "micro step 2"), ("val_agree_s3", "micro step 3"))
+
+
+def minutes_axis(stages: Sequence[Sequence[dict[str, Any]]]) -> list[tuple[float, dict]]:
+  """(training minutes, row) for the rows of consecutive stages of one recipe: each stage's
+  steps at its median logged step time, after the minutes of the stages before it."""
+  out, offset = [], 0.0
+  for rows in stages:
+    step_s = sorted(r["step_s"] for r in rows if "step_s" in r)
+    if not step_s:
+      raise ValueError("a run has no step_s in its metrics: not a train.main run")
+    per_step = step_s[len(step_s) // 2] / 60
+    out += [(offset + r["step"] * per_step, r) for r in rows]
+    offset += max(r["step"] for r in rows) * per_step
+  return out
+
+
+def plot_comparison(recipes: dict[str, list[list[dict[str, Any]]]], path: str) -> str:
+  """Teacher-forced agreement with the base (validation) against training minutes, per recipe."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  fig, axes = plt.subplots(1, len(COMPARED), figsize=(4.5 * len(COMPARED), 3.8))
+  for ax, (key, title) in zip(axes, COMPARED):
+    for i, (name, stages) in enumerate(recipes.items()):
+      pts = [(m, r[key]) for m, r in minutes_axis(stages) if key in r]
+      if pts:
+        ax.plot(*zip(*pts), "o-", color=f"C{i}", label=name)
+    ax.set(title=f"agreement with the base:\n{title}", xlabel="training minutes (CPU)",
+           ylim=(0, 1))
+    ax.legend()
+  fig.tight_layout()
+  tmp = path + ".tmp.png"
+  fig.savefig(tmp, dpi=110)
+  plt.close(fig)
+  os.replace(tmp, path)
+  return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m train.curves", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("run_dir")
+  p.add_argument("run_dir", nargs="?")
+  p.add_argument("--compare", nargs="+", metavar="NAME=DIR[,DIR...]",
+                 help="instead of one run: recipes to compare, each its stages' run dirs in "
+                 "order, e.g. paper=runs/p distill=runs/d/micro,runs/d/merger (needs --out)")
   p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png)")
   p.add_argument("--smooth", type=int, default=5, help="moving-average window for train series")
   args = p.parse_args(argv)
+  if bool(args.run_dir) == bool(args.compare) or (args.compare and not args.out):
+    p.error("give a RUN_DIR, or --compare NAME=DIR... with --out")
   try:
-    rows = read_metrics(args.run_dir)
-    path = plot_curves(rows, args.out or os.path.join(args.run_dir, "curves.png"), args.smooth)
+    if args.compare:
+      recipes = {}
+      for spec in args.compare:
+        name, eq, dirs = spec.partition("=")
+        if not eq or not name or not dirs:
+          raise ValueError(f"--compare {spec!r}: use NAME=DIR[,DIR...]")
+        recipes[name] = [read_metrics(d) for d in dirs.split(",")]
+      path = plot_comparison(recipes, args.out)
+    else:
+      rows = read_metrics(args.run_dir)
+      path = plot_curves(rows, args.out or os.path.join(args.run_dir, "curves.png"), args.smooth)
   except (FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
