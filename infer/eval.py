@@ -1,6 +1,6 @@
 """Evaluate HAMburger against its base model: quality, KV compression and decode speed.
 
-  python -m infer.eval --tasks basic_arithmetic,chain_sum,mt_bench --limit 40
+  python -m infer.eval --tasks basic_arithmetic,chain_sum,mt_bench,sharegpt_heldout --limit 40
   python -m infer.eval --tasks gsm_symbolic,humaneval --confidence 0.6,0.7,0.8,0.9 --batch 8
   python -m infer.eval --tasks nll --data runs/data/smollm2-distill
   python -m infer.eval --config configs/tiny.yaml --tasks synthetic,nll --data runs/tiny-data
@@ -8,10 +8,16 @@
 Each task is decoded greedily in mode "base" (the base weights alone) and in mode "hamburger" at
 each confidence c, in batches, with the same engine. Reported per task: the score, the KV
 compression (generated tokens / macro steps = tokens per KV entry, SPEC.md 3) and the decode
-tokens/s ratio HAMburger / base (the engine's decode time; compilation excluded). MT-Bench has no
-judge offline: HAMburger's answers are scored by ROUGE-L against the base's own answers (so the
-base scores 1.0 by definition). `nll` is teacher-forced: the held-out NLL and per-micro-step
-accuracy of HAMburger on a tfds split, next to the base's NLL on the same response tokens.
+tokens/s ratio HAMburger / base (the engine's decode time; compilation excluded). Scores carry a
+95% percentile-bootstrap interval over the examples (`ci95`), and HAMburger's difference to the
+base a paired one (`delta_ci95`, the same examples resampled for both); HAMburger's greedy tokens
+are compared with the base's (`identical`, `prefix_agreement`). MT-Bench has no judge offline:
+HAMburger's answers are scored by ROUGE-L against the base's own answers (so the base scores 1.0
+by definition); `sharegpt_heldout` does the same on ShareGPT prompts that training never reads.
+`nll` is teacher-forced: the held-out NLL and per-micro-step accuracy of HAMburger on a tfds
+split, next to the base's NLL on the same response tokens; on data with teacher signals
+(train.prepare_data --teacher-top-k) also the agreement with the teacher's greedy token after
+merged and unmerged entries and per micro step.
 
 `--config RUN.yaml` builds the model of a run config instead (e.g. configs/tiny.yaml: a random
 tiny model with no tokenizer, where only the token-id tasks `synthetic` and `nll` make sense).
@@ -41,17 +47,20 @@ import numpy as np
 from hamburger_jax.evaluation import tasks as eval_tasks
 
 TEXT_TASKS = ("gsm_symbolic", "basic_arithmetic", "chain_sum", "letter_counting", "gcd", "lcm",
-              "humaneval", "mt_bench")
+              "humaneval", "mt_bench", "sharegpt_heldout")
 TOKEN_TASKS = ("synthetic", "nll")
 ALL_TASKS = TEXT_TASKS + TOKEN_TASKS
 # New-token budgets that fit each task's expected answer (a chain of thought, a function, a
 # chat answer, a number); --max-new-tokens overrides them all.
 MAX_NEW_TOKENS = {"gsm_symbolic": 256, "basic_arithmetic": 16, "chain_sum": 16,
                   "letter_counting": 24, "gcd": 24, "lcm": 24, "humaneval": 320, "mt_bench": 256,
-                  "synthetic": 32}
+                  "sharegpt_heldout": 128, "synthetic": 32}
 DEFAULT_LIMIT = {"synthetic": 32}  # the other tasks default to their own sizes
 # Synthetic eval prompts come from this seed; build_synthetic_dataset's seeds (0, 1) stay below.
 SYNTHETIC_SEED = eval_tasks.EVAL_SEED
+BOOTSTRAP_RESAMPLES = 1000
+# The tasks scored by ROUGE-L against the base's own answers (eval_mt_bench).
+VS_BASE_TASKS = ("mt_bench", "sharegpt_heldout")
 
 
 class EvalError(ValueError):
@@ -135,6 +144,58 @@ def ckey(c: float) -> str:
   return f"{c:g}"
 
 
+# ----------------------------------------------------------------------------- statistics
+
+
+def bootstrap_ci(scores: Sequence[float], n_resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0,
+                 level: float = 0.95) -> tuple[float, float]:
+  """Percentile-bootstrap interval of the mean of `scores`: the examples are resampled with
+  replacement n_resamples times; (nan, nan) without scores. Seeded, so reruns write the same
+  results.json."""
+  x = np.asarray(scores, np.float64)
+  if x.ndim != 1:
+    raise ValueError(f"scores must be one number per example, got shape {x.shape}")
+  if n_resamples < 1 or not 0.0 < level < 1.0:
+    raise ValueError(f"n_resamples={n_resamples} must be >= 1 and level={level} in (0, 1)")
+  if len(x) == 0:
+    return float("nan"), float("nan")
+  rng = np.random.default_rng(seed)
+  means = x[rng.integers(0, len(x), size=(n_resamples, len(x)))].mean(axis=1)
+  lo, hi = np.percentile(means, [50.0 * (1.0 - level), 50.0 * (1.0 + level)])
+  return float(lo), float(hi)
+
+
+def paired_bootstrap_ci(a: Sequence[float], b: Sequence[float],
+                        n_resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0,
+                        level: float = 0.95) -> tuple[float, float]:
+  """Interval of mean(a) - mean(b) when a[i] and b[i] score the same example: each resample draws
+  examples, keeping their pair together, so what the examples share (an easy or a hard prompt)
+  cancels and the interval is that of the difference alone: the bootstrap of a - b."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  if a.shape != b.shape:
+    raise ValueError(f"paired scores need one pair per example, got {a.shape} and {b.shape}")
+  return bootstrap_ci(a - b, n_resamples, seed, level)
+
+
+def token_agreement(base: Sequence[Sequence[int]],
+                    ham: Sequence[Sequence[int]]) -> dict[str, float]:
+  """HAMburger's greedy tokens against the base's, example by example: `identical`, the fraction
+  of examples with exactly the base's tokens, and `prefix_agreement`, the mean of (common prefix
+  length / the base's length), i.e. how much of the base's answer HAMburger reproduces before it
+  first departs (1 for identical outputs, so that two empty answers agree)."""
+  if len(base) != len(ham):
+    raise ValueError(f"{len(base)} base and {len(ham)} HAMburger generations: compare the same "
+                     "examples")
+  identical, prefix = [], []
+  for b, h in zip(base, ham):
+    b, h = list(b), list(h)
+    common = next((i for i, (x, y) in enumerate(zip(b, h)) if x != y), min(len(b), len(h)))
+    identical.append(float(b == h))
+    prefix.append(1.0 if b == h else common / max(len(b), 1))
+  mean = lambda xs: float(np.mean(xs)) if xs else float("nan")
+  return {"identical": mean(identical), "prefix_agreement": mean(prefix)}
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -182,6 +243,7 @@ class ModeRun:
 
   def summary(self, scores: list[float]) -> dict[str, Any]:
     return {"score": float(np.mean(scores)) if scores else float("nan"),
+            "ci95": list(bootstrap_ci(scores)),
             "tokens": self.tokens, "macro_steps": self.macro_steps,
             "kv_compression": self.tokens / max(self.macro_steps, 1),
             "decode_s": self.decode_s, "compile_s": self.compile_s,
@@ -237,12 +299,17 @@ class Scored:
   ham_scores: dict[float, list[float]]
 
   def result(self, max_new: int) -> dict[str, Any]:
-    """results.json's entry; speed ratio = HAMburger decode tokens/s over the base's."""
+    """results.json's entry; speed ratio = HAMburger decode tokens/s over the base's; delta =
+    HAMburger's score minus the base's, with its paired interval; token agreement with the base."""
     result = {"metric": self.metric, "n": len(self.examples), "max_new_tokens": max_new,
               "base": self.base.summary(self.base_scores), "hamburger": {}}
+    base_ids = [g.token_ids for g in self.base.gens]
     for c, run in self.ham.items():
       summary = run.summary(self.ham_scores[c])
       summary["speed_ratio"] = summary["tokens_per_s"] / result["base"]["tokens_per_s"]
+      summary["delta"] = summary["score"] - result["base"]["score"]
+      summary["delta_ci95"] = list(paired_bootstrap_ci(self.ham_scores[c], self.base_scores))
+      summary.update(token_agreement(base_ids, [g.token_ids for g in run.gens]))
       result["hamburger"][ckey(c)] = summary
     return result
 
@@ -269,7 +336,8 @@ def eval_scored_task(engine, task, examples, confidences, max_new, batch) -> Sco
 
 
 def eval_mt_bench(engine, task, examples, confidences, max_new, batch) -> Scored:
-  """ROUGE-L of HAMburger's answers against the base's own answers (attached as references)."""
+  """ROUGE-L of HAMburger's answers against the base's own answers (attached as references):
+  mt_bench and sharegpt_heldout (tasks.VsReferenceTask)."""
   base, ham = run_modes(engine, examples, confidences, max_new, batch, task.name)
   examples = [task.with_reference(ex, g.text) for ex, g in zip(examples, base.gens)]
   return Scored("rouge_l_vs_base", examples, base, ham,
@@ -307,16 +375,53 @@ def eval_synthetic(engine, task: SyntheticTask, examples, confidences, max_new, 
                 {c: score(run) for c, run in ham.items()})
 
 
+def teacher_agreement_weights(batch: dict[str, np.ndarray], max_group: int) -> dict[str, int]:
+  """How many groups of `batch` each agreement metric of distillation.distill_loss averages over
+  (agree_merged: groups predicted from a merged entry; agree_unmerged: the other real groups;
+  agree_s{i}: windows with an i-th token), so that batch means pool into dataset means."""
+  live = batch["window_size"] > 0  # padding groups have none
+  rows = np.arange(live.shape[0])[:, None]
+  merged = (batch["input_size"][rows, batch["pred_index"]] >= 2) & live
+  weights = {"merged": int(merged.sum()), "unmerged": int((live & ~merged).sum())}
+  for i in range(1, max_group + 1):
+    weights[f"s{i}"] = int((batch["window_size"] >= i).sum())
+  return weights
+
+
+def teacher_mismatch(model, data_dir: str) -> str | None:
+  """Why the teacher signals of `data_dir` cannot be compared with this model, or None: another
+  base made them (its greedy tokens are not this base's), or for other feature layers."""
+  from hamburger_jax.data import pipeline
+  from hamburger_jax.data.prepare import base_fingerprint
+  meta = pipeline.dataset_metadata(data_dir)
+  layers = (meta.get("teacher") or {}).get("feature_layers")
+  if layers is not None and list(layers) != list(model.feature_layers):
+    return (f"{data_dir} stores the teacher's features of layers {list(layers)} but the graft "
+            f"reads layers {list(model.feature_layers)}: prepare the data with this model's config")
+  stored = meta.get("base_fingerprint")
+  if stored and stored != base_fingerprint(model.base):
+    return (f"{data_dir} was segmented with another base ({meta.get('base', '?')}, fingerprint "
+            f"{stored}), so its teacher is not this model's base: prepare the data with this base")
+  return None
+
+
 def eval_nll(model, data_dir: str, split: str, limit: int | None, batch: int) -> dict[str, Any]:
   """Teacher-forced NLL (nats per response token) of HAMburger (SPEC.md 2.2's lm loss, with its
-  per-micro-step accuracies and stop accuracy) and of the base's plain forward, same tokens."""
+  per-micro-step accuracies and stop accuracy) and of the base's plain forward, same tokens.
+
+  On data with teacher signals, also "teacher_agreement": how often HAMburger's micro-step argmax
+  is the teacher's greedy token (distill_loss's agree_* metrics), on the first token of groups
+  predicted from a merged entry (`merged`) or an unmerged one (`unmerged`) and per micro step
+  (`s1`..`sK`), each pooled over the groups it counts ("groups")."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
   from tqdm import tqdm
   from hamburger_jax.data import pipeline
+  from hamburger_jax.distillation import distill_loss
   from hamburger_jax.losses import chunked_cross_entropy, hamburger_loss
   from hamburger_jax.model.llama import causal_segment_mask
+  from hamburger_jax.run_config import DistillConfig
 
   k = model.max_group
   try:
@@ -329,10 +434,17 @@ def eval_nll(model, data_dir: str, split: str, limit: int | None, batch: int) ->
   entries = round_up(max(lay.num_entries for lay in layouts), 16)
   groups = round_up(max(lay.num_groups for lay in layouts), 16)
   graphdef, params = nnx.split(model)
+  skipped = teacher_mismatch(model, data_dir) if "teacher_features" in records[0] else None
+  if skipped:
+    print(f"warning: no teacher agreement: {skipped}", file=sys.stderr)
+  teacher = "teacher_features" in records[0] and skipped is None
 
   @jax.jit
   def ham_metrics(params, batch):
-    return hamburger_loss(nnx.merge(graphdef, params), batch)[1]
+    # One program for both losses, so that XLA may share their HAMburger forward.
+    ham = nnx.merge(graphdef, params)
+    return (hamburger_loss(ham, batch)[1],
+            distill_loss(ham, batch, DistillConfig())[1] if teacher else {})
 
   @jax.jit
   def base_sums(params, tokens_bt, lens_b, prompt_lens_b):
@@ -351,11 +463,18 @@ def eval_nll(model, data_dir: str, split: str, limit: int | None, batch: int) ->
   # HAMburger: packed batches of the training layout; token-weighted sums of the batch means.
   sums: dict[str, float] = collections.defaultdict(float)
   weights: dict[str, float] = collections.defaultdict(float)
+  agree_sums: dict[str, float] = collections.defaultdict(float)
+  agree_groups: dict[str, int] = collections.defaultdict(int)
   n_batches = -(-len(records) // batch)
   bar = tqdm(total=2 * n_batches, desc="nll", unit="batch", file=sys.stderr)
   for b in pipeline.packed_dataset(records, batch_rows=batch, entries=entries, groups=groups,
                                    max_group=k, seed=None, num_epochs=1, prefetch=0):
-    m = jax.device_get(ham_metrics(params, b))
+    m, t = jax.device_get(ham_metrics(params, b))
+    if teacher:
+      # Each agree_* is a mean over its own groups (max(count, 1) of them): weight it back.
+      for name, n in teacher_agreement_weights(b, k).items():
+        agree_sums[name] += float(t[f"agree_{name}"]) * n
+        agree_groups[name] += n
     sizes = np.minimum(b["target_size"], k)
     for name, value in m.items():
       if name in ("tokens", "groups"):
@@ -383,23 +502,34 @@ def eval_nll(model, data_dir: str, split: str, limit: int | None, batch: int) ->
   bar.close()
   response_tokens = sum(len(r["input_ids"]) - int(r["prompt_len"]) for r in records)
   data_groups = sum(len(r["groups"]) for r in records)
-  return {"metric": "nll", "n": len(records), "split": split, "data": data_dir,
-          "tokens": int(count),
-          "base": {"score": ce_sum / max(count, 1.0), "accuracy": correct_sum / max(count, 1.0)},
-          "hamburger": {"score": ham["lm_loss"],
-                        **{name: v for name, v in sorted(ham.items()) if name != "lm_loss"}},
-          "data_kv_compression": response_tokens / max(data_groups, 1)}
+  result = {"metric": "nll", "n": len(records), "split": split, "data": data_dir,
+            "tokens": int(count),
+            "base": {"score": ce_sum / max(count, 1.0), "accuracy": correct_sum / max(count, 1.0)},
+            "hamburger": {"score": ham["lm_loss"],
+                          **{name: v for name, v in sorted(ham.items()) if name != "lm_loss"}},
+            "data_kv_compression": response_tokens / max(data_groups, 1)}
+  if skipped:
+    result["teacher_agreement"] = {"skipped": skipped}
+  elif teacher:
+    # None where no group counts (e.g. data without merged groups), rather than a made-up 0.
+    result["teacher_agreement"] = {
+        **{name: agree_sums[name] / n if n else None for name, n in agree_groups.items()},
+        "groups": dict(agree_groups)}
+  return result
 
 
 # ----------------------------------------------------------------------------- disjointness
 
 
-def task_examples(task, limit: int | None) -> list[eval_tasks.Example]:
+def task_examples(task, limit: int | None, tokenizer=None) -> list[eval_tasks.Example]:
   n = limit or DEFAULT_LIMIT.get(task.name)
   if isinstance(task, eval_tasks.ReasoningGymTask):
     # Evaluation items come from seeds >= EVAL_SEED (examples() refuses lower ones); training
     # data is drawn below it (ReasoningGymTask.train_items).
     return task.examples(n, seed=eval_tasks.EVAL_SEED)
+  if isinstance(task, eval_tasks.ShareGPTHeldoutTask) and tokenizer is not None:
+    # The prompt length cap in the model's tokens, as train.self_distill counts them.
+    return task.examples(n, count_tokens=lambda text: len(tokenizer.encode(text)))
   return task.examples(n)
 
 
@@ -446,6 +576,14 @@ def fmt(x: float | None, digits: int = 3) -> str:
   return "-" if x is None or x != x else f"{x:.{digits}f}"
 
 
+def fmt_ci(x: float | None, ci: Sequence[float] | None, digits: int = 3) -> str:
+  """0.525 [0.46, 0.59]: a value and its interval (one digit fewer: it is rougher)."""
+  if not ci or any(v is None or v != v for v in ci):
+    return fmt(x, digits)
+  d = max(digits - 1, 1)
+  return f"{fmt(x, digits)} [{ci[0]:.{d}f}, {ci[1]:.{d}f}]"
+
+
 def markdown(results: dict[str, Any]) -> str:
   cs = results["config"]["confidence"]
   gen_tasks = {n: r for n, r in results["tasks"].items() if r["metric"] != "nll"}
@@ -457,17 +595,32 @@ def markdown(results: dict[str, Any]) -> str:
   if gen_tasks:
     head = (["task", "base"] + [f"HAMburger @ {c:g}" for c in cs] +
             [f"KV compression @ {c:g}" for c in cs] + [f"speed ratio @ {c:g}" for c in cs])
-    lines += ["Scores: exact match / pass@1 / token match; mt_bench: ROUGE-L against the base's "
-              "own answers (so the base scores 1 by definition). KV compression = generated "
+    lines += ["Scores: exact match / pass@1 / token match; mt_bench and sharegpt_heldout: ROUGE-L "
+              "against the base's own answers (so the base scores 1 by definition); in brackets "
+              "the 95% bootstrap interval over the examples. KV compression = generated "
               "tokens / macro steps; speed ratio = HAMburger / base decode tokens/s "
               "(compilation excluded).", "",
               "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in gen_tasks.items():
       ham = [r["hamburger"][ckey(c)] for c in cs]
-      row = ([f"{name} ({r['metric']}, n={r['n']})", fmt(r["base"]["score"])] +
-             [fmt(h["score"]) for h in ham] + [f"{h['kv_compression']:.2f}x" for h in ham] +
+      row = ([f"{name} ({r['metric']}, n={r['n']})",
+              fmt_ci(r["base"]["score"], r["base"].get("ci95"))] +
+             [fmt_ci(h["score"], h.get("ci95")) for h in ham] +
+             [f"{h['kv_compression']:.2f}x" for h in ham] +
              [f"{h['speed_ratio']:.2f}x" for h in ham])
       lines.append("| " + " | ".join(row) + " |")
+    head = ([f"Δ @ {c:g}" for c in cs] + [f"identical @ {c:g}" for c in cs] +
+            [f"prefix agreement @ {c:g}" for c in cs])
+    lines += ["", "HAMburger against the base on the same examples: Δ = HAMburger's score minus "
+              "the base's [paired 95% bootstrap interval]; identical = fraction of examples "
+              "where HAMburger emits exactly the base's greedy tokens; prefix agreement = mean "
+              "share of the base's tokens HAMburger reproduces before its first different one.",
+              "", "| task | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+    for name, r in gen_tasks.items():
+      ham = [r["hamburger"][ckey(c)] for c in cs]
+      row = ([fmt_ci(h.get("delta"), h.get("delta_ci95")) for h in ham] +
+             [fmt(h.get("identical")) for h in ham] + [fmt(h.get("prefix_agreement")) for h in ham])
+      lines.append(f"| {name} | " + " | ".join(row) + " |")
     lines += ["", "Decode tokens/s (whole batches):", "",
               "| task | base | " + " | ".join(f"HAMburger @ {c:g}" for c in cs) + " |",
               "|---|---|" + "---|" * len(cs)]
@@ -485,6 +638,19 @@ def markdown(results: dict[str, Any]) -> str:
               f"| {fmt(r['base']['score'])} | {fmt(h['score'])} | "
               f"{fmt(r['base']['accuracy'])} | " + " | ".join(fmt(h[a]) for a in accs) +
               f" | {fmt(h.get('stop_acc'))} | {r['data_kv_compression']:.2f} |"]
+    agree = r.get("teacher_agreement")
+    if agree and "skipped" in agree:
+      lines += ["", f"Teacher agreement: not measured ({agree['skipped']})."]
+    elif agree:
+      names = [n for n in agree if n != "groups"]
+      lines += ["", "Teacher-forced agreement of HAMburger's micro-step argmax with the teacher's "
+                "greedy token (the base on the unmerged sequence, stored in the data): merged / "
+                "unmerged = the first token of groups predicted from a merged / an unmerged "
+                "entry; s_i = micro step i of each group's window (in parentheses: the groups "
+                "counted).",
+                "", "| " + " | ".join(names) + " |", "|" + "---|" * len(names),
+                "| " + " | ".join(f"{fmt(agree[n])} ({agree['groups'][n]})" for n in names) +
+                " |"]
   return "\n".join(lines) + "\n"
 
 
@@ -515,7 +681,7 @@ def evaluate(args) -> dict[str, Any]:
   engine = Engine(model, tok)
   tasks = {name: SyntheticTask(model.cfg.base.vocab_size, model.max_group) if name == "synthetic"
            else eval_tasks.get_task(name) for name in names if name != "nll"}
-  examples = {name: task_examples(task, args.limit) for name, task in tasks.items()}
+  examples = {name: task_examples(task, args.limit, tok) for name, task in tasks.items()}
   if args.train_data:
     train_keys = training_prompt_keys(args.train_data, tok)
     for name, exs in examples.items():
@@ -541,8 +707,8 @@ def evaluate(args) -> dict[str, Any]:
         results["tasks"][name] = eval_nll(model, args.data, args.split, args.limit, args.batch)
         continue
       max_new = args.max_new_tokens or MAX_NEW_TOKENS[name]
-      family: Callable = {"mt_bench": eval_mt_bench, "synthetic": eval_synthetic}.get(
-          name, eval_scored_task)
+      family: Callable = (eval_mt_bench if name in VS_BASE_TASKS else
+                          eval_synthetic if name == "synthetic" else eval_scored_task)
       scored = family(engine, tasks[name], examples[name], args.confidence, max_new, args.batch)
       results["tasks"][name] = result = scored.result(max_new)
       for rec in scored.records(name):

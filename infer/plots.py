@@ -3,8 +3,9 @@
   python -m infer.plots runs/eval/results.json          # (re)draws the PNGs next to the JSON
 
 - quality_vs_compression.png (Figure 3): one panel per task, x = KV compression (tokens per KV
-  entry), y = score; HAMburger points labelled by confidence, the base as a horizontal line and a
-  point at compression 1.0.
+  entry), y = score with its 95% bootstrap interval as an error bar (when results.json has one);
+  HAMburger points labelled by confidence, the base as a horizontal line and a point at
+  compression 1.0.
 - speed.png (Figure 5): decode tokens/s per task, base vs HAMburger at each confidence.
 - group_sizes.png: how often each group size occurs, per confidence, over all generations.
 - groups_example.png (Figure 1): one generation, each macro step's tokens on an alternating
@@ -70,6 +71,16 @@ def _generation_tasks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
   return {n: r for n, r in results["tasks"].items() if r["metric"] != "nll"}
 
 
+def _yerr(summaries: Sequence[dict[str, Any]]) -> list[list[float]] | None:
+  """Error-bar lengths below and above each score from its "ci95"; None when a summary has none
+  (results.json written before intervals were reported)."""
+  cis = [s.get("ci95") for s in summaries]
+  if any(not ci or any(v is None or v != v for v in ci) for ci in cis):
+    return None
+  return [[max(s["score"] - ci[0], 0.0) for s, ci in zip(summaries, cis)],
+          [max(ci[1] - s["score"], 0.0) for s, ci in zip(summaries, cis)]]
+
+
 def _empty(path: str, message: str) -> str:
   fig = Figure(figsize=(6, 1.5))
   ax = fig.subplots()
@@ -92,8 +103,10 @@ def plot_quality_vs_compression(results: dict[str, Any], path: str) -> str:
     xs = [r["hamburger"][c]["kv_compression"] for c in cs]
     ys = [r["hamburger"][c]["score"] for c in cs]
     ax.axhline(r["base"]["score"], color=BASE_COLOUR, ls="--", lw=1, label="base")
-    ax.plot([1.0], [r["base"]["score"]], "s", color=BASE_COLOUR)
-    ax.plot(xs, ys, "o-", color="tab:red", label="HAMburger")
+    ax.errorbar([1.0], [r["base"]["score"]], yerr=_yerr([r["base"]]), fmt="s",
+                color=BASE_COLOUR, capsize=3)
+    ax.errorbar(xs, ys, yerr=_yerr([r["hamburger"][c] for c in cs]), fmt="o-",
+                color="tab:red", capsize=3, label="HAMburger")
     for c, x, y in zip(cs, xs, ys):
       ax.annotate(f"c={c}", (x, y), textcoords="offset points", xytext=(5, 5), fontsize=9)
     ax.set_title(f"{name} (n={r['n']})")

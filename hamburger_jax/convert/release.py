@@ -211,10 +211,11 @@ def _to_numpy(torch, t) -> np.ndarray:
 
 
 def write_lightning_checkpoint(model: Hamburger, path: str | os.PathLike, base_model_name: str,
-                               dtype: str | None = None,
-                               check_heads: bool = True) -> None:
+                               dtype: str | None = None, check_heads: bool = True,
+                               fold_adapters: bool = False) -> None:
   """Writes `model` as a release checkpoint the authors' `HAMburgerLlama.load_from_checkpoint`
-  reads: {"state_dict", "hyper_parameters": {base_model_name, max_steps}}.
+  reads: {"state_dict", "hyper_parameters": {base_model_name, max_steps}}. `fold_adapters`: see
+  export_release_state_dict (a model with merged-entry adapters needs it).
 
   `dtype` casts every tensor (e.g. "bfloat16" like the release's base); None keeps each param's
   dtype. The tied copies share storage with embed_tokens, as in a torch state dict. Written to a
@@ -227,7 +228,7 @@ def write_lightning_checkpoint(model: Hamburger, path: str | os.PathLike, base_m
     raise ValueError(f"dtype={dtype!r}: use one of {sorted(_NP_DTYPES)} or None")
   converted: dict[int, Any] = {}  # id(array) -> tensor, so tied copies stay one storage
   state = {}
-  for name, array in export_release_state_dict(model).items():
+  for name, array in export_release_state_dict(model, fold_adapters).items():
     if id(array) not in converted:
       converted[id(array)] = _to_torch(torch, array, dtype)
     state[name] = converted[id(array)]

