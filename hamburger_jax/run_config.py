@@ -137,16 +137,22 @@ def load_run_config(path: str | None, overrides: list[str] = (),
   """
   raw = dict(data) if data is not None else load_yaml(path) if path else {}
   stages = raw.pop("stages", None)
+  raw = apply_overrides(raw, list(overrides))
   if stages is not None or stage is not None:
-    raw = _select_stage(raw, stages, stage)
-  return from_dict(RunConfig, apply_overrides(raw, list(overrides)))
+    # The overrides set the root (e.g. checkpoint.dir) the stages derive from, and win over the
+    # stage's own values.
+    raw = _select_stage(raw, stages, stage, {o.split("=", 1)[0] for o in overrides})
+  return from_dict(RunConfig, raw)
 
 
 def stage_names(raw: Mapping[str, Any]) -> list[str]:
   return [str(s.get("name", "")) for s in raw.get("stages") or []]
 
 
-def _select_stage(raw: dict[str, Any], stages: Any, stage: str | None) -> dict[str, Any]:
+def _select_stage(raw: dict[str, Any], stages: Any, stage: str | None,
+                  fixed: set[str] = frozenset()) -> dict[str, Any]:
+  """`raw` with the stage's sections and derived paths; keys in `fixed` (dotted, set on the
+  command line) keep their values."""
   if not isinstance(stages, list) or not stages or not all(
       isinstance(s, Mapping) and s.get("name") for s in stages):
     raise ConfigError("`stages:` must be a non-empty list of mappings, each with a name"
@@ -166,13 +172,14 @@ def _select_stage(raw: dict[str, Any], stages: Any, stage: str | None) -> dict[s
   if i < len(names) - 1 or not ckpt.get("export"):
     ckpt["export"] = stage_export(i)
   out["checkpoint"] = ckpt
-  if i > 0:
+  if i > 0 and "train.init_from" not in fixed:
     out["train"] = {**dict(out.get("train") or {}), "init_from": stage_export(i - 1)}
   for section, values in stages[i].items():
     if section == "name":
       continue
     if not isinstance(values, Mapping):
       raise ConfigError(f"stage {stage!r}: {section} must be a mapping of keys to override")
-    out[section] = {**dict(out.get(section) or {}), **values}
+    out[section] = {**dict(out.get(section) or {}),
+                    **{k: v for k, v in values.items() if f"{section}.{k}" not in fixed}}
   out["stage"] = stage
   return out

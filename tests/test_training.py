@@ -675,6 +675,11 @@ def test_stage_and_distill_data_errors(staged, teacher_data_dir: str, tiny_data_
     trainer.run(other_base, progress=False)
   with pytest.raises(ConfigError, match="needs train.recipe=distill"):
     load_run_config(fresh, ["train.recipe=paper"], stage="micro")
+  # --set moves the stages' root and wins over a stage's own values.
+  moved = load_run_config(fresh, [f"checkpoint.dir={tmp_path / 'x'}", "train.steps=3"],
+                          stage="merger")
+  assert (moved.checkpoint.dir, moved.train.init_from, moved.train.steps) == (
+      str(tmp_path / "x" / "merger"), str(tmp_path / "x" / "micro" / "export"), 3)
   assert not (tmp_path / "fresh").exists()  # nothing written by the refused runs
 
 
