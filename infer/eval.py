@@ -388,6 +388,18 @@ def teacher_agreement_weights(batch: dict[str, np.ndarray], max_group: int) -> d
   return weights
 
 
+def nll_batches(records: Sequence[dict[str, Any]], max_group: int, batch: int):
+  """The records in file order as packed training-layout batches of `batch` rows, shaped to fit
+  the largest record (rounded up to a multiple of 16, so that few shapes compile)."""
+  from hamburger_jax.data import pipeline
+  layouts = [pipeline.record_layout(r, max_group) for r in records]
+  round_up = lambda n, m: -(-n // m) * m
+  entries = round_up(max(lay.num_entries for lay in layouts), 16)
+  groups = round_up(max(lay.num_groups for lay in layouts), 16)
+  return pipeline.packed_dataset(records, batch_rows=batch, entries=entries, groups=groups,
+                                 max_group=max_group, seed=None, num_epochs=1, prefetch=0)
+
+
 def teacher_mismatch(model, data_dir: str) -> str | None:
   """Why the teacher signals of `data_dir` cannot be compared with this model, or None: another
   base made them (its greedy tokens are not this base's), or for other feature layers."""
@@ -429,10 +441,7 @@ def eval_nll(model, data_dir: str, split: str, limit: int | None, batch: int) ->
   except ValueError as e:  # no such split, or segmented for a larger max_group
     raise EvalError(str(e)) from None
   records = [source[i] for i in range(min(limit or len(source), len(source)))]
-  layouts = [pipeline.record_layout(r, k) for r in records]
   round_up = lambda n, m: -(-n // m) * m  # a few static shapes across datasets
-  entries = round_up(max(lay.num_entries for lay in layouts), 16)
-  groups = round_up(max(lay.num_groups for lay in layouts), 16)
   graphdef, params = nnx.split(model)
   skipped = teacher_mismatch(model, data_dir) if "teacher_features" in records[0] else None
   if skipped:
@@ -467,8 +476,7 @@ def eval_nll(model, data_dir: str, split: str, limit: int | None, batch: int) ->
   agree_groups: dict[str, int] = collections.defaultdict(int)
   n_batches = -(-len(records) // batch)
   bar = tqdm(total=2 * n_batches, desc="nll", unit="batch", file=sys.stderr)
-  for b in pipeline.packed_dataset(records, batch_rows=batch, entries=entries, groups=groups,
-                                   max_group=k, seed=None, num_epochs=1, prefetch=0):
+  for b in nll_batches(records, k, batch):
     m, t = jax.device_get(ham_metrics(params, b))
     if teacher:
       # Each agree_* is a mean over its own groups (max(count, 1) of them): weight it back.
@@ -609,10 +617,10 @@ def markdown(results: dict[str, Any]) -> str:
              [f"{h['kv_compression']:.2f}x" for h in ham] +
              [f"{h['speed_ratio']:.2f}x" for h in ham])
       lines.append("| " + " | ".join(row) + " |")
-    head = ([f"Δ @ {c:g}" for c in cs] + [f"identical @ {c:g}" for c in cs] +
+    head = ([f"delta @ {c:g}" for c in cs] + [f"identical @ {c:g}" for c in cs] +
             [f"prefix agreement @ {c:g}" for c in cs])
-    lines += ["", "HAMburger against the base on the same examples: Δ = HAMburger's score minus "
-              "the base's [paired 95% bootstrap interval]; identical = fraction of examples "
+    lines += ["", "HAMburger against the base on the same examples: delta = HAMburger's score "
+              "minus the base's [paired 95% bootstrap interval]; identical = fraction of examples "
               "where HAMburger emits exactly the base's greedy tokens; prefix agreement = mean "
               "share of the base's tokens HAMburger reproduces before its first different one.",
               "", "| task | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]

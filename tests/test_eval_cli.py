@@ -1,19 +1,34 @@
 """`python -m infer.eval` end to end on the tiny random model (synthetic + nll tasks): the output
-files, the numbers' invariants, the disjointness check and clear errors for bad arguments.
+files, the numbers' invariants, the disjointness check and clear errors for bad arguments. Also
+its statistics on known samples (bootstrap intervals, token agreement) and the teacher-agreement
+split of the nll task on a synthetic teacher dataset, against a direct computation.
 
 The scorers themselves are tested on known strings in test_evaluation.py.
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import math
+import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import jax
+import numpy as np
 import pytest
 
+from hamburger_jax.data import pipeline
+from hamburger_jax.distillation import micro_step_losses
+from hamburger_jax.model.llama import causal_segment_mask
+from hamburger_jax.run_config import DistillConfig, load_run_config
+from hamburger_jax.testing import build_synthetic_teacher_dataset
+from infer import eval as ev
 from infer.eval import SyntheticTask
+from train.trainer import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -67,9 +82,20 @@ def test_results_json_numbers(tiny_eval: Path):
   assert syn["hamburger"]["1"]["kv_compression"] == 1.0
   assert syn["hamburger"]["1"]["score"] == syn["base"]["score"]
   assert syn["hamburger"]["0.3"]["kv_compression"] >= syn["hamburger"]["1"]["kv_compression"]
+  for summary in (syn["base"], *syn["hamburger"].values()):
+    lo, hi = summary["ci95"]
+    assert 0.0 <= lo <= summary["score"] <= hi <= 1.0
+  for h in syn["hamburger"].values():
+    assert h["delta"] == pytest.approx(h["score"] - syn["base"]["score"])
+    assert h["delta_ci95"][0] <= h["delta"] <= h["delta_ci95"][1]
+    assert 0.0 <= h["identical"] <= h["prefix_agreement"] <= 1.0
+  # At c = 1 every answer is the base's: no difference, full agreement.
+  assert syn["hamburger"]["1"]["delta_ci95"] == [0.0, 0.0]
+  assert (syn["hamburger"]["1"]["identical"], syn["hamburger"]["1"]["prefix_agreement"]) == (1, 1)
 
   nll = results["tasks"]["nll"]
   assert nll["n"] == LIMIT and nll["tokens"] > 0
+  assert "teacher_agreement" not in nll  # tiny_data_dir carries no teacher signals
   assert 0 < nll["base"]["score"] < 20 and 0 < nll["hamburger"]["score"] < 20
   assert 0 <= nll["hamburger"]["acc_s1"] <= 1 and 0 <= nll["hamburger"]["stop_acc"] <= 1
   assert 1.0 <= nll["data_kv_compression"] <= 4.0
@@ -79,7 +105,9 @@ def test_results_json_numbers(tiny_eval: Path):
 def test_results_md_and_generations(tiny_eval: Path):
   md = (tiny_eval / "results.md").read_text()
   for column in ("| task | base | HAMburger @ 0.3 | HAMburger @ 1 | KV compression @ 0.3",
-                 "speed ratio @ 1 |", "| base NLL | HAMburger NLL |"):
+                 "speed ratio @ 1 |", "| base NLL | HAMburger NLL |",
+                 "| task | delta @ 0.3 | delta @ 1 | identical @ 0.3 | identical @ 1 | "
+                 "prefix agreement @ 0.3 | prefix agreement @ 1 |"):
     assert column in md
   rows = [json.loads(line) for line in (tiny_eval / "generations.jsonl").read_text().splitlines()]
   assert len(rows) == LIMIT * 3  # base + two confidences
@@ -87,6 +115,24 @@ def test_results_md_and_generations(tiny_eval: Path):
   same = {r["id"]: r["token_ids"] for r in rows if r["confidence"] == 1.0}
   assert base == same
   assert all(sum(r["groups"]) == len(r["token_ids"]) for r in rows)
+
+  # The reported intervals and agreements are those of the written generations.
+  results = json.loads((tiny_eval / "results.json").read_text())
+  syn = results["tasks"]["synthetic"]
+  ids = list(base)
+  scores = lambda c: [r["score"] for r in rows if r["confidence"] == c]
+  low = {r["id"]: r["token_ids"] for r in rows if r["confidence"] == 0.3}
+  assert syn["base"]["ci95"] == list(ev.bootstrap_ci(scores(None)))
+  assert syn["hamburger"]["0.3"]["delta_ci95"] == list(ev.paired_bootstrap_ci(scores(0.3),
+                                                                               scores(None)))
+  prefix = [next((i for i, (a, b) in enumerate(zip(base[k], low[k])) if a != b),
+                 min(len(base[k]), len(low[k]))) / max(len(base[k]), 1) for k in ids]
+  assert syn["hamburger"]["0.3"]["identical"] == pytest.approx(
+      np.mean([base[k] == low[k] for k in ids]))
+  assert syn["hamburger"]["0.3"]["prefix_agreement"] == pytest.approx(
+      np.mean([1.0 if base[k] == low[k] else p for k, p in zip(ids, prefix)]))
+  lo, hi = syn["base"]["ci95"]
+  assert f"| {syn['base']['score']:.3f} [{lo:.2f}, {hi:.2f}] |" in md
 
 
 def test_overlapping_training_prompts_are_an_error(tmp_path: Path):
@@ -104,8 +150,8 @@ def test_overlapping_training_prompts_are_an_error(tmp_path: Path):
 
 @pytest.mark.parametrize("args, message", [
     (["--tasks", "synthetic,bogus"], "unknown task 'bogus': valid tasks are gsm_symbolic, "
-     "basic_arithmetic, chain_sum, letter_counting, gcd, lcm, humaneval, mt_bench, synthetic, "
-     "nll"),
+     "basic_arithmetic, chain_sum, letter_counting, gcd, lcm, humaneval, mt_bench, "
+     "sharegpt_heldout, synthetic, nll"),
     (["--tasks", "synthetic", "--confidence", "0.5,1.5"], "every confidence must be in [0, 1]"),
     (["--tasks", "synthetic", "--confidence", "high"], "give comma-separated numbers"),
     (["--tasks", "synthetic", "--checkpoint", "/nonexistent/ckpt"],
@@ -125,3 +171,154 @@ def test_text_task_on_a_model_without_tokenizer_is_an_error(tmp_path: Path):
   assert proc.returncode == 1
   assert "error: tasks ['basic_arithmetic'] need a tokenizer" in proc.stderr
   assert "use --tasks synthetic,nll" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def _reference_percentile_ci(x: list[float], n_resamples: int, seed: int) -> tuple[float, float]:
+  """The percentile bootstrap written out slowly: resample, sort the means, interpolate the
+  2.5% and 97.5% points linearly between order statistics (numpy's default)."""
+  rng = random.Random(seed)
+  means = sorted(sum(rng.choice(x) for _ in x) / len(x) for _ in range(n_resamples))
+
+  def point(q: float) -> float:
+    pos = q * (len(means) - 1)
+    i = math.floor(pos)
+    return means[i] + (pos - i) * (means[min(i + 1, len(means) - 1)] - means[i])
+
+  return point(0.025), point(0.975)
+
+
+def test_bootstrap_ci_known_cases():
+  assert ev.bootstrap_ci([0.7] * 50) == (pytest.approx(0.7), pytest.approx(0.7))
+  coin = [0.0, 1.0] * 100  # mean 0.5, n = 200: 1.96 x sqrt(0.25 / 200) = 0.069 either side
+  lo, hi = ev.bootstrap_ci(coin)
+  assert lo == pytest.approx(0.5 - 0.069, abs=0.012) and hi == pytest.approx(0.5 + 0.069, abs=0.012)
+  assert ev.bootstrap_ci(coin) == (lo, hi)  # seeded
+  assert ev.bootstrap_ci(coin, seed=1) != (lo, hi)
+  assert all(math.isnan(v) for v in ev.bootstrap_ci([]))
+  with pytest.raises(ValueError, match="one number per example"):
+    ev.bootstrap_ci([[1.0, 2.0]])
+
+
+def test_bootstrap_ci_matches_a_slow_reference_on_a_skewed_sample():
+  # Skewed scores: the percentile interval is asymmetric about the mean (a normal approximation
+  # would not be), and an independent resampler lands on the same interval.
+  x = np.random.default_rng(3).lognormal(0.0, 1.5, 60).tolist()
+  lo, hi = ev.bootstrap_ci(x, n_resamples=4000)
+  ref_lo, ref_hi = _reference_percentile_ci(x, 4000, seed=0)
+  width = ref_hi - ref_lo
+  assert abs(lo - ref_lo) < 0.06 * width and abs(hi - ref_hi) < 0.06 * width
+  mean = float(np.mean(x))
+  assert hi - mean > 1.2 * (mean - lo)  # the long right tail
+
+
+def test_paired_bootstrap_ci_resamples_pairs_together():
+  rng = np.random.default_rng(0)
+  base = rng.uniform(0.0, 1.0, 200)  # examples differ a lot in difficulty
+  ham = base + rng.normal(0.05, 0.01, 200)  # HAMburger: a little better on each
+  lo, hi = ev.paired_bootstrap_ci(ham, base)
+  assert lo < 0.05 < hi
+  # Resampling the two sides independently would carry the examples' spread (width ~0.11).
+  base_lo, base_hi = ev.bootstrap_ci(base)
+  assert hi - lo < 0.05 * (base_hi - base_lo)
+  assert (lo, hi) == ev.bootstrap_ci(ham - base)
+  assert ev.paired_bootstrap_ci([1.0, 0.5, 0.0], [0.5, 0.0, -0.5]) == (
+      pytest.approx(0.5), pytest.approx(0.5))
+  with pytest.raises(ValueError, match="one pair per example"):
+    ev.paired_bootstrap_ci([1.0, 0.0], [1.0])
+
+
+def test_token_agreement():
+  base = [[1, 2, 3, 4], [5, 6], [7], [], [1, 2]]
+  ham = [[1, 2, 3, 4], [5, 9, 9], [8], [], [1, 2, 3]]
+  # identical: examples 0 and 3; prefixes 4/4, 1/2, 0/1, (both empty) 1, 2/2 (ham runs on).
+  assert ev.token_agreement(base, ham) == {"identical": pytest.approx(2 / 5),
+                                           "prefix_agreement": pytest.approx(3.5 / 5)}
+  with pytest.raises(ValueError, match="compare the same examples"):
+    ev.token_agreement(base, ham[:2])
+
+
+# ----------------------------------------------------------------------------- teacher agreement
+
+TEACHER_BATCH = 2  # rows per batch: several batches over the 16 validation records
+
+
+@pytest.fixture(scope="module")
+def teacher_nll(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+  """eval_nll of the tiny random model on a synthetic dataset carrying its base's teacher
+  signals (as tests/test_training.py's teacher_data_dir)."""
+  cfg = load_run_config(TINY, ["graft.base_lora_rank=4"])
+  data = build_synthetic_teacher_dataset(str(tmp_path_factory.mktemp("teacher") / "data"), cfg,
+                                         n_train=4, n_val=16)
+  model, _ = build_model(cfg)
+  return SimpleNamespace(model=model, data=data,
+                         result=ev.eval_nll(model, data, "validation", None, TEACHER_BATCH))
+
+
+def test_teacher_agreement_is_pooled_over_each_metrics_groups(teacher_nll: SimpleNamespace):
+  """Each number is (groups agreeing) / (groups counted) over the whole split, computed here from
+  the per-group agreement of the same batches rather than from distill_loss's batch means."""
+
+  model = teacher_nll.model
+  k = model.max_group
+
+  @jax.jit
+  def agreement(batch):  # [B, G, K]: micro step i's argmax is the teacher's greedy token
+    ids, size = batch["input_ids"], batch["input_size"]
+    feats, _ = model.base_features(model.smash(ids, size), batch["positions"],
+                                   causal_segment_mask(batch["segment_ids"]), merged_bt=size >= 2)
+    feats = feats[np.arange(ids.shape[0])[:, None], batch["pred_index"]]
+    b, g, f, d = feats.shape
+    agree = micro_step_losses(model, feats.reshape(b * g, f, d), batch, DistillConfig(), 1024,
+                              batch["target_size"].reshape(-1))[2]
+    return agree.reshape(b, g, k)
+
+  source = pipeline.open_split(teacher_nll.data, "validation", k)
+  records = [source[i] for i in range(len(source))]
+  hits, counts = collections.Counter(), collections.Counter()
+  batch_means = collections.defaultdict(list)
+  for batch in ev.nll_batches(records, k, TEACHER_BATCH):
+    agree = np.asarray(agreement(batch))
+    window = batch["window_size"]
+    rows = np.arange(window.shape[0])[:, None]
+    merged = (batch["input_size"][rows, batch["pred_index"]] >= 2) & (window > 0)
+    masks = {"merged": (merged, 0), "unmerged": ((window > 0) & ~merged, 0),
+             **{f"s{i + 1}": (window > i, i) for i in range(k)}}
+    for name, (mask, step) in masks.items():
+      hits[name] += int((agree[..., step] & mask).sum())
+      counts[name] += int(mask.sum())
+      if mask.any():
+        batch_means[name].append((agree[..., step] & mask).sum() / mask.sum())
+
+  result = teacher_nll.result["teacher_agreement"]
+  assert list(result) == ["merged", "unmerged", *[f"s{i + 1}" for i in range(k)], "groups"]
+  assert result["groups"] == dict(counts)
+  assert counts["merged"] > 0 and counts["unmerged"] > 0
+  assert counts["merged"] + counts["unmerged"] == counts["s1"]
+  for name, n in counts.items():
+    assert result[name] == pytest.approx(hits[name] / n, abs=1e-6), name
+  # The test can tell the weighting apart: plain means of the batch means differ somewhere.
+  assert len(batch_means["s1"]) > 1
+  assert any(abs(np.mean(means) - hits[name] / counts[name]) > 1e-3
+             for name, means in batch_means.items())
+
+
+def test_teacher_agreement_in_results_md(teacher_nll: SimpleNamespace):
+  results = {"config": {"confidence": [0.5], "batch": TEACHER_BATCH}, "created": "now",
+             "model": {"base": "random", "checkpoint": None}, "command": "python -m infer.eval",
+             "tasks": {"nll": teacher_nll.result}}
+  md = ev.markdown(results)
+  agree = teacher_nll.result["teacher_agreement"]
+  assert "| merged | unmerged | s1 | s2 | s3 | s4 |" in md
+  assert (f"| {agree['merged']:.3f} ({agree['groups']['merged']}) | "
+          f"{agree['unmerged']:.3f} ({agree['groups']['unmerged']}) |") in md
+
+
+def test_teacher_signals_of_another_base_are_not_compared(teacher_nll: SimpleNamespace):
+  assert ev.teacher_mismatch(teacher_nll.model, teacher_nll.data) is None
+  other, _ = build_model(load_run_config(TINY, ["train.seed=1"]))  # another random base
+  assert "segmented with another base" in ev.teacher_mismatch(other, teacher_nll.data)
+  other, _ = build_model(load_run_config(TINY, ["graft.num_features=2"]))  # layers 1, 3
+  assert "stores the teacher's features of layers" in ev.teacher_mismatch(other, teacher_nll.data)

