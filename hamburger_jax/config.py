@@ -9,6 +9,10 @@ import types
 import typing
 from typing import Any, Mapping
 
+# The inference rule's default: a group continues while the stop head's P(continue) >= this
+# (docs/method.md, section 3). The engine, the CLIs and training's generation probes use it.
+DEFAULT_CONFIDENCE = 0.8
+
 
 class ConfigError(ValueError):
   """A configuration value or key is invalid; the message says which and what to do."""

@@ -28,6 +28,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
+from hamburger_jax import layout
 from hamburger_jax.losses import chunked_token_stats
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import causal_segment_mask
@@ -68,9 +69,10 @@ def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str
     next_agrees = jnp.pad(agree[:, 1:], ((0, 0), (0, 1)))
     stop_target = ~(next_agrees & (step + 1 < size[:, None]))
     stop_valid = valid
-  else:  # the segmentation's group ends: labels exist inside the group only
-    stop_target = step == group_end_n[:, None] - 1
-    stop_valid = valid & (step < group_end_n[:, None])
+  else:  # the segmentation's group ends (the paper's targets): labels inside the group only
+    ends, inside = layout.stop_targets(group_end_n, k)
+    stop_target = ends > 0
+    stop_valid = valid & inside
   stop = model.stop_logits(h)  # [N, K] fp32
   bce = bce_with_logits(stop, stop_target.astype(jnp.float32))
   n_tok = jnp.maximum(valid.sum(), 1)

@@ -3,13 +3,17 @@
 A sample is (prompt ids [P], response ids [R], group sizes summing to R). The base model sees P
 unmerged prompt entries, then one merged entry per response group, at the RoPE position of the
 group's last token. The last prompt entry predicts group 0; the entry of group g predicts g + 1.
-Plain NumPy: used by the data pipeline (packing), tests and reference implementations.
+Plain NumPy (used by the data pipeline's packing, tests and reference implementations), except
+`stop_targets`, which the losses also call on jax arrays.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -103,11 +107,15 @@ def layout_sample(prompt_ids, response_ids, groups, max_group: int,
                       **extra)
 
 
-def stop_targets(group_sizes, max_group: int) -> tuple[np.ndarray, np.ndarray]:
-  """Per micro step: stop target (1 at each group's last token) and validity, both [G, K]."""
-  sizes = np.asarray(group_sizes)[:, None]
-  step = np.arange(max_group)[None, :]
-  return (step == sizes - 1).astype(np.float32), step < sizes
+def stop_targets(group_sizes, max_group: int) -> tuple[Any, Any]:
+  """Per micro step: stop target (1.0 at each group's last token, float32) and validity (bool),
+  both [..., K] for group sizes [...] (0 = a padding group: nothing valid). NumPy in, NumPy out;
+  a jax array (traced too) in, jax arrays out: the paper loss and the distill recipe's
+  `segments` target use this one definition inside jit."""
+  xp = jnp if isinstance(group_sizes, jax.Array) else np
+  sizes = xp.asarray(group_sizes)[..., None]
+  step = xp.arange(max_group)
+  return (step == sizes - 1).astype(xp.float32), step < sizes
 
 
 @dataclasses.dataclass

@@ -8,6 +8,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
+from hamburger_jax import layout
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import Llama, causal_segment_mask
 
@@ -77,9 +78,7 @@ def hamburger_loss(model: Hamburger, batch: Mapping[str, jax.Array],
   targets = batch["target_ids"].reshape(b * g, k)
   h = model.micro_hidden(feats.reshape(b * g, f, d), targets)  # [B*G, K, D]
   sizes = batch["target_size"].reshape(b * g)
-  step = jnp.arange(k)[None, :]
-  valid = step < sizes[:, None]  # [B*G, K]
-  stop_target = (step == sizes[:, None] - 1).astype(jnp.float32)
+  stop_target, valid = layout.stop_targets(sizes, k)  # [B*G, K]
 
   ce, correct = chunked_cross_entropy(h.reshape(-1, d), model.base.head_dv(), targets.reshape(-1),
                                       ce_chunk, h.dtype)

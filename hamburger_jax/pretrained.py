@@ -30,6 +30,7 @@ DEFAULT_BASE = "smollm2"
 GRAFT_FILE, BASE_FILE, META_FILE = "graft.safetensors", "base.safetensors", "hamburger.json"
 DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                   "checkpoints", "smollm2-135m-hamburger")
+UNTRAINED = "untrained"  # load_hamburger's name for a freshly grafted, untrained model
 
 
 def resolve_base(source: str) -> tuple[str, str]:
@@ -50,11 +51,11 @@ def load_llama(source: str = DEFAULT_BASE, **overrides: Any) -> tuple[Llama, Tok
   """Loads a base model and its tokenizer. `overrides` set LlamaConfig fields (e.g. dtype)."""
   kind, path = resolve_base(source)
   if kind == "gguf":
-    f = gguf.GGUFFile(path)
-    cfg = f.config(**overrides)
+    converted = gguf.read_converted(path)  # from the converted-weights cache when it can
+    cfg = converted.config(**overrides)
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))  # filled below, no random init
-    gguf.load_into(model, f, cfg)
-    return model, Tokenizer.from_gguf(f)
+    gguf.load_into(model, converted, cfg)
+    return model, Tokenizer.from_gguf(converted)
   cfg = dataclasses.replace(hf.read_config(path), **overrides)
   model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
   hf.load_into(model, path, cfg)
@@ -113,24 +114,54 @@ def _same_architecture(a: LlamaConfig, b: LlamaConfig) -> bool:
              for f in dataclasses.fields(LlamaConfig) if f.name not in ignore)
 
 
+def resolve_checkpoint(checkpoint: str | None) -> str | None:
+  """The graft checkpoint a caller means: `checkpoint` as given, or for None the shipped one
+  (DEFAULT_CHECKPOINT), or None when nothing is given and nothing is shipped (a wheel without
+  the repository's checkpoints/)."""
+  if checkpoint is not None:
+    return checkpoint
+  return DEFAULT_CHECKPOINT if os.path.isdir(DEFAULT_CHECKPOINT) else None
+
+
 def load_hamburger(checkpoint: str | None = None, base_source: str | None = None,
                    graft: GraftConfig | None = None, seed: int = 0,
                    **overrides: Any) -> tuple[Hamburger, Tokenizer]:
-  """A HAMburger on a real base: from a graft checkpoint, or freshly grafted (untrained)."""
-  meta = read_meta(checkpoint) if checkpoint else None
-  source = base_source or (meta["base_source"] if meta else DEFAULT_BASE)
+  """A HAMburger on a real base, from a graft checkpoint directory: by default the shipped one
+  (DEFAULT_CHECKPOINT, trained on SmolLM2-135M-Instruct).
+
+  `checkpoint=UNTRAINED` ("untrained") grafts fresh, randomly initialised modules (`graft`, else
+  GraftConfig(), seeded by `seed`) onto the base instead: their multi-token groups mean nothing,
+  but confidence 1.0 still decodes the base exactly. `base_source` defaults to the checkpoint's
+  own base (UNTRAINED: SmolLM2); `overrides` set LlamaConfig fields (e.g. dtype).
+  """
+  if checkpoint == UNTRAINED:
+    base, tok = load_llama(base_source or DEFAULT_BASE, **overrides)
+    model = Hamburger(HamburgerConfig(base.cfg, graft or GraftConfig()), rngs=nnx.Rngs(seed),
+                      base=base)
+    return model, tok
+  resolved = resolve_checkpoint(checkpoint)
+  if resolved is None:
+    raise WeightsError(f"no HAMburger checkpoint is shipped at {DEFAULT_CHECKPOINT}: pass a "
+                       f"checkpoint directory, or load_hamburger({UNTRAINED!r}) for an untrained "
+                       "graft")
+  if graft is not None:
+    raise ValueError("`graft` configures an untrained graft only; a checkpoint brings its own "
+                     f"(pass checkpoint={UNTRAINED!r} to graft fresh modules)")
+  meta = read_meta(resolved)
+  source = base_source or meta["base_source"]
   base, tok = load_llama(source, **overrides)
-  if meta:
-    ckpt_base = from_dict(LlamaConfig, meta["base_config"])
-    if not _same_architecture(ckpt_base, base.cfg):
-      raise WeightsError(
-          f"checkpoint {checkpoint} was trained on a different base ({ckpt_base}) than "
-          f"{source!r} ({base.cfg}); pass the matching --base or checkpoint")
-    graft = from_dict(GraftConfig, meta["graft"])
-  cfg = HamburgerConfig(base.cfg, graft or GraftConfig())
-  model = Hamburger(cfg, rngs=nnx.Rngs(seed), base=base)
-  if meta:
-    load_graft(model, checkpoint)
+  ckpt_base = from_dict(LlamaConfig, meta["base_config"])
+  if not _same_architecture(ckpt_base, base.cfg):
+    raise WeightsError(
+        f"checkpoint {resolved} was trained on a different base ({ckpt_base}) than "
+        f"{source!r} ({base.cfg}); pass the matching --base or checkpoint")
+  cfg = HamburgerConfig(base.cfg, from_dict(GraftConfig, meta["graft"]))
+  # Built abstract, not randomly initialised (seconds of eager init on a CPU): the base's arrays
+  # are moved in and the checkpoint fills every grafted param; load_graft's loader refuses a
+  # model left with any param unset.
+  model = nnx.eval_shape(lambda: Hamburger(cfg, rngs=nnx.Rngs(seed)))
+  nnx.update(model.base, nnx.state(base))
+  load_graft(model, resolved)
   return model, tok
 
 

@@ -6,8 +6,8 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from hamburger_jax.config import (ConfigError, GraftConfig, LlamaConfig, apply_overrides,
-                                  from_dict, load_yaml, to_dict)
+from hamburger_jax.config import (DEFAULT_CONFIDENCE, ConfigError, GraftConfig, LlamaConfig,
+                                  apply_overrides, from_dict, load_yaml, to_dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ class TrainConfig:
   generate_every: int = 0  # 0: off; else tokens per macro step on held-out prompts
   generate_prompts: int = 8
   generate_tokens: int = 64
-  generate_confidence: float = 0.8
+  generate_confidence: float = DEFAULT_CONFIDENCE
   seed: int = 0
 
   def __post_init__(self):

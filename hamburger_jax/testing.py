@@ -1,8 +1,12 @@
-"""Synthetic data for tests, the tiny config and the notebook: learnable token patterns."""
+"""Synthetic data for tests, the tiny config and the notebook (learnable token patterns), and
+model fixtures that need no downloaded weights: a tiny quantised GGUF file, Llama-3.2-1B's
+architecture."""
 
 from __future__ import annotations
 
 import numpy as np
+
+from hamburger_jax.config import LlamaConfig, RopeScaling
 
 from hamburger_jax.data.tfds_builder import build_dataset
 
@@ -72,3 +76,76 @@ def sharpen(model, scale: float = 8.0) -> None:
   for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     if var.ndim >= 2:
       var.set_value(var[...] * scale)
+
+
+def llama_3_2_1b_config(**overrides) -> LlamaConfig:
+  """Llama-3.2-1B(-Instruct)'s architecture, its config.json in numbers: the paper's setting
+  (configs/llama3_2_1b.yaml) for shape-only tests, without its weights."""
+  return LlamaConfig(**{
+      "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_layers": 16,
+      "num_heads": 32, "num_kv_heads": 8, "head_dim": 64, "rope_theta": 500000.0,
+      "rope_scaling": RopeScaling(32.0, 1.0, 4.0, 8192), "tie_word_embeddings": True,
+      "max_position_embeddings": 131072, **overrides})
+
+
+# Grafted params of HAMburger on Llama-3.2-1B with the paper's graft (K = 4, 4 fresh micro-decoder
+# layers, merger head dim 32, no adapters): merger 16.8M + out_proj 4.2M + 4 x 60.8M micro
+# layers + stop head 8.4M (test_hamburger_model checks each part).
+LLAMA_3_2_1B_GRAFT_PARAMS = 272_664_577
+
+
+def write_tiny_llama_gguf(path: str, seed: int = 0) -> LlamaConfig:
+  """A 2-layer Llama as llama.cpp writes one: Q4_1 and Q8_0 projections, float32 norms, a
+  64-token byte-level vocabulary (63 printable characters and "AB", their one merge). Returns its
+  config.
+  The same `seed` writes the same weights; another seed, other weights of the same size."""
+  import gguf  # pylint: disable=import-outside-toplevel
+  from gguf.quants import quantize  # pylint: disable=import-outside-toplevel
+  cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+                    rms_norm_eps=float(np.float32(1e-5)),  # GGUF stores float32
+                    max_position_embeddings=256, tie_word_embeddings=True)
+  d, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+  rng = np.random.default_rng(seed)
+  w = gguf.GGUFWriter(path, "llama")
+  w.add_block_count(cfg.num_layers)
+  w.add_context_length(cfg.max_position_embeddings)
+  w.add_embedding_length(d)
+  w.add_feed_forward_length(cfg.intermediate_size)
+  w.add_head_count(cfg.num_heads)
+  w.add_head_count_kv(cfg.num_kv_heads)
+  w.add_rope_dimension_count(cfg.head_dim)
+  w.add_rope_freq_base(cfg.rope_theta)
+  w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+  w.add_vocab_size(cfg.vocab_size)
+  w.add_tokenizer_model("gpt2")
+  w.add_tokenizer_pre("gpt2")
+  w.add_token_list([chr(33 + i) for i in range(cfg.vocab_size - 1)] + ["AB"])
+  w.add_token_types([1] * cfg.vocab_size)
+  w.add_token_merges(["A B"])
+
+  def tensor(name: str, shape: tuple[int, ...], qtype=None) -> None:
+    x = (0.05 * rng.standard_normal(shape)).astype(np.float32)
+    if qtype is None:
+      w.add_tensor(name, 1.0 + x)  # a norm weight
+    else:
+      w.add_tensor(name, quantize(x, qtype), raw_dtype=qtype)
+
+  q4, q8 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+  tensor("token_embd.weight", (cfg.vocab_size, d), q8)
+  tensor("output_norm.weight", (d,))
+  for i in range(cfg.num_layers):
+    tensor(f"blk.{i}.attn_norm.weight", (d,))
+    tensor(f"blk.{i}.ffn_norm.weight", (d,))
+    tensor(f"blk.{i}.attn_q.weight", (d, d), q4)
+    tensor(f"blk.{i}.attn_k.weight", (kv, d), q4)
+    tensor(f"blk.{i}.attn_v.weight", (kv, d), q8)
+    tensor(f"blk.{i}.attn_output.weight", (d, d), q8)
+    tensor(f"blk.{i}.ffn_gate.weight", (cfg.intermediate_size, d), q4)
+    tensor(f"blk.{i}.ffn_up.weight", (cfg.intermediate_size, d), q4)
+    tensor(f"blk.{i}.ffn_down.weight", (d, cfg.intermediate_size), q8)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return cfg

@@ -20,7 +20,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as _Backend
 
 if TYPE_CHECKING:
-  from hamburger_jax.convert.gguf import GGUFFile
+  from hamburger_jax.convert.gguf import ConvertedGGUF, GGUFFile
 
 # llama.cpp token_type values (gguf.TokenType).
 _CONTROL = 3
@@ -149,9 +149,10 @@ class Tokenizer:
   # -- construction --------------------------------------------------------------------------
 
   @classmethod
-  def from_gguf(cls, source: "str | os.PathLike | GGUFFile", *,
+  def from_gguf(cls, source: "str | os.PathLike | GGUFFile | ConvertedGGUF", *,
                 semantics: Literal["transformers", "llama.cpp"] = "llama.cpp") -> "Tokenizer":
-    """From a GGUF file's tokenizer metadata (byte-level BPE: tokenizer.ggml.model "gpt2").
+    """From a GGUF file's tokenizer metadata (byte-level BPE: tokenizer.ggml.model "gpt2"); an
+    opened GGUFFile or a ConvertedGGUF (the cached metadata) saves parsing the file again.
 
     `semantics` picks between two readings of the starcoder-family pre-tokenizers ("smollm",
     "starcoder", ...): "llama.cpp" (default: what the model was trained with) first splits every

@@ -5,6 +5,8 @@
 
 Every row decodes exactly --new-tokens tokens (EOS ignored) so tokens/s compare like with like.
 Times exclude compilation (reported separately); each figure is the best of --repeats runs.
+The compile column counts loads from the persistent compilation cache (on by default) when an
+earlier run compiled the same program: HAMBURGER_JAX_NO_COMPILE_CACHE=1 measures compilation.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import sys
 import time
 
 import numpy as np
+
+from hamburger_jax.config import DEFAULT_CONFIDENCE
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -59,7 +63,8 @@ def chat_ids(tok, prompts: list[str]) -> list[list[int]]:
           for p in prompts]
 
 
-def run_ours(engine, ids, n_new: int, mode: str, repeats: int, confidence: float = 0.8):
+def run_ours(engine, ids, n_new: int, mode: str, repeats: int,
+             confidence: float = DEFAULT_CONFIDENCE):
   """(best decode s, compile s, generations) for one batch."""
   first = engine.generate(ids, max_new_tokens=n_new, mode=mode, confidence=confidence)
   best, gens = min(((g[0].decode_s, g) for g in (
@@ -172,10 +177,8 @@ def bench_hamburger(args) -> None:
   from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
   from infer.engine import Engine  # pylint: disable=import-outside-toplevel
 
-  checkpoint = args.checkpoint
-  if checkpoint is None and os.path.exists(pretrained.DEFAULT_CHECKPOINT):
-    checkpoint = pretrained.DEFAULT_CHECKPOINT
-  model, tok = pretrained.load_hamburger(checkpoint)
+  checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
+  model, tok = pretrained.load_hamburger(checkpoint or pretrained.UNTRAINED)
   label = checkpoint or "UNTRAINED graft (random weights; use --confidence 0 to force K-token steps)"
   engine = Engine(model, tok, stop_ids=())
   print(f"HAMburger on SmolLM2-135M-Instruct: {label}")
@@ -222,9 +225,11 @@ def main(argv=None) -> int:
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--checkpoint", default=None)
-  p.add_argument("--confidence", type=float, default=0.8)
+  p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE)
   args = p.parse_args(argv)
   args.batches = args.batches or ([1, 8] if args.mode == "base" else [1, 8, 32])
+  from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
+  cache.enable_compilation_cache()
   (bench_base if args.mode == "base" else bench_hamburger)(args)
   return 0
 

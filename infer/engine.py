@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hamburger_jax.config import DEFAULT_CONFIDENCE
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.model.llama import Llama
@@ -268,11 +269,10 @@ class Engine:
       raise GenerationError(f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
     return ids
 
-  def generate(self, prompts: Sequence, *, max_new_tokens: int = 128, mode: str | None = None,
-               sampling: SamplingParams = SamplingParams(), confidence: float | Sequence[float] = 0.9,
-               seed: int = 0, stream: Callable[[np.ndarray, np.ndarray], None] | None = None
-               ) -> list[Generation]:
-    """Generates for a batch of prompts (texts, message lists or token-id lists)."""
+  def _request(self, prompts: Sequence, max_new_tokens: int, mode: str | None,
+               sampling: SamplingParams, confidence: float | Sequence[float], seed: int
+               ) -> tuple[str, list[list[int]], tuple]:
+    """Checks a request and lays it out in its shape buckets: (mode, prompt ids, prefill args)."""
     mode = mode or ("hamburger" if isinstance(self.model, Hamburger) else "base")
     if mode not in ("base", "hamburger"):
       raise GenerationError(f"mode={mode!r}: use 'base' or 'hamburger'")
@@ -303,11 +303,28 @@ class Engine:
     conf_b = np.ones((b,), np.float32)
     conf_b[:n] = conf
     dyn = sampling.dynamic()
-    self.stream_callback = stream
-
-    params = self.params
-    args = (params, jnp.asarray(ids_bp), jnp.asarray(lens), jnp.asarray(done),
+    args = (self.params, jnp.asarray(ids_bp), jnp.asarray(lens), jnp.asarray(done),
             jnp.asarray(conf_b), jax.random.key(seed), dyn["temperature"], dyn["top_p"])
+    return mode, ids, args
+
+  def compile(self, prompts: Sequence, *, max_new_tokens: int = 128, mode: str | None = None,
+              sampling: SamplingParams = SamplingParams(), stream: bool = False) -> float:
+    """Compiles the programs that `generate` with these arguments runs (confidence and seed do
+    not change them), so that a caller can time compilation apart from generation. Returns the
+    seconds spent: 0 when they were compiled already; loading them from JAX's persistent
+    compilation cache counts as compiling."""
+    mode, _, args = self._request(prompts, max_new_tokens, mode, sampling, DEFAULT_CONFIDENCE, 0)
+    return self._program(args, mode, int(max_new_tokens), sampling, stream)[2]
+
+  def generate(self, prompts: Sequence, *, max_new_tokens: int = 128, mode: str | None = None,
+               sampling: SamplingParams = SamplingParams(),
+               confidence: float | Sequence[float] = DEFAULT_CONFIDENCE, seed: int = 0,
+               stream: Callable[[np.ndarray, np.ndarray], None] | None = None
+               ) -> list[Generation]:
+    """Generates for a batch of prompts (texts, message lists or token-id lists)."""
+    mode, ids, args = self._request(prompts, max_new_tokens, mode, sampling, confidence, seed)
+    self.stream_callback = stream
+    params, n = args[0], len(ids)
     prefill, decode, compile_s = self._program(args, mode, int(max_new_tokens), sampling,
                                                stream is not None)
     t0 = time.perf_counter()

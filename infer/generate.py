@@ -3,6 +3,10 @@
   python -m infer.generate                                # side by side on the default model
   python -m infer.generate --prompt "Why is the sky blue?" --mode hamburger --confidence 0.8
   python -m infer.generate --prompts-file prompts.txt --json --max-new-tokens 64
+
+Progress goes to stderr, one line per phase with its duration (loading weights, compiling each
+mode, generating). Compiled programs and converted weights are cached per user (see
+hamburger_jax/cache.py), so a second run skips most of the first one's wait.
 """
 
 from __future__ import annotations
@@ -11,6 +15,12 @@ import argparse
 import json
 import os
 import sys
+import time
+from typing import Callable, TypeVar
+
+from hamburger_jax.config import DEFAULT_CONFIDENCE
+
+T = TypeVar("T")
 
 DEFAULT_PROMPTS = (
     "What is the capital of France? Answer in one sentence.",
@@ -36,12 +46,28 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
   p.add_argument("--top-k", type=int, default=0)
   p.add_argument("--top-p", type=float, default=1.0)
-  p.add_argument("--confidence", type=float, default=0.8,
-                 help="continue a group while P(continue) >= this (SPEC.md 3)")
+  p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE,
+                 help="continue a group while P(continue) >= this (docs/method.md, section 3)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", action="store_true", help="one JSON object per prompt and mode")
   p.add_argument("--no-color", action="store_true")
+  p.add_argument("--no-compile-cache", action="store_true",
+                 help="compile every program and keep none (default: JAX's persistent "
+                      "compilation cache under the per-user cache directory)")
   return p.parse_args(argv)
+
+
+def phase(what: str, fn: Callable[[], T]) -> T:
+  """Runs one phase of the run and says on stderr what it was and how long it took."""
+  print(f"{what} ...", end="", file=sys.stderr, flush=True)
+  t = time.perf_counter()
+  try:
+    out = fn()
+  except BaseException:
+    print(f" failed after {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    raise
+  print(f" {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+  return out
 
 
 def read_prompts(args) -> list[str]:
@@ -67,29 +93,29 @@ def coloured(tokenizer, token_ids: list[int], groups: list[int], colour: bool) -
 def main(argv=None) -> int:
   args = parse_args(argv)
   # Imports after argument parsing so --help is instant.
-  from hamburger_jax import pretrained
+  from hamburger_jax import cache, pretrained
   from infer.engine import Engine, GenerationError
   from infer.sampling import SamplingError, SamplingParams
 
+  cache.enable_compilation_cache(enabled=not args.no_compile_cache)
   try:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
   except SamplingError as e:
     raise SystemExit(f"error: {e}") from None
   prompts = read_prompts(args)
-  checkpoint = args.checkpoint
-  if checkpoint is None and os.path.exists(pretrained.DEFAULT_CHECKPOINT):
-    checkpoint = pretrained.DEFAULT_CHECKPOINT
+  checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
   mode = args.mode or ("both" if checkpoint else "base")
   if mode != "base" and checkpoint is None:
     raise SystemExit("error: --mode hamburger needs a trained checkpoint (--checkpoint DIR); "
                      "none is shipped at " + pretrained.DEFAULT_CHECKPOINT)
-  print(f"loading {'HAMburger ' + checkpoint if mode != 'base' else 'base'} "
-        f"({args.base or 'default base'}) ...", file=sys.stderr)
+  if mode == "base":
+    what = f"base {args.base or pretrained.DEFAULT_BASE}"
+    load = lambda: pretrained.load_llama(args.base or pretrained.DEFAULT_BASE)
+  else:
+    what = f"HAMburger {checkpoint}" + (f" on {args.base}" if args.base else "")
+    load = lambda: pretrained.load_hamburger(checkpoint, args.base)
   try:
-    if mode == "base":
-      model, tok = pretrained.load_llama(args.base or pretrained.DEFAULT_BASE)
-    else:
-      model, tok = pretrained.load_hamburger(checkpoint, args.base)
+    model, tok = phase(f"loading weights ({what})", load)
   except (ValueError, RuntimeError, FileNotFoundError) as e:  # weights/config/asset errors
     raise SystemExit(f"error: {e}") from None
   engine = Engine(model, tok)
@@ -97,10 +123,12 @@ def main(argv=None) -> int:
   colour = sys.stdout.isatty() and not args.no_color
   results = {}
   for m in modes:
-    print(f"generating ({m}; the first call compiles) ...", file=sys.stderr)
     try:
-      results[m] = engine.generate(prompts, max_new_tokens=args.max_new_tokens, mode=m,
-                                   sampling=sampling, confidence=args.confidence, seed=args.seed)
+      phase(f"compiling {m}", lambda: engine.compile(
+          prompts, max_new_tokens=args.max_new_tokens, mode=m, sampling=sampling))
+      results[m] = phase(f"generating {m}", lambda: engine.generate(
+          prompts, max_new_tokens=args.max_new_tokens, mode=m, sampling=sampling,
+          confidence=args.confidence, seed=args.seed))
     except GenerationError as e:
       raise SystemExit(f"error: {e}") from None
   for i, prompt in enumerate(prompts):

@@ -23,7 +23,8 @@ def graft_checkpoint(tmp_path_factory) -> str:
     assets.smollm2_gguf()
   except assets.AssetError as e:
     pytest.skip(str(e))
-  model, _ = pretrained.load_hamburger(None)  # an untrained graft: enough to check the plumbing
+  # An untrained graft: enough to check the plumbing.
+  model, _ = pretrained.load_hamburger(pretrained.UNTRAINED)
   path = str(tmp_path_factory.mktemp("ckpt") / "graft")
   pretrained.save_graft(model, path, "smollm2")
   return path

@@ -217,6 +217,19 @@ def test_programs_are_reused_within_a_bucket(model):
   assert engine.compilations == 2
 
 
+def test_compile_ahead_is_what_generate_runs(model):
+  """`compile` builds the very programs `generate` then runs (the CLI times them apart), for any
+  confidence and seed; what it validates, it validates as `generate` does."""
+  engine = Engine(model, None, stop_ids=[STOP])
+  assert engine.compile([[1, 2, 3], [4]], max_new_tokens=8, mode="hamburger") > 0
+  assert engine.compile([[5, 6], [7]], max_new_tokens=8, mode="hamburger") == 0  # same buckets
+  gens = engine.generate([[1, 2, 3], [4]], max_new_tokens=8, mode="hamburger",
+                         confidence=[0.3, 1.0], seed=5)
+  assert engine.compilations == 1 and all(g.compile_s == 0 for g in gens)
+  with pytest.raises(GenerationError, match="max_new_tokens=0"):
+    engine.compile([[1]], max_new_tokens=0)
+
+
 def test_streaming_reports_every_macro_step(engine):
   seen = []
   g = engine.generate([PROMPTS[0]], max_new_tokens=12, mode="hamburger", confidence=0.5,

@@ -14,8 +14,7 @@ import pytest
 from flax import nnx
 
 from hamburger_jax import layout
-from hamburger_jax.config import (ConfigError, GraftConfig, HamburgerConfig, LlamaConfig,
-                                  RopeScaling)
+from hamburger_jax.config import ConfigError, GraftConfig, HamburgerConfig, LlamaConfig
 from hamburger_jax.convert import release
 from hamburger_jax.convert.mapping import WeightsError
 from hamburger_jax.losses import hamburger_loss
@@ -23,7 +22,8 @@ from hamburger_jax.model import lora
 from hamburger_jax.model.compositional_embedder import CompositionalEmbedder
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import GraftParam, causal_segment_mask
-from hamburger_jax.testing import synthetic_samples
+from hamburger_jax.testing import (LLAMA_3_2_1B_GRAFT_PARAMS, llama_3_2_1b_config,
+                                   synthetic_samples)
 
 K = 4
 VOCAB = 64
@@ -259,15 +259,8 @@ def test_token_zero_is_the_base_prediction(model):
 # ----------------------------------------------------------------------------- sizes (SPEC 1.5)
 
 
-def llama_3_2_1b() -> LlamaConfig:
-  return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
-                     num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
-                     rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192), tie_word_embeddings=True,
-                     max_position_embeddings=131072)
-
-
 def test_parameter_counts_at_llama_3_2_1b():
-  cfg = HamburgerConfig(llama_3_2_1b(), GraftConfig(merger_head_dim=32))
+  cfg = HamburgerConfig(llama_3_2_1b_config(), GraftConfig(merger_head_dim=32))
   abstract = nnx.eval_shape(lambda: Hamburger(cfg, rngs=nnx.Rngs(0)))
   counts: dict[str, int] = {}
   by_type = {GraftParam: 0, nnx.Param: 0}
@@ -286,7 +279,7 @@ def test_parameter_counts_at_llama_3_2_1b():
   assert counts == {"base": 1_235_814_400, "merger": 16_787_456, "out_proj": 4_196_352,
                     "micro0": 60_821_504, "micro1": 60_821_504, "micro2": 60_821_504,
                     "micro3": 60_821_504, "stop_head": 8_394_753}
-  assert by_type == {GraftParam: 272_664_577, nnx.Param: 1_235_814_400}
+  assert by_type == {GraftParam: LLAMA_3_2_1B_GRAFT_PARAMS, nnx.Param: 1_235_814_400}
   assert abstract.feature_layers == (3, 7, 11, 15)
   assert abstract.embedder.num_heads == 64
   # The release importer covers every param exactly once.
@@ -512,12 +505,13 @@ def test_release_merger_head_count_is_checked():
 
 def test_graft_config_from_hparams():
   g = release.graft_config_from_hparams(
-      {"base_model_name": "meta-llama/Llama-3.2-1B-Instruct", "max_steps": 4}, llama_3_2_1b())
+      {"base_model_name": "meta-llama/Llama-3.2-1B-Instruct", "max_steps": 4},
+      llama_3_2_1b_config())
   assert (g.max_group, g.merger_head_dim, g.micro_layers) == (4, 32, 4)
   assert g.resolved_feature_layers(16) == (3, 7, 11, 15)
   assert g.position_offset == 0
   with pytest.raises(WeightsError, match="max_steps"):
-    release.graft_config_from_hparams({"base_model_name": "x"}, llama_3_2_1b())
+    release.graft_config_from_hparams({"base_model_name": "x"}, llama_3_2_1b_config())
 
 
 def test_lightning_checkpoint_round_trip(tmp_path):

@@ -12,7 +12,7 @@ from flax import nnx
 from hamburger_jax import pretrained
 from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig
 from hamburger_jax.model import lora
-from hamburger_jax.model.hamburger import Hamburger
+from hamburger_jax.model.hamburger import Hamburger, without_adapters
 from hamburger_jax.model.llama import GraftParam
 from hamburger_jax.testing import sharpen
 
@@ -35,7 +35,7 @@ def _model(perturb: bool) -> Hamburger:
 
 def test_adapters_start_at_zero_and_cover_every_projection():
   m = _model(perturb=False)
-  plain = lora.without_adapters(m, merge=False)
+  plain = without_adapters(m, merge=False)
   assert len(lora.base_linears(m.base)) == 7 * CFG.num_layers
   np.testing.assert_array_equal(np.asarray(m.base(IDS, merged_bt=EVERYWHERE)),
                                 np.asarray(plain.base(IDS)))
@@ -45,8 +45,8 @@ def test_adapters_start_at_zero_and_cover_every_projection():
 def test_merge_and_drop():
   m = _model(perturb=True)
   with_adapters = np.asarray(m.base(IDS, merged_bt=EVERYWHERE))
-  merged = np.asarray(lora.without_adapters(m, merge=True).base(IDS))
-  dropped = np.asarray(lora.without_adapters(m, merge=False).base(IDS))
+  merged = np.asarray(without_adapters(m, merge=True).base(IDS))
+  dropped = np.asarray(without_adapters(m, merge=False).base(IDS))
   np.testing.assert_allclose(merged, with_adapters, atol=1e-4)
   assert np.abs(dropped - with_adapters).max() > 0.1  # the adapter matters
   # Dropping gives the base back exactly: a model built without adapters, same seed.
@@ -68,7 +68,7 @@ def test_adapters_act_only_at_merged_entries():
   """Unmarked inputs run the exact base weights; a marked (merged) entry changes its own output
   and, through attention, what follows it, never what precedes it."""
   m = _model(perturb=True)
-  plain = np.asarray(lora.without_adapters(m, merge=False).base(IDS))
+  plain = np.asarray(without_adapters(m, merge=False).base(IDS))
   np.testing.assert_array_equal(np.asarray(m.base(IDS)), plain)  # None: the exact base
   nothing = jnp.zeros(IDS.shape, bool)
   np.testing.assert_array_equal(np.asarray(m.base(IDS, merged_bt=nothing)), plain)
@@ -96,7 +96,7 @@ def _loss_batch(groups: list[int]) -> dict:
 def test_training_forward_runs_the_exact_base_where_nothing_is_merged():
   from hamburger_jax.losses import hamburger_loss  # pylint: disable=import-outside-toplevel
   m = _model(perturb=True)
-  bare = lora.without_adapters(m, merge=False)
+  bare = without_adapters(m, merge=False)
   single = _loss_batch([1] * 6)
   np.testing.assert_array_equal(np.asarray(hamburger_loss(m, single)[0]),
                                 np.asarray(hamburger_loss(bare, single)[0]))

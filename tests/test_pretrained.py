@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from hamburger_jax import assets, pretrained
-from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig
+from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig, to_dict
 from hamburger_jax.convert.mapping import WeightsError
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import GraftParam
@@ -76,6 +76,45 @@ def test_mismatches_are_named(tmp_path):
     pretrained.load_hamburger(path)
 
 
+def test_load_hamburger_means_the_shipped_checkpoint_unless_told_untrained(monkeypatch,
+                                                                          tmp_path):
+  assert pretrained.resolve_checkpoint(None) == pretrained.DEFAULT_CHECKPOINT
+  assert pretrained.resolve_checkpoint(str(tmp_path)) == str(tmp_path)
+  with pytest.raises(ValueError, match="configures an untrained graft only"):
+    pretrained.load_hamburger(graft=GraftConfig())  # would be ignored: the checkpoint has one
+  monkeypatch.setattr(pretrained, "DEFAULT_CHECKPOINT", str(tmp_path / "not-shipped"))
+  assert pretrained.resolve_checkpoint(None) is None
+  with pytest.raises(WeightsError, match="load_hamburger\\('untrained'\\)"):
+    pretrained.load_hamburger()
+
+
+def test_untrained_graft_and_checkpoint_round_trip_on_a_gguf_base(monkeypatch, tmp_path):
+  """load_hamburger builds a checkpointed model abstractly and fills it (base from the GGUF file,
+  graft and adapters from the checkpoint): the same params as the model that was saved."""
+  from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.testing import write_tiny_llama_gguf  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv(cache.NO_WEIGHT_CACHE_ENV, "1")
+  base_path = str(tmp_path / "tiny.gguf")
+  write_tiny_llama_gguf(base_path)
+  graft = GraftConfig(num_features=2, merger_head_dim=16, micro_layers=1, base_lora_rank=4)
+  src, _ = pretrained.load_hamburger(pretrained.UNTRAINED, base_path, graft=graft, seed=3)
+  assert src.cfg.graft == graft
+  base, _ = pretrained.load_llama(base_path)
+  want = Hamburger(HamburgerConfig(base.cfg, graft), rngs=nnx.Rngs(3), base=base)
+  for p, v in _params(want, nnx.Param).items():
+    np.testing.assert_array_equal(_params(src, nnx.Param)[p], v)
+  for path, var in nnx.to_flat_state(nnx.state(src, GraftParam)):  # make every graft param count
+    var.set_value(var[...] + 0.01 * (1 + len(path)))
+  ckpt = str(tmp_path / "ckpt")
+  pretrained.save_graft(src, ckpt, base_path, dtype="float32")
+  loaded, tok = pretrained.load_hamburger(ckpt)
+  got, saved = _params(loaded, nnx.Param), _params(src, nnx.Param)
+  assert got.keys() == saved.keys()
+  for p, v in saved.items():
+    np.testing.assert_array_equal(got[p], v, err_msg=str(p))
+  assert tok.encode("AB") == [63]
+
+
 @pytest.mark.slow
 def test_shipped_checkpoint_loads_is_trained_and_is_the_base_at_confidence_1():
   """The shipped graft fits the repo budget, loads onto the real base, and has learned: on the
@@ -91,8 +130,9 @@ def test_shipped_checkpoint_loads_is_trained_and_is_the_base_at_confidence_1():
   ckpt = pretrained.DEFAULT_CHECKPOINT
   size = sum(os.path.getsize(os.path.join(ckpt, n)) for n in os.listdir(ckpt))
   assert size <= 64 * 2**20, f"{ckpt} is {size / 2**20:.1f} MiB, over the 64 MiB repo budget"
-  trained, tok = pretrained.load_hamburger(ckpt)
-  untrained, _ = pretrained.load_hamburger(None, graft=trained.cfg.graft)
+  trained, tok = pretrained.load_hamburger()  # no argument: the shipped checkpoint
+  assert to_dict(trained.cfg.graft) == pretrained.read_meta(ckpt)["graft"]
+  untrained, _ = pretrained.load_hamburger(pretrained.UNTRAINED, graft=trained.cfg.graft)
   prompt = tok.apply_chat_template(
       [{"role": "user", "content": "Describe how a bicycle works in three sentences."}],
       tokenize=True)

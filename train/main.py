@@ -61,6 +61,8 @@ def main(argv=None) -> int:
     cfg = load_run_config(args.config, args.set, stage=args.stage)
   except ConfigError as e:
     raise SystemExit(f"error: {e}") from None
+  from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
+  cache.enable_compilation_cache()
   init_distributed(args)
   from train import trainer  # pylint: disable=import-outside-toplevel
   try:

@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     return _fail(e)
   import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
+  cache.enable_compilation_cache()
   tfds.disable_progress_bar()  # ours below is the one that means something
   try:
     model, tokenizer = prepare.load_base(cfg.model)

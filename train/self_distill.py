@@ -101,9 +101,10 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
 
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import cache, pretrained  # pylint: disable=import-outside-toplevel
   from infer.engine import Engine  # pylint: disable=import-outside-toplevel
 
+  cache.enable_compilation_cache()
   model, tok = pretrained.load_llama(args.base)
   convs: list[Conversation] = []
   for name, n in parse_mix(args.mix):

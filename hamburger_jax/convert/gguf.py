@@ -1,17 +1,32 @@
-"""GGUF import (llama.cpp files): metadata -> config, dequantised tensors -> our params."""
+"""GGUF import (llama.cpp files): metadata -> config, dequantised tensors -> our params.
+
+Parsing a GGUF file and dequantising it takes seconds (SmolLM2-135M: ~4 s to parse its 49k-token
+vocabulary, ~1.5 s to dequantise), so `read_converted` keeps the result, float32 arrays and the
+metadata, in the per-user converted-weights cache (hamburger_jax.cache) and reads it back
+memory-mapped while the file is unchanged.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
-from typing import Any
+import struct
+from typing import Any, Mapping
 
 import numpy as np
 from flax import nnx
 
+from hamburger_jax import cache
 from hamburger_jax.config import ConfigError, LlamaConfig
 from hamburger_jax.convert import hf, mapping
 from hamburger_jax.convert.mapping import WeightsError
+
+# Part of every cache entry's fingerprint: bump it when `hf_tensors` or the metadata reading
+# would give other values for the same file, so that no entry written by older code is used.
+CONVERSION_VERSION = 1
+_CACHE_FORMAT = "hamburger-jax/gguf-float32-v1"
 
 _NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -41,10 +56,7 @@ class GGUFFile:
         continue  # exotic field types we never read
 
   def config(self, **overrides) -> LlamaConfig:
-    try:
-      return LlamaConfig.from_gguf_metadata(self.metadata, **overrides)
-    except ConfigError as e:
-      raise ConfigError(f"{self.path}: {e}") from None
+    return config_from_metadata(self.metadata, self.path, **overrides)
 
   def hf_tensors(self, cfg: LlamaConfig) -> dict[str, np.ndarray]:
     """Dequantised float32 tensors under transformers' names, q/k in rotate-half order."""
@@ -59,6 +71,97 @@ class GGUFFile:
         w = unpermute(w, cfg.num_kv_heads)
       out[name] = w
     return out
+
+
+def config_from_metadata(metadata: Mapping[str, Any], path: str, **overrides) -> LlamaConfig:
+  try:
+    return LlamaConfig.from_gguf_metadata(metadata, **overrides)
+  except ConfigError as e:
+    raise ConfigError(f"{path}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertedGGUF:
+  """A GGUF file converted: its metadata (as GGUFFile.metadata) and float32 tensors (as
+  GGUFFile.hf_tensors). Tokenizer.from_gguf reads it like a GGUFFile."""
+  path: str
+  metadata: dict[str, Any]
+  tensors: Mapping[str, np.ndarray]
+  from_cache: bool  # read back from the converted-weights cache (else converted just now)
+
+  def config(self, **overrides) -> LlamaConfig:
+    return config_from_metadata(self.metadata, self.path, **overrides)
+
+
+def read_converted(path: str) -> ConvertedGGUF:
+  """The GGUF file at `path` converted, from the converted-weights cache when it holds this very
+  file (same fingerprint: size, mtime, first and last MiB, CONVERSION_VERSION), else converted
+  here and written to the cache (unless HAMBURGER_JAX_NO_WEIGHT_CACHE is set)."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"GGUF file {path} does not exist")
+  use_cache = cache.weight_cache_enabled()
+  if use_cache:
+    fingerprint = cache.file_fingerprint(path, CONVERSION_VERSION)
+    entry = cache.weights_path(path, ".safetensors")
+    hit = _read_entry(entry, fingerprint)
+    if hit is not None:
+      return ConvertedGGUF(path, *hit, from_cache=True)
+  f = GGUFFile(path)
+  tensors = f.hf_tensors(f.config())
+  if use_cache:
+    _write_entry(entry, fingerprint, path, f.metadata, tensors)
+  return ConvertedGGUF(path, f.metadata, tensors, from_cache=False)
+
+
+def _read_entry(entry: str, fingerprint: str
+                ) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+  """(metadata, tensors) of a cache entry written for `fingerprint`, else None. The tensors are
+  read-only views of the memory-mapped file (safetensors' own reader copies them): loading
+  copies each once, into the model. Entries are replaced by rename, never rewritten in place, so
+  a mapping stays valid while another process refreshes the entry."""
+  try:
+    with open(entry, "rb") as f:
+      (n,) = struct.unpack("<Q", f.read(8))
+      header = json.loads(f.read(n))
+  except FileNotFoundError:
+    return None
+  except (OSError, ValueError, struct.error) as e:
+    cache.warn(f"unreadable converted-weights cache entry {entry} ({e}); converting again")
+    return None
+  info = header.pop("__metadata__", {})
+  if info.get("format") != _CACHE_FORMAT or info.get("fingerprint") != fingerprint:
+    return None  # written for another version of the file or of this code: rebuilt by the caller
+  try:
+    data = np.memmap(entry, dtype=np.uint8, mode="r", offset=8 + n)
+    tensors = {}
+    for name, t in header.items():
+      if t["dtype"] != "F32":
+        raise ValueError(f"tensor {name} is {t['dtype']}, not F32")
+      start, end = t["data_offsets"]
+      tensors[name] = data[start:end].view(np.float32).reshape(t["shape"])
+    return json.loads(info["gguf_metadata"]), tensors
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    cache.warn(f"corrupt converted-weights cache entry {entry} ({e}); converting again")
+    return None
+
+
+def _write_entry(entry: str, fingerprint: str, source: str, metadata: Mapping[str, Any],
+                 tensors: Mapping[str, np.ndarray]) -> None:
+  """Writes a cache entry atomically (temp file + rename): readers see the old entry or the
+  whole new one, never a partial file."""
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  tmp = f"{entry}.tmp-{os.getpid()}"
+  try:
+    os.makedirs(os.path.dirname(entry), exist_ok=True)
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}, tmp,
+              metadata={"format": _CACHE_FORMAT, "fingerprint": fingerprint, "source": source,
+                        "gguf_metadata": json.dumps(dict(metadata))})
+    os.replace(tmp, entry)
+  except OSError as e:
+    cache.warn(f"could not write the converted-weights cache entry {entry} ({e}); the next load "
+               f"converts {source} again (set {cache.NO_WEIGHT_CACHE_ENV}=1 to stop trying)")
+    if os.path.exists(tmp):
+      os.remove(tmp)
 
 
 def hf_name(gguf_name: str) -> str:
@@ -80,9 +183,8 @@ def unpermute(w_oi: np.ndarray, n_heads: int) -> np.ndarray:
   return w_oi.reshape(n_heads, half, 2, *w_oi.shape[1:]).swapaxes(1, 2).reshape(w_oi.shape)
 
 
-def load_into(model: nnx.Module, gguf_file: GGUFFile, cfg: LlamaConfig,
+def load_into(model: nnx.Module, converted: ConvertedGGUF, cfg: LlamaConfig,
               target_prefix: tuple = ()) -> None:
-  tensors = gguf_file.hf_tensors(cfg)
   ignore = {"rope_freqs.weight"}
-  mapping.load(model, tensors, hf.llama_table(cfg, target_prefix), f"GGUF {gguf_file.path}",
-               ignore)
+  mapping.load(model, converted.tensors, hf.llama_table(cfg, target_prefix),
+               f"GGUF {converted.path}", ignore)

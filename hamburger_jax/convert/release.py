@@ -23,8 +23,7 @@ from flax import nnx
 from hamburger_jax.config import ConfigError, GraftConfig, HamburgerConfig, LlamaConfig
 from hamburger_jax.convert import hf, mapping
 from hamburger_jax.convert.mapping import Rule, Table, WeightsError, linear
-from hamburger_jax.model import lora
-from hamburger_jax.model.hamburger import Hamburger
+from hamburger_jax.model.hamburger import Hamburger, without_adapters
 
 RELEASE_MERGER_HEADS = 64  # hard-coded in the release's CompositionalEmbedder
 RELEASE_FEATURE_LAYERS = (3, 7, 11, 15)  # hard-coded in the release's micro-step decoder
@@ -138,7 +137,7 @@ def export_release_state_dict(model: Hamburger,
           f"{model.cfg.graft.base_lora_rank}), which the release format cannot express: pass "
           "fold_adapters=True to fold them into the base kernels (they then act at every "
           "position, so prompt and single-token steps no longer run the exact base)")
-    model = lora.without_adapters(model, merge=True)
+    model = without_adapters(model, merge=True)
   tensors = mapping.export(model, release_table(model.cfg))
   for key in tied_keys(model.cfg):
     tensors[key] = tensors[EMBED]

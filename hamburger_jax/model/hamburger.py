@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -10,7 +12,7 @@ from hamburger_jax.config import HamburgerConfig
 from hamburger_jax.model import lora
 from hamburger_jax.model.compositional_embedder import CompositionalEmbedder
 from hamburger_jax.model.kv_cache import KVCache
-from hamburger_jax.model.llama import Llama, causal_segment_mask, dtype_of
+from hamburger_jax.model.llama import Linear, Llama, causal_segment_mask, dtype_of
 from hamburger_jax.model.micro_step_decoder import MicroStepDecoder
 
 
@@ -89,3 +91,21 @@ def copy_top_layers_into_micro(model: Hamburger) -> None:
     dst_params = dict(nnx.to_flat_state(nnx.state(dst, nnx.Param)))
     for path, var in src_params:
       dst_params[path].set_value(jnp.array(var[...], dtype=dst_params[path].dtype))
+
+
+def without_adapters(model: Hamburger, merge: bool) -> Hamburger:
+  """A copy of a HAMburger model with no merged-entry adapters (hamburger_jax.model.lora): their
+  deltas folded into the base kernels (`merge`, for fast decoding) or dropped (the original
+  base). Unchanged arrays are shared."""
+  cfg = model.cfg
+  plain = dataclasses.replace(cfg, graft=dataclasses.replace(cfg.graft, base_lora_rank=0))
+  out = nnx.eval_shape(lambda: Hamburger(plain, rngs=nnx.Rngs(0)))
+  deltas = {(*path, "kernel"): node.lora.delta() for path, node in nnx.iter_graph(model)
+            if merge and isinstance(node, Linear) and node.lora is not None}
+  src = dict(nnx.to_flat_state(nnx.state(model)))
+  for path, var in nnx.to_flat_state(nnx.state(out)):
+    value = src[path][...]
+    if path in deltas:
+      value = value + deltas[path].astype(value.dtype)
+    var.set_value(value)
+  return out

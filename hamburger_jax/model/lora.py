@@ -9,8 +9,6 @@ and keeps the export small. Adapters are GraftParams, so "train graft only" trai
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -49,21 +47,3 @@ def attach(base: nnx.Module, rank: int, alpha: float, rngs: nnx.Rngs) -> None:
     n_in, n_out = lin.kernel.shape
     lin.lora = LoRA(n_in, n_out, rank, alpha, lin.kernel.get_metadata()["logical_axes"],
                     rngs=rngs, param_dtype=lin.kernel.dtype, dtype=lin.dtype)
-
-
-def without_adapters(model, merge: bool):
-  """A copy of a HAMburger model with no adapters: their deltas folded into the base kernels
-  (`merge`, for fast decoding) or dropped (the original base). Unchanged arrays are shared."""
-  from hamburger_jax.model.hamburger import Hamburger  # pylint: disable=import-outside-toplevel
-  cfg = model.cfg
-  plain = dataclasses.replace(cfg, graft=dataclasses.replace(cfg.graft, base_lora_rank=0))
-  out = nnx.eval_shape(lambda: Hamburger(plain, rngs=nnx.Rngs(0)))
-  deltas = {(*path, "kernel"): node.lora.delta() for path, node in nnx.iter_graph(model)
-            if merge and isinstance(node, Linear) and node.lora is not None}
-  src = dict(nnx.to_flat_state(nnx.state(model)))
-  for path, var in nnx.to_flat_state(nnx.state(out)):
-    value = src[path][...]
-    if path in deltas:
-      value = value + deltas[path].astype(value.dtype)
-    var.set_value(value)
-  return out

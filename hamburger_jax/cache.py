@@ -1,0 +1,94 @@
+"""Per-user caches that make a second run start fast: JAX's persistent compilation cache, and the
+float32 arrays that GGUF conversion produces.
+
+Both live under one directory, `cache_root()`:
+  $HAMBURGER_JAX_CACHE_DIR, else $XDG_CACHE_HOME/hamburger_jax, else ~/.cache/hamburger_jax
+with `jax/` for compiled programs (unless $JAX_COMPILATION_CACHE_DIR names another place) and
+`weights/` for converted weights. Switches (any value but "", "0", "false", "no" turns them on):
+  HAMBURGER_JAX_NO_COMPILE_CACHE=1   compile everything, write nothing
+  HAMBURGER_JAX_NO_WEIGHT_CACHE=1    convert GGUF files on every load, write nothing
+Deleting the directory is always safe: both caches are rebuilt on the next run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+
+CACHE_DIR_ENV = "HAMBURGER_JAX_CACHE_DIR"
+NO_COMPILE_CACHE_ENV = "HAMBURGER_JAX_NO_COMPILE_CACHE"
+NO_WEIGHT_CACHE_ENV = "HAMBURGER_JAX_NO_WEIGHT_CACHE"
+JAX_CACHE_DIR_ENV = "JAX_COMPILATION_CACHE_DIR"  # JAX's own variable: it wins when set
+
+# JAX writes only programs that took >= 1 s to compile by default. Our engine's programs take
+# longer on a CPU but less on an accelerator, and the small ones (a bench step, the training
+# evaluation) add up, so every program is kept; tiny entries cost a file of a few kB each.
+MIN_COMPILE_TIME_S = 0.0
+_FINGERPRINT_BYTES = 2**20
+
+
+def _switched_on(name: str) -> bool:
+  return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def cache_root() -> str:
+  """The per-user cache directory (created on first write, not here)."""
+  if os.environ.get(CACHE_DIR_ENV):
+    return os.path.abspath(os.path.expanduser(os.environ[CACHE_DIR_ENV]))
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(os.path.abspath(base), "hamburger_jax")
+
+
+def enable_compilation_cache(enabled: bool = True,
+                             min_compile_time_s: float = MIN_COMPILE_TIME_S) -> str | None:
+  """Turns JAX's persistent compilation cache on (the entry points call this first thing), so a
+  second run loads the programs the first one compiled. Returns the directory, or None when the
+  cache is off (`enabled=False`, e.g. infer.generate --no-compile-cache, or
+  $HAMBURGER_JAX_NO_COMPILE_CACHE). Must run before the first compilation of the process: JAX
+  opens the cache once."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if not enabled or _switched_on(NO_COMPILE_CACHE_ENV):
+    # Also off when the user's environment set JAX_COMPILATION_CACHE_DIR: off means off.
+    jax.config.update("jax_enable_compilation_cache", False)
+    return None
+  directory = os.environ.get(JAX_CACHE_DIR_ENV) or os.path.join(cache_root(), "jax")
+  jax.config.update("jax_enable_compilation_cache", True)
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
+  # -1: no size floor (0 would let JAX pick one per filesystem, skipping small programs).
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  return directory
+
+
+def weight_cache_enabled() -> bool:
+  return not _switched_on(NO_WEIGHT_CACHE_ENV)
+
+
+def weights_path(source: str, suffix: str) -> str:
+  """Where the converted weights of the file `source` are cached: one entry per source path,
+  overwritten when the file changes (the entry records the fingerprint it was built from)."""
+  source = os.path.abspath(source)
+  stem = os.path.splitext(os.path.basename(source))[0]
+  digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+  return os.path.join(cache_root(), "weights", f"{stem}-{digest}{suffix}")
+
+
+def file_fingerprint(path: str, version: int) -> str:
+  """A cheap identity of a file's contents: size, modification time and the first and last MiB,
+  plus `version` (the converting code's, so a change to it invalidates old entries). Reading 2 MiB
+  instead of hashing the whole file keeps a cache hit fast; the modification time catches
+  rewrites that keep the size and both ends."""
+  st = os.stat(path)
+  h = hashlib.sha256(f"{version}:{st.st_size}:{st.st_mtime_ns}".encode())
+  with open(path, "rb") as f:
+    h.update(f.read(_FINGERPRINT_BYTES))
+    if st.st_size > _FINGERPRINT_BYTES:
+      f.seek(max(st.st_size - _FINGERPRINT_BYTES, _FINGERPRINT_BYTES))
+      h.update(f.read())
+  return h.hexdigest()
+
+
+def warn(message: str) -> None:
+  """A cache problem never fails a run: it is said on stderr and the work is done uncached."""
+  print(f"warning: {message}", file=sys.stderr)

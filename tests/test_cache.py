@@ -1,0 +1,151 @@
+"""The per-user caches (hamburger_jax/cache.py): JAX's persistent compilation cache is used by a
+second process and can be turned off; converted GGUF weights are reused bit for bit while the
+file is unchanged and rebuilt when it changes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from hamburger_jax import cache, pretrained
+from hamburger_jax.convert import gguf
+from hamburger_jax.testing import write_tiny_llama_gguf
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SWITCHES = (cache.CACHE_DIR_ENV, cache.NO_COMPILE_CACHE_ENV, cache.NO_WEIGHT_CACHE_ENV,
+            cache.JAX_CACHE_DIR_ENV)
+
+# A program of its own (not compiled by any other test) and the eager ops that feed it.
+PROGRAM = """
+import jax, jax.numpy as jnp
+from hamburger_jax import cache
+cache.enable_compilation_cache()
+f = jax.jit(lambda x: jnp.tanh(x @ x.T + 0.123).sum(axis=0))
+print(float(f(jnp.arange(48.0).reshape(6, 8)).sum()))
+"""
+
+
+def _run_program(**env: str) -> str:
+  clean = {k: v for k, v in os.environ.items() if k not in SWITCHES}
+  res = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True,
+                       cwd=REPO, env={**clean, **env}, timeout=300)
+  assert res.returncode == 0, res.stderr[-2000:]
+  return res.stdout
+
+
+def _entries(directory) -> set[str]:
+  return set(os.listdir(directory)) if os.path.isdir(directory) else set()
+
+
+def test_a_second_process_compiles_nothing_new(tmp_path):
+  root = str(tmp_path / "user-cache")
+  first_out = _run_program(**{cache.CACHE_DIR_ENV: root})
+  first = _entries(os.path.join(root, "jax"))
+  assert first, "the first run wrote no compilation cache entries"
+  assert _run_program(**{cache.CACHE_DIR_ENV: root}) == first_out
+  assert _entries(os.path.join(root, "jax")) == first  # every program came from the cache
+
+
+def test_compilation_cache_off_switch_and_jax_variable(tmp_path):
+  root = str(tmp_path / "user-cache")
+  _run_program(**{cache.CACHE_DIR_ENV: root, cache.NO_COMPILE_CACHE_ENV: "1"})
+  assert not _entries(os.path.join(root, "jax"))
+  # JAX's own variable, when the user set it, says where the entries go; off still means off.
+  theirs = str(tmp_path / "theirs")
+  _run_program(**{cache.CACHE_DIR_ENV: root, cache.JAX_CACHE_DIR_ENV: theirs,
+                  cache.NO_COMPILE_CACHE_ENV: "1"})
+  assert not _entries(theirs)
+  _run_program(**{cache.CACHE_DIR_ENV: root, cache.JAX_CACHE_DIR_ENV: theirs})
+  assert _entries(theirs) and not _entries(os.path.join(root, "jax"))
+
+
+def test_cache_root(monkeypatch, tmp_path):
+  for name in SWITCHES + ("XDG_CACHE_HOME",):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  assert cache.cache_root() == str(tmp_path / "home" / ".cache" / "hamburger_jax")
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  assert cache.cache_root() == str(tmp_path / "xdg" / "hamburger_jax")
+  monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path / "mine"))
+  assert cache.cache_root() == str(tmp_path / "mine")
+
+
+# ----------------------------------------------------------------------------- converted weights
+
+
+def _params(model) -> dict:
+  return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def _assert_same(a: dict, b: dict) -> None:
+  assert a.keys() == b.keys()
+  for p in a:  # bit for bit: the cache stores the converted float32 arrays themselves
+    assert a[p].dtype == b[p].dtype and np.array_equal(a[p], b[p]), p
+
+
+@pytest.fixture
+def weights_env(monkeypatch, tmp_path):
+  for name in SWITCHES:
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path / "user-cache"))
+  return tmp_path / "user-cache" / "weights"
+
+
+def _uncached(path: str, monkeypatch) -> dict:
+  with monkeypatch.context() as m:
+    m.setenv(cache.NO_WEIGHT_CACHE_ENV, "1")
+    return _params(pretrained.load_llama(path)[0])
+
+
+def test_converted_weights_are_reused_bit_for_bit(weights_env, tmp_path, monkeypatch):
+  path = str(tmp_path / "tiny.gguf")
+  write_tiny_llama_gguf(path, seed=0)
+  want = _uncached(path, monkeypatch)
+  assert not _entries(weights_env)  # the switch: nothing written
+
+  assert not gguf.read_converted(path).from_cache  # converted, then written
+  (entry,) = _entries(weights_env)
+  hit = gguf.read_converted(path)
+  assert hit.from_cache and hit.metadata == gguf.GGUFFile(path).metadata
+  model, tok = pretrained.load_llama(path)
+  _assert_same(_params(model), want)
+  assert tok.encode("ABC") == [63, 34]  # the tokenizer, from the cached metadata
+
+  # The file changes (same size, other weights): the entry is rebuilt in place, not reused.
+  write_tiny_llama_gguf(path, seed=1)
+  assert not gguf.read_converted(path).from_cache
+  new = _params(pretrained.load_llama(path)[0])
+  _assert_same(new, _uncached(path, monkeypatch))
+  assert any(not np.array_equal(new[p], want[p]) for p in want)
+  assert _entries(weights_env) == {entry}  # one entry per source file, no temp files left
+  assert gguf.read_converted(path).from_cache
+
+  # New conversion code (a bumped version) does not trust entries written by the old one.
+  monkeypatch.setattr(gguf, "CONVERSION_VERSION", gguf.CONVERSION_VERSION + 1)
+  assert not gguf.read_converted(path).from_cache
+  assert gguf.read_converted(path).from_cache
+
+
+def test_corrupt_or_unwritable_weight_cache_is_survived(weights_env, tmp_path, monkeypatch,
+                                                        capsys):
+  path = str(tmp_path / "tiny.gguf")
+  write_tiny_llama_gguf(path)
+  want = _uncached(path, monkeypatch)
+  gguf.read_converted(path)
+  (entry,) = _entries(weights_env)
+  with open(weights_env / entry, "r+b") as f:  # cut short, as by a full disk
+    f.truncate(os.path.getsize(weights_env / entry) // 2)
+  _assert_same(_params(pretrained.load_llama(path)[0]), want)
+  assert "corrupt converted-weights cache entry" in capsys.readouterr().err
+  assert gguf.read_converted(path).from_cache  # rewritten whole
+
+  blocked = tmp_path / "blocked"
+  blocked.write_text("a file where the cache directory should be")
+  monkeypatch.setenv(cache.CACHE_DIR_ENV, str(blocked))
+  _assert_same(_params(pretrained.load_llama(path)[0]), want)
+  assert "could not write the converted-weights cache" in capsys.readouterr().err

@@ -1,0 +1,126 @@
+"""Repository-wide checks: every shipped run config (configs/*.yaml, every stage of a staged one)
+loads and builds its model, and the packages import without cycles.
+
+Models are built abstractly (nnx.eval_shape: shapes and dtypes, no weights), so the Llama-3.2-1B
+config costs neither its weights nor its memory."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import glob
+import graphlib
+import math
+import os
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from hamburger_jax import assets, pretrained
+from hamburger_jax.config import HamburgerConfig, LlamaConfig, load_yaml, to_dict
+from hamburger_jax.convert import gguf, hf
+from hamburger_jax.model.hamburger import Hamburger
+from hamburger_jax.model.llama import GraftParam
+from hamburger_jax.run_config import RunConfig, load_run_config, stage_names
+from hamburger_jax.testing import LLAMA_3_2_1B_GRAFT_PARAMS, llama_3_2_1b_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+CASES = [(os.path.basename(c), stage) for c in CONFIGS for stage in stage_names(load_yaml(c))
+         or [None]]
+
+# Configs whose base is not in this repository (a path the user fills in): the architecture
+# from the model's published config instead of its files.
+ABSENT_BASES = {"llama3_2_1b.yaml": llama_3_2_1b_config}
+# Grafted param counts that the paper's setting fixes (checked part by part in
+# test_hamburger_model.test_parameter_counts_at_llama_3_2_1b).
+GRAFT_PARAMS = {"llama3_2_1b.yaml": LLAMA_3_2_1B_GRAFT_PARAMS}
+
+
+@functools.lru_cache(maxsize=None)
+def _file_config(source: str) -> LlamaConfig:
+  kind, path = pretrained.resolve_base(source)
+  return gguf.GGUFFile(path).config() if kind == "gguf" else hf.read_config(path)
+
+
+def base_config(name: str, cfg: RunConfig) -> LlamaConfig:
+  """The run's base architecture with the run's dtypes, read without loading weights."""
+  m = cfg.model
+  dtypes = {"dtype": m.dtype, "param_dtype": m.param_dtype}
+  if m.base == "random":
+    return dataclasses.replace(m.random, **dtypes)
+  if name in ABSENT_BASES:
+    return ABSENT_BASES[name](**dtypes)
+  try:
+    return dataclasses.replace(_file_config(m.base), **dtypes)
+  except assets.AssetError as e:
+    pytest.skip(str(e))
+  except FileNotFoundError as e:
+    pytest.fail(f"configs/{name}: {e}; if the base is meant to be supplied by the user, add the "
+                "architecture to ABSENT_BASES")
+
+
+def test_every_config_is_covered():
+  assert {n for n, _ in CASES} >= {"tiny.yaml", "smollm2_135m.yaml", "smollm2_135m_paper.yaml",
+                                   "llama3_2_1b.yaml"}
+  assert ("smollm2_135m.yaml", "micro") in CASES and ("smollm2_135m.yaml", "merger") in CASES
+
+
+@pytest.mark.parametrize("name,stage", CASES, ids=[f"{n}:{s}" if s else n for n, s in CASES])
+def test_config_loads_and_builds(name, stage):
+  from train.trainer import TRAINED  # pylint: disable=import-outside-toplevel
+  cfg = load_run_config(os.path.join(REPO, "configs", name), stage=stage)
+  assert cfg.stage == (stage or "")
+  base = base_config(name, cfg)
+  model = nnx.eval_shape(lambda: Hamburger(HamburgerConfig(base, cfg.graft), rngs=nnx.Rngs(0)))
+  params = nnx.to_flat_state(nnx.state(model, nnx.Param))
+  assert {v.dtype for _, v in params} == {jnp.dtype(cfg.model.param_dtype)}
+  if cfg.graft.feature_layers:
+    assert model.feature_layers == tuple(cfg.graft.feature_layers)
+  assert all(0 <= i < base.num_layers for i in model.feature_layers)
+  assert cfg.data.groups <= cfg.data.entries  # each predicted group has its own entry
+  # What the run trains exists in this model (a stage selecting nothing would train nothing).
+  trained = nnx.to_flat_state(nnx.state(model, TRAINED[cfg.train.trainable]))
+  assert len(trained) > 0
+  graft = sum(math.prod(v.shape) for _, v in nnx.to_flat_state(nnx.state(model, GraftParam)))
+  if name in GRAFT_PARAMS:
+    assert graft == GRAFT_PARAMS[name]
+  export = os.path.normpath(os.path.join(REPO, cfg.checkpoint.export or "-"))
+  if export == os.path.normpath(pretrained.DEFAULT_CHECKPOINT):
+    # The shipped checkpoint is this config's export: same graft, same base.
+    meta = pretrained.read_meta(pretrained.DEFAULT_CHECKPOINT)
+    assert meta["graft"] == to_dict(cfg.graft)
+    assert meta["base_source"] == cfg.model.base
+
+
+def _module_imports(packages: tuple[str, ...]) -> dict[str, set[str]]:
+  """Module -> the modules of `packages` it imports, anywhere in the file (function-level imports
+  included: a lazy import hides a cycle from the interpreter, not from the design)."""
+  files = {}
+  for pkg in packages:
+    for f in glob.glob(os.path.join(REPO, pkg, "**", "*.py"), recursive=True):
+      parts = os.path.relpath(f, REPO)[:-3].split(os.sep)
+      files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+  graph = {}
+  for name, f in files.items():
+    with open(f) as fh:
+      tree = ast.parse(fh.read())
+    deps = set()
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        deps |= {a.name for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    graph[name] = {d for d in deps if d in files and d != name and not name.startswith(d + ".")}
+  return graph
+
+
+def test_no_import_cycles():
+  graph = _module_imports(("hamburger_jax", "infer", "train"))
+  assert "hamburger_jax.model.hamburger" in graph["hamburger_jax.convert.release"]  # sanity
+  try:
+    list(graphlib.TopologicalSorter(graph).static_order())
+  except graphlib.CycleError as e:
+    pytest.fail(f"import cycle: {' -> '.join(e.args[1])}")
