@@ -211,14 +211,12 @@ def load_model(args) -> tuple[Any, Any, dict[str, Any]]:
       pretrained.load_graft(model, args.checkpoint)
     return model, tok, {"config": args.config, "base": cfg.model.base,
                         "checkpoint": args.checkpoint, "trained": bool(args.checkpoint)}
-  checkpoint = args.checkpoint
-  if checkpoint is None and os.path.isdir(pretrained.DEFAULT_CHECKPOINT):
-    checkpoint = pretrained.DEFAULT_CHECKPOINT
+  checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
   if checkpoint is None:
     print("warning: no HAMburger checkpoint (none at " + pretrained.DEFAULT_CHECKPOINT + "): "
           "evaluating an UNTRAINED graft; its HAMburger scores are meaningless except at c = 1",
           file=sys.stderr)
-  model, tok = pretrained.load_hamburger(checkpoint, args.base)
+  model, tok = pretrained.load_hamburger(checkpoint or pretrained.UNTRAINED, args.base)
   return model, tok, {"base": args.base or pretrained.DEFAULT_BASE, "checkpoint": checkpoint,
                       "trained": checkpoint is not None}
 
@@ -750,6 +748,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   from hamburger_jax.data.sources import SourceError
   from hamburger_jax.convert.mapping import WeightsError
   from infer.engine import GenerationError
+  from hamburger_jax import cache
+  cache.enable_compilation_cache()
   try:
     results = evaluate(args)
   except (EvalError, AssetError, ConfigError, SourceError, WeightsError, GenerationError,
