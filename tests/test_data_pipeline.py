@@ -498,3 +498,16 @@ def test_stored_teacher_signals_equal_an_online_teacher_forward(tmp_path):
           assert lay.window_ids[g, k] == ids[p + s + k]
           np.testing.assert_array_equal(lay.teacher_topk_ids[g, k], want_ids[s + k])
       assert lay.window_size[g] == min(4, r - s)
+
+
+def test_a_split_over_the_tfds_spill_limit_builds_without_tensorflow(tmp_path, monkeypatch):
+  """tfds spills a split larger than its in-memory limit through TensorFlow (not installed): the
+  builder keeps the split in memory, so large teacher datasets build."""
+  from tensorflow_datasets.core import shuffle  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(shuffle, "MAX_MEM_BUFFER_SIZE", 1000)  # bytes: a few records already
+  records = _records(40)
+  _build(tmp_path / "ds", records)
+  data = tfds.builder_from_directory(str(tmp_path / "ds")).as_data_source()["train"]
+  assert [list(data[i]["input_ids"]) for i in range(len(data))] == [
+      list(r["input_ids"]) for r in records]
+  assert shuffle.MAX_MEM_BUFFER_SIZE == 1000  # restored

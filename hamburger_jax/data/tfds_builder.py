@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Mapping
 import ml_dtypes
 import numpy as np
 import tensorflow_datasets as tfds
+from tensorflow_datasets.core import shuffle as tfds_shuffle
 
 from hamburger_jax.layout import LayoutError, check_groups
 
@@ -130,6 +131,12 @@ def build_dataset(out_dir: str, splits: Mapping[str, Callable[[], Iterable[Sampl
   parent = os.path.dirname(out)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+  # tfds buffers a split in memory and spills it to disk past MAX_MEM_BUFFER_SIZE (1 GB) through
+  # tf.io.gfile, i.e. TensorFlow, which we do not depend on: a dataset with teacher features
+  # passes 1 GB at a few thousand samples. Records keep their order (disable_shuffling), so the
+  # buffer only has to hold the split: keep it in memory.
+  spill_limit = tfds_shuffle.MAX_MEM_BUFFER_SIZE
+  tfds_shuffle.MAX_MEM_BUFFER_SIZE = max(spill_limit, 1 << 40)
   try:
     builder = HamburgerSft(splits=splits, max_group=max_group, metadata=metadata,
                            teacher=teacher, data_dir=tmp, file_format="array_record")
@@ -140,6 +147,7 @@ def build_dataset(out_dir: str, splits: Mapping[str, Callable[[], Iterable[Sampl
       os.rename(out, old)
     os.rename(built, out)
   finally:
+    tfds_shuffle.MAX_MEM_BUFFER_SIZE = spill_limit
     shutil.rmtree(tmp, ignore_errors=True)
   return out
 
