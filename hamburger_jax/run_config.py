@@ -127,18 +127,21 @@ class RunConfig:
 
 
 def load_run_config(path: str | None, overrides: list[str] = (),
-                    data: Mapping[str, Any] | None = None, stage: str | None = None) -> RunConfig:
+                    data: Mapping[str, Any] | None = None, stage: str | None = None,
+                    shared_only: bool = False) -> RunConfig:
   """YAML file (or a dict) + `--set key=value` overrides -> RunConfig; unknown keys are errors.
 
   A config with `stages:` (a list of {name, <sections to override>}) is run one stage at a time:
   `stage` picks one. Stage S checkpoints to <checkpoint.dir>/S, exports to
   <checkpoint.dir>/S/export (the last stage: to checkpoint.export) and starts from the previous
-  stage's export (train.init_from), unless the stage says otherwise.
+  stage's export (train.init_from), unless the stage says otherwise. `shared_only` reads such a
+  config without picking a stage (for tools that need only what every stage shares: model,
+  graft, data).
   """
   raw = dict(data) if data is not None else load_yaml(path) if path else {}
   stages = raw.pop("stages", None)
   raw = apply_overrides(raw, list(overrides))
-  if stages is not None or stage is not None:
+  if (stages is not None and not shared_only) or stage is not None:
     # The overrides set the root (e.g. checkpoint.dir) the stages derive from, and win over the
     # stage's own values.
     raw = _select_stage(raw, stages, stage, {o.split("=", 1)[0] for o in overrides})

@@ -205,7 +205,7 @@ def load_model(args) -> tuple[Any, Any, dict[str, Any]]:
   if args.config:
     from hamburger_jax.run_config import load_run_config
     from train.trainer import build_model
-    cfg = load_run_config(args.config)
+    cfg = load_run_config(args.config, shared_only=True)
     model, tok = build_model(cfg)
     if args.checkpoint:
       pretrained.load_graft(model, args.checkpoint)

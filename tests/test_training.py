@@ -665,6 +665,7 @@ def test_stage_and_distill_data_errors(staged, teacher_data_dir: str, tiny_data_
     trainer.run(load_run_config(fresh, stage="merger"), progress=False)
   with pytest.raises(ConfigError, match=r"trained in stages \(micro, merger\)"):
     load_run_config(fresh)
+  assert load_run_config(fresh, shared_only=True).graft.base_lora_rank == 4  # data tools
   with pytest.raises(ConfigError, match="unknown stage 'polish'"):
     load_run_config(fresh, stage="polish")
   no_teacher = load_run_config(fresh, [f"data.dir={tiny_data_dir}"], stage="micro")

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     # Cheap checks first: a typo should not cost a model load.
     check_output_dir(args.out, args.overwrite)
     get_strategy(args.strategy)
-    cfg = load_run_config(args.config)
+    cfg = load_run_config(args.config, shared_only=True)
     max_group = cfg.graft.max_group
     if args.teacher_top_k < 0:
       raise ValueError(f"--teacher-top-k={args.teacher_top_k} must be >= 0")
