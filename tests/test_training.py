@@ -718,10 +718,12 @@ def test_killed_stage_resumes_exactly(staged, tmp_path: Path, sub_env: dict[str,
 def test_max_minutes_saves_and_stops_after_a_step(staged, tmp_path: Path, no_gguf_tokenizer):
   config = _staged_config(tmp_path / "boxed.yaml", str(load_run_config(
       staged.config, stage="micro").data.dir), tmp_path / "boxed")
-  cfg = load_run_config(config, stage="micro")
+  cfg = load_run_config(config, ["train.eval_every=100"], stage="micro")
   out = trainer.run(cfg, max_minutes=0, progress=False, log=lambda *_: None)
   assert (out.steps_done, out.final_step, out.export_dir) == (1, 1, None)
   assert _checkpoint_steps(tmp_path / "boxed" / "micro" / "checkpoints") == [1]
+  logged = _metrics(tmp_path / "boxed" / "micro")  # the stop is evaluated and logged
+  assert [m["step"] for m in logged] == [1] and "val_loss" in logged[0]
   with pytest.raises(ConfigError, match="max_steps=-3 must be >= 1"):
     trainer.run(cfg, max_steps=-3, progress=False)
 

@@ -469,12 +469,14 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
       m.update(step_s=dt, tokens_per_s=m["tokens"] / dt,
                mean_group_size=m["tokens"] / max(m["groups"], 1.0))
       done = step + 1
-      if t.eval_every and (done % t.eval_every == 0 or done == end):
+      timed_out = deadline is not None and time.monotonic() >= deadline and done < end
+      last_step = done == end or timed_out  # a time-boxed stop evaluates and logs like an end
+      if t.eval_every and (done % t.eval_every == 0 or last_step):
         m.update(trainer.evaluate(pipeline.validation_batches(
             d.dir, batch_rows=trainer.local_rows, entries=d.entries, groups=d.groups,
             max_group=cfg.graft.max_group, shard_index=trainer.process_index,
             shard_count=trainer.process_count), max(d.validation_rows // d.rows, 1)))
-      if t.generate_every and (done % t.generate_every == 0 or done == end):
+      if t.generate_every and (done % t.generate_every == 0 or last_step):
         if engine is None:
           from infer.engine import Engine  # pylint: disable=import-outside-toplevel
           prompts = held_out_prompts(d.dir, t.generate_prompts)
@@ -487,7 +489,7 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
         m["gen_tokens_per_step"] = sum(g.new_tokens for g in gens) / max(
             sum(g.macro_steps for g in gens), 1)
       last = m
-      if done % t.log_every == 0 or done == end or any(k.startswith("val_") for k in m):
+      if done % t.log_every == 0 or last_step or any(k.startswith("val_") for k in m):
         metrics_log.write(done, m)
       bar.update(1)
       bar.set_postfix(loss=f"{m['loss']:.3f}", acc_s2=f"{m.get('acc_s2', 0):.2f}",
@@ -498,7 +500,7 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
         log(f"{interrupted[0]}: saving step {done} and stopping")
         save(done)
         break
-      if deadline is not None and time.monotonic() >= deadline and done < end:
+      if timed_out:
         log(f"{max_minutes} min of training: saving step {done} and stopping (run again to "
             "resume)")
         save(done)
