@@ -29,13 +29,10 @@ import jax
 import jax.numpy as jnp
 
 from hamburger_jax import layout
-from hamburger_jax.losses import chunked_token_stats
+from hamburger_jax.losses import bce_with_logits, chunked_token_stats
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import causal_segment_mask
 from hamburger_jax.run_config import DistillConfig
-
-def bce_with_logits(logit: jax.Array, target: jax.Array) -> jax.Array:
-  return jnp.maximum(logit, 0) - logit * target + jnp.log1p(jnp.exp(-jnp.abs(logit)))
 
 
 def feature_error(student: jax.Array, teacher: jax.Array) -> jax.Array:

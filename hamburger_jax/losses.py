@@ -30,6 +30,11 @@ def _chunk_stats(h_cd: jax.Array, head_dv: jax.Array, targets_c: jax.Array,
   return out
 
 
+def bce_with_logits(logit: jax.Array, target: jax.Array) -> jax.Array:
+  """Binary cross-entropy of logits against targets in [0, 1], stable for large |logit|."""
+  return jnp.maximum(logit, 0) - logit * target + jnp.log1p(jnp.exp(-jnp.abs(logit)))
+
+
 def topk_kl(logq_nv: jax.Array, topk_ids_nk: jax.Array, topk_logp_nk: jax.Array) -> jax.Array:
   """KL(p || q) [N] where p is the teacher's distribution restricted to its stored top-k and
   renormalised there, q the student's full log-softmax. (The teacher's tail beyond k is not
@@ -84,7 +89,7 @@ def hamburger_loss(model: Hamburger, batch: Mapping[str, jax.Array],
                                       ce_chunk, h.dtype)
   ce, correct = ce.reshape(b * g, k), correct.reshape(b * g, k)
   stop = model.stop_logits(h)  # [B*G, K] fp32
-  bce = jnp.maximum(stop, 0) - stop * stop_target + jnp.log1p(jnp.exp(-jnp.abs(stop)))
+  bce = bce_with_logits(stop, stop_target)
 
   n_tok = jnp.maximum(valid.sum(), 1)
   lm_loss = jnp.sum(jnp.where(valid, ce, 0)) / n_tok
