@@ -77,7 +77,7 @@ def bench_base(args) -> None:
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
   from hamburger_jax import assets, pretrained  # pylint: disable=import-outside-toplevel
-  from infer.engine import Engine  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
 
   model, tok = pretrained.load_llama("smollm2", dtype=args.dtype, param_dtype=args.dtype)
   engine = Engine(model, tok, stop_ids=())  # exactly n new tokens per row
@@ -175,7 +175,7 @@ def step_costs(model, repeats: int, batch: int = 1) -> dict[str, float]:
 
 def bench_hamburger(args) -> None:
   from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
-  from infer.engine import Engine  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
 
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
   model, tok = pretrained.load_hamburger(checkpoint or pretrained.UNTRAINED)

@@ -227,7 +227,7 @@ def load_model(args) -> tuple[Any, Any, dict[str, Any]]:
 @dataclasses.dataclass
 class ModeRun:
   """All generations of one task in one mode (and confidence)."""
-  gens: list  # infer.engine.Generation, one per example
+  gens: list  # hamburger_jax.decode.engine.Generation, one per example
   decode_s: float  # summed over batches; compilation excluded
   compile_s: float
 
@@ -676,7 +676,7 @@ def evaluate(args) -> dict[str, Any]:
   """Runs every task, writes the outputs to args.out and returns results.json's content."""
   import jax
   from infer import plots
-  from infer.engine import Engine
+  from hamburger_jax.decode.engine import Engine
 
   model, tok, model_info = load_model(args)
   names = args.tasks or ([*TEXT_TASKS] if tok is not None else ["synthetic"]) + (
@@ -747,7 +747,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   from hamburger_jax.config import ConfigError
   from hamburger_jax.data.sources import SourceError
   from hamburger_jax.convert.mapping import WeightsError
-  from infer.engine import GenerationError
+  from hamburger_jax.decode.engine import GenerationError
   from hamburger_jax import cache
   cache.enable_compilation_cache()
   try:

@@ -94,8 +94,8 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   # Imports after argument parsing so --help is instant.
   from hamburger_jax import cache, pretrained
-  from infer.engine import Engine, GenerationError
-  from infer.sampling import SamplingError, SamplingParams
+  from hamburger_jax.decode.engine import Engine, GenerationError
+  from hamburger_jax.decode.sampling import SamplingError, SamplingParams
 
   cache.enable_compilation_cache(enabled=not args.no_compile_cache)
   try:

@@ -390,7 +390,7 @@ def _tiny_random_config(tmp_path) -> str:
 def test_prepare_data_cli_self_distill(tmp_path):
   # The tiny random model's own greedy responses replace the dataset's, ids kept exactly.
   from hamburger_jax.run_config import load_run_config  # pylint: disable=import-outside-toplevel
-  from infer.engine import Engine  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   cfg = _tiny_random_config(tmp_path)
   out = str(tmp_path / "ds")
   path = _write(tmp_path / "d.jsonl", [json.dumps({"prompt": f"Count to {i}.", "response": "no"})

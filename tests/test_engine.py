@@ -13,9 +13,9 @@ from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import Llama, causal_segment_mask
 from hamburger_jax.testing import sharpen
-from infer import sampling as samplers
-from infer.engine import Engine, GenerationError
-from infer.sampling import SamplingError, SamplingParams
+from hamburger_jax.decode import sampling as samplers
+from hamburger_jax.decode.engine import Engine, GenerationError
+from hamburger_jax.decode.sampling import SamplingError, SamplingParams
 
 CFG = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,
                   num_kv_heads=2, max_position_embeddings=256)
@@ -212,9 +212,10 @@ def test_programs_are_reused_within_a_bucket(model):
   engine.generate([[1, 2, 3]], max_new_tokens=8, mode="hamburger")
   engine.generate([[7, 6, 5, 4, 3, 2]], max_new_tokens=8, mode="hamburger", confidence=0.3)
   engine.generate([[9]], max_new_tokens=8, mode="hamburger", seed=3)
-  assert engine.compilations == 1  # same batch bucket, prompt bucket, length and sampler
-  engine.generate([[9], [8]], max_new_tokens=8, mode="hamburger")  # batch bucket 2
+  # One prefill program (prompt bucket 16) and one decode program (slots, lengths, sampler).
   assert engine.compilations == 2
+  engine.generate([[9], [8]], max_new_tokens=8, mode="hamburger")  # 2 slots: a new layout
+  assert engine.compilations == 4
 
 
 def test_compile_ahead_is_what_generate_runs(model):
@@ -225,7 +226,7 @@ def test_compile_ahead_is_what_generate_runs(model):
   assert engine.compile([[5, 6], [7]], max_new_tokens=8, mode="hamburger") == 0  # same buckets
   gens = engine.generate([[1, 2, 3], [4]], max_new_tokens=8, mode="hamburger",
                          confidence=[0.3, 1.0], seed=5)
-  assert engine.compilations == 1 and all(g.compile_s == 0 for g in gens)
+  assert engine.compilations == 2 and all(g.compile_s == 0 for g in gens)  # prefill + decode
   with pytest.raises(GenerationError, match="max_new_tokens=0"):
     engine.compile([[1]], max_new_tokens=0)
 

@@ -170,7 +170,7 @@ CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
 
 @pytest.mark.slow
 def test_smollm2_gguf_matches_transformers(smollm2):
-  from infer.engine import Engine  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   ours, tok, ref = smollm2
   prompts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=True)
              for c in CHATS]

@@ -125,7 +125,7 @@ def test_shipped_checkpoint_loads_is_trained_and_is_the_base_at_confidence_1():
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from hamburger_jax import layout  # pylint: disable=import-outside-toplevel
   from hamburger_jax.losses import hamburger_loss  # pylint: disable=import-outside-toplevel
-  from infer.engine import Engine  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
 
   ckpt = pretrained.DEFAULT_CHECKPOINT
   size = sum(os.path.getsize(os.path.join(ckpt, n)) for n in os.listdir(ckpt))

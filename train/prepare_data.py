@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
   except (ValueError, AssetError, FileNotFoundError) as e:
     return _fail(e)
   if args.self_distill:
-    from infer.engine import Engine  # pylint: disable=import-outside-toplevel
+    from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
     from train.self_distill import distill  # pylint: disable=import-outside-toplevel
     conversations = list(conversations)
     with tqdm(total=len(conversations), unit="sample", desc="self-distilling") as bar:

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
 
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   from hamburger_jax import cache, pretrained  # pylint: disable=import-outside-toplevel
-  from infer.engine import Engine  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
 
   cache.enable_compilation_cache()
   model, tok = pretrained.load_llama(args.base)

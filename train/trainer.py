@@ -478,7 +478,7 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
             shard_count=trainer.process_count), max(d.validation_rows // d.rows, 1)))
       if t.generate_every and (done % t.generate_every == 0 or last_step):
         if engine is None:
-          from infer.engine import Engine  # pylint: disable=import-outside-toplevel
+          from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
           prompts = held_out_prompts(d.dir, t.generate_prompts)
           engine = Engine(trainer.current_model(), trainer.tokenizer,
                           stop_ids=trainer.tokenizer.stop_ids if trainer.tokenizer else ())

@@ -74,6 +74,22 @@ class Hamburger(nnx.Module):
     h, _ = self.micro(x, positions, causal_segment_mask(jnp.ones((n, t), jnp.int32)))
     return jnp.concatenate([features_nfd[:, -1:], h[:, f:]], axis=1)
 
+  def micro_cache(self, batch: int) -> KVCache:
+    """The micro decoder's own cache for one macro step (F + K - 1 entries, reset every step)."""
+    b = self.cfg.base
+    return KVCache.init(len(self.micro.decoder.layers), batch, self.num_features + self.max_group - 1,
+                        b.num_kv_heads, b.head_dim, dtype_of(b.dtype))
+
+  def micro_step(self, i: int | jax.Array, x_btd: jax.Array,
+                 cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Micro step i >= 1 at decode time: the T new inputs end with e(t_{i-1}), at micro-cache
+    slots (== RoPE positions) F-1+i-T+1 .. F-1+i. Returns h_i [B, D] and the cache. The
+    engine runs step 1 with T = F + 1 (the features and e(t0) in one pass), later steps T = 1."""
+    b, t, _ = x_btd.shape
+    slots = jnp.broadcast_to(self.num_features + i - t + jnp.arange(t), (b, t))
+    h, cache = self.micro(x_btd, slots, cache.mask(slots), cache, slots)
+    return h[:, -1], cache
+
   def logits(self, h: jax.Array) -> jax.Array:
     return self.base.logits(h)
 

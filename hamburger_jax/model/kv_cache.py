@@ -6,6 +6,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from hamburger_jax.model.attention import attend
+
 
 @flax.struct.dataclass
 class KVCache:
@@ -36,3 +38,8 @@ class KVCache:
   def mask(self, query_slots_bt: jax.Array) -> jax.Array:
     """[B, T, S] attention mask: a query sees every slot up to and including its own."""
     return jnp.arange(self.slots)[None, None, :] <= query_slots_bt[:, :, None]
+
+  def attend(self, layer: int, q_bthd: jax.Array, mask_bts: jax.Array) -> jax.Array:
+    """The queries' attention over this layer's entries, [B, T, H*Dh]."""
+    return attend(q_bthd, self.k[layer].astype(q_bthd.dtype), self.v[layer].astype(q_bthd.dtype),
+                  mask_bts)

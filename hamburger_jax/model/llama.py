@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hamburger_jax.config import LlamaConfig
+from hamburger_jax.model.attention import attend
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.model.rope import apply_rope, inverse_frequencies
 
@@ -72,19 +73,6 @@ class RMSNorm(nnx.Module):
     return (self.weight[...].astype(self.dtype) * x32.astype(x.dtype)).astype(self.dtype)
 
 
-def attend(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, mask_bts: jax.Array) -> jax.Array:
-  """Grouped-query softmax attention in fp32; mask True = may attend. Returns [B, T, H*Dh]."""
-  b, t, h, dh = q_bthd.shape
-  hkv = k_bskd.shape[2]
-  q = q_bthd.reshape(b, t, hkv, h // hkv, dh)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k_bskd,
-                      preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(dh))
-  scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_bskd.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bskd)
-  return out.reshape(b, t, h * dh)
-
-
 class Attention(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, param_type=nnx.Param,
@@ -112,10 +100,11 @@ class Attention(nnx.Module):
     inv_freq = inverse_frequencies(self.rope_cfg)
     q = apply_rope(q, positions_bt, inv_freq)
     k = apply_rope(k, positions_bt, inv_freq)
-    if cache is not None:
-      cache = cache.write(layer, slots_bt, k, v)
-      k, v = cache.k[layer].astype(q.dtype), cache.v[layer].astype(q.dtype)
-    return self.o_proj(attend(q, k, v, mask_bts), merged_bt), cache
+    if cache is None:
+      return self.o_proj(attend(q, k, v, mask_bts), merged_bt), None
+    # The cache owns how its entries are read (a dense row, or a paged pool's blocks).
+    cache = cache.write(layer, slots_bt, k, v)
+    return self.o_proj(cache.attend(layer, q, mask_bts), merged_bt), cache
 
 
 class MLP(nnx.Module):

@@ -1,0 +1,483 @@
+"""The generation engine: jitted per-request prefill into a paged KV pool, and one jitted
+`lax.while_loop` decode over a fixed number of slots, for the base model and for HAMburger.
+HAMburger is the base loop with a different step: each macro step emits a group of 1..K tokens
+(micro steps) and writes ONE KV entry for it.
+
+Slots advance independently: per-slot KV block tables and lengths, RoPE positions, emission
+counts, done flags, max_new_tokens, confidence and sampling settings. All buffers are
+static-shaped, so the same program runs on CPU, GPU and TPU. The host side (which request goes
+to which slot, when, with which blocks) is `hamburger_jax/decode/serving.py`; `generate` is
+serving with one slot per prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import flax.struct
+import jax
+import jax.experimental
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hamburger_jax import sharding
+from hamburger_jax.config import DEFAULT_CONFIDENCE
+from hamburger_jax.decode.paged_kv import PagedKVCache, blocks_for
+from hamburger_jax.decode.sampling import SamplingParams, sample_rows
+from hamburger_jax.model.hamburger import Hamburger
+from hamburger_jax.model.llama import Llama
+
+# Prompts are prefilled in chunks of at most the last bucket; a prompt runs in the smallest
+# bucket that holds it, a longer one in several chunks of the largest (one program per bucket).
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+# Static sizes of the decode program: max_new_tokens and the per-slot view of the KV pool.
+LENGTH_BUCKETS = tuple(2 ** i for i in range(4, 18))
+DEFAULT_BLOCK_SIZE = 16
+
+
+class GenerationError(ValueError):
+  """A request cannot be served as given; the message says what to change."""
+
+
+@flax.struct.dataclass
+class DecodeState:
+  cache: PagedKVCache
+  features: jax.Array  # [B, F, D] base features at each slot's predicting position (base: F=1)
+  prompt_len: jax.Array  # [B]
+  tokens: jax.Array  # [B, N + K] emitted tokens
+  n_tokens: jax.Array  # [B]
+  groups: jax.Array  # [B, N] tokens emitted by each macro step
+  n_steps: jax.Array  # [B]
+  done: jax.Array  # [B] bool; empty slots are done
+  max_new: jax.Array  # [B] the slot's own max_new_tokens (<= N)
+  confidence: jax.Array  # [B] continue a group while P(continue) >= confidence
+  temperature: jax.Array  # [B] 0 = greedy
+  top_k: jax.Array  # [B] 0 = off
+  top_p: jax.Array  # [B] 1 = off
+  key: jax.Array  # [B] the slot's request key; token keys fold in the step and micro index
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The static shapes of one set of programs (what compiling depends on)."""
+  mode: str
+  slots: int  # B
+  max_new: int  # N
+  blocks_per_row: int  # MB: a slot's view of the pool is MB x block_size entries
+  num_blocks: int  # NB, the trash block included
+  block_size: int
+
+
+@dataclasses.dataclass
+class Generation:
+  """One request's result (`error` set and nothing else when it could not be served)."""
+  token_ids: list[int]
+  text: str
+  groups: list[int]  # tokens per macro step (sums to len(token_ids))
+  macro_steps: int
+  kv_entries: int  # KV cache entries the row holds at the end (prompt included)
+  prompt_tokens: int
+  prefill_s: float
+  decode_s: float  # from the end of its prefill to its last token
+  compile_s: float = 0.0  # spent compiling programs for this call (0 when all were reused)
+  id: Any = None
+  error: str | None = None
+  queue_s: float = 0.0  # from the call (arrival) to its admission into a slot
+  latency_s: float = 0.0  # from the call (arrival) to its result
+  preemptions: int = 0  # times it was evicted for KV blocks and recomputed
+
+  @property
+  def new_tokens(self) -> int:
+    return len(self.token_ids)
+
+  @property
+  def decode_tokens_per_s(self) -> float:
+    return self.new_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+  @property
+  def tokens_per_step(self) -> float:
+    return self.new_tokens / max(self.macro_steps, 1)
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+  for b in buckets:
+    if n <= b:
+      return b
+  raise GenerationError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def prefill_chunks(n: int) -> list[tuple[int, int, int]]:
+  """(start, valid tokens, bucket) of each prefill chunk of an n-token prompt."""
+  largest = PREFILL_BUCKETS[-1]
+  out = []
+  for start in range(0, n, largest):
+    valid = min(largest, n - start)
+    out.append((start, valid, bucket(valid, PREFILL_BUCKETS)))
+  return out
+
+
+def _continues(stop_logit: jax.Array, confidence: jax.Array) -> jax.Array:
+  """P(continue) = 1 - sigmoid(stop) >= c; c = 1 always stops after one token (exactly)."""
+  return (confidence < 1.0) & (jax.nn.sigmoid(-stop_logit) >= confidence)
+
+
+def base_of(model: Llama | Hamburger) -> Llama:
+  return model.base if isinstance(model, Hamburger) else model
+
+
+class Engine:
+  """Generation and serving for a `Llama` (mode "base") or a `Hamburger` (mode "hamburger" or
+  "base").
+
+  Mode "base" on a Hamburger model decodes with its base weights only (base adapters never act),
+  so the two modes of one engine compare the same base in the same code. `mesh`: decode under
+  a device mesh, weights placed by the inference rules (tensor axis; `sharding.INFER_RULES`).
+  """
+
+  def __init__(self, model: Llama | Hamburger, tokenizer: Any = None, *,
+               max_seq_len: int | None = None, stop_ids: Sequence[int] | None = None,
+               block_size: int = DEFAULT_BLOCK_SIZE, mesh: jax.sharding.Mesh | None = None):
+    self.tokenizer = tokenizer
+    base = base_of(model)
+    self.base_cfg = base.cfg
+    self.max_seq_len = max_seq_len or base.cfg.max_position_embeddings
+    if stop_ids is None:
+      stop_ids = tokenizer.stop_ids if tokenizer is not None else ()
+    self.stop_ids = tuple(int(i) for i in stop_ids)
+    if block_size < 1:
+      raise GenerationError(f"block_size={block_size} must be >= 1")
+    self.block_size = block_size
+    self.mesh = mesh
+    self.set_model(model)
+    # Compiled programs by (kind, layout, ...): compiled ahead of time so timings never include
+    # compilation and reuse is observable.
+    self.programs: dict[tuple, Any] = {}
+    self.stream_callback: Callable[[np.ndarray, np.ndarray], None] | None = None
+
+  # ------------------------------------------------------------------ traced pieces
+
+  def _features(self, model, mode: str, x_btd, positions_bt, cache, slots_bt, merged_bt=None):
+    mask = cache.mask(slots_bt)
+    if mode == "hamburger":
+      return model.base_features(x_btd, positions_bt, mask, cache, slots_bt, merged_bt)
+    out = base_of(model).forward(x_btd, positions_bt, mask, cache, slots_bt)
+    return out.hidden[:, :, None, :], out.cache
+
+  def _init_state(self, layout: Layout) -> DecodeState:
+    cfg = self.base_cfg
+    b, n = layout.slots, layout.max_new
+    k = self.model.max_group if layout.mode == "hamburger" else 1
+    f = self.model.num_features if layout.mode == "hamburger" else 1
+    cache = PagedKVCache.init(cfg.num_layers, layout.num_blocks, layout.block_size, b,
+                              layout.blocks_per_row, cfg.num_kv_heads, cfg.head_dim,
+                              jnp.dtype(cfg.dtype))
+    zeros = lambda *s, dt=jnp.int32: jnp.zeros(s, dt)
+    return DecodeState(
+        cache=cache, features=zeros(b, f, cfg.hidden_size, dt=jnp.dtype(cfg.dtype)),
+        prompt_len=zeros(b), tokens=zeros(b, n + k), n_tokens=zeros(b), groups=zeros(b, n),
+        n_steps=zeros(b), done=jnp.ones((b,), bool), max_new=zeros(b),
+        confidence=jnp.ones((b,), jnp.float32), temperature=zeros(b, dt=jnp.float32),
+        top_k=zeros(b), top_p=jnp.ones((b,), jnp.float32),
+        key=jax.random.split(jax.random.key(0), b))
+
+  def _prefill_impl(self, params, state: DecodeState, ids_c, start, n_valid, slot, last,
+                    request: dict[str, jax.Array], *, mode: str) -> DecodeState:
+    """Writes one prompt chunk's KV entries into `slot`'s blocks; the last chunk also takes the
+    slot's predicting features and the request's settings (the slot goes live)."""
+    model = nnx.merge(self.graphdef, params)
+    cache = state.cache
+    row = cache.replace(table=cache.table[slot][None], length=cache.length[slot][None])
+    slots = (start + jnp.arange(ids_c.shape[0]))[None]
+    feats, row = self._features(model, mode, base_of(model).embed(ids_c[None]), slots, row, slots)
+    state = state.replace(cache=cache.replace(k=row.k, v=row.v))
+
+    def insert(state: DecodeState) -> DecodeState:
+      at = lambda x, v: x.at[slot].set(v)
+      zero = lambda x: x.at[slot].set(jnp.zeros_like(x[slot]))
+      prompt_len = start + n_valid
+      return state.replace(
+          cache=state.cache.replace(length=at(state.cache.length, prompt_len)),
+          features=at(state.features, feats[0, n_valid - 1]),
+          prompt_len=at(state.prompt_len, prompt_len), tokens=zero(state.tokens),
+          n_tokens=zero(state.n_tokens), groups=zero(state.groups), n_steps=zero(state.n_steps),
+          done=at(state.done, False), **{k: at(getattr(state, k), v) for k, v in request.items()})
+
+    return jax.lax.cond(last, insert, lambda s: s, state)
+
+  def _sample(self, logits_bv, state: DecodeState, micro: int, stochastic: bool) -> jax.Array:
+    # A token's key depends only on its request, macro step and micro index: never on the slot,
+    # the batch mates or when the request arrived.
+    keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.fold_in(k, s), micro))(
+        state.key, state.n_steps)
+    return sample_rows(logits_bv, keys, state.temperature, state.top_k, state.top_p,
+                       stochastic=stochastic)
+
+  def _propose(self, model, mode: str, state: DecodeState, stochastic: bool):
+    """One macro step's group: tokens [B, K'] and how many of them each row emits [B]."""
+    base = base_of(model)
+    remaining = state.max_new - state.n_tokens
+    stop_ids = jnp.asarray(self.stop_ids, jnp.int32)
+    h0 = state.features[:, -1]  # skip connection: token 0 is the base's own prediction
+    t0 = self._sample(base.logits(h0), state, 0, stochastic)
+    count = jnp.where(state.done, 0, 1).astype(jnp.int32)
+    if mode != "hamburger" or model.max_group == 1:
+      return t0[:, None], count
+    k = model.max_group
+    b = t0.shape[0]
+    tokens = jnp.zeros((b, k), jnp.int32).at[:, 0].set(t0)
+    cont = (~state.done & _continues(model.stop_logits(h0), state.confidence)
+            & ~jnp.isin(t0, stop_ids) & (remaining > 1))
+
+    def micro_step(i, x_btd, cache, tokens, count, cont):
+      """Runs inputs ending with e(t_{i-1}) and emits t_i where `cont`."""
+      h, cache = model.micro_step(i, x_btd, cache)
+      ti = self._sample(base.logits(h), state, i, stochastic)
+      tokens = jax.lax.dynamic_update_slice_in_dim(tokens, jnp.where(cont, ti, 0)[:, None], i, 1)
+      count = count + cont
+      cont = cont & _continues(model.stop_logits(h), state.confidence) & ~jnp.isin(
+          ti, stop_ids) & (remaining > i + 1)
+      return cache, tokens, count, cont
+
+    def run_micro(operands):
+      tokens, count, cont = operands
+      # Micro step 1 reads the F features and e(t0) in one pass (one read of the weights).
+      x = jnp.concatenate([state.features, base.embed(tokens[:, :1])], axis=1)
+      carry = (jnp.int32(2), *micro_step(1, x, model.micro_cache(b), tokens, count, cont))
+
+      def body(carry):
+        i, cache, tokens, count, cont = carry
+        x = base.embed(jax.lax.dynamic_slice_in_dim(tokens, i - 1, 1, axis=1))
+        return (i + 1, *micro_step(i, x, cache, tokens, count, cont))
+
+      _, _, tokens, count, _ = jax.lax.while_loop(
+          lambda c: (c[0] < k) & jnp.any(c[4]), body, carry)
+      return tokens, count
+
+    # Rows whose stop head fired after token 0 need no micro decoder work at all.
+    return jax.lax.cond(jnp.any(cont), run_micro, lambda o: o[:2], (tokens, count, cont))
+
+  def _decode_impl(self, params, state: DecodeState, refill, *, mode: str, stochastic: bool,
+                   stream: bool) -> DecodeState:
+    """Macro steps until every slot is done, or (with `refill`) a slot finishes so the host can
+    give it the next request, or a live slot's blocks are full so the host can add one."""
+    model = nnx.merge(self.graphdef, params)
+    base = base_of(model)
+    offset = model.cfg.graft.position_offset if mode == "hamburger" else 0
+    n_max = state.groups.shape[1]
+    rows = jnp.arange(state.done.shape[0])[:, None]
+    stop_ids = jnp.asarray(self.stop_ids, jnp.int32)
+    done_at_start = state.done
+
+    def body(carry):
+      step, state = carry
+      group, count = self._propose(model, mode, state, stochastic)
+      k = group.shape[1]
+      emitted = jnp.arange(k)[None, :] < count[:, None]
+      idx = jnp.where(emitted, state.n_tokens[:, None] + jnp.arange(k)[None, :], n_max + k)
+      tokens = state.tokens.at[rows, idx].set(group, mode="drop")
+      gidx = jnp.where(count > 0, state.n_steps, n_max)[:, None]
+      groups = state.groups.at[rows, gidx].set(count[:, None], mode="drop")
+      n_tokens = state.n_tokens + count
+      done = state.done | jnp.any(emitted & jnp.isin(group, stop_ids), axis=1) | (
+          n_tokens >= state.max_new)
+      if stream:
+        jax.experimental.io_callback(self._on_step, None, group, count, ordered=True)
+      state = state.replace(tokens=tokens, groups=groups, n_tokens=n_tokens,
+                            n_steps=state.n_steps + (count > 0), done=done)
+
+      def advance(state: DecodeState) -> DecodeState:
+        # The emitted group becomes ONE base input at the position of its last token.
+        if mode == "hamburger":
+          x = model.smash(group, jnp.maximum(count, 1))
+        else:
+          x = base.embed(group[:, 0])
+        pos = state.prompt_len - 1 + state.n_tokens + offset
+        slot = state.cache.length
+        # Base adapters act only on a merged entry (a group of >= 2 tokens): after a single
+        # token the base runs its exact weights, so confidence 1.0 is the base, token for token.
+        merged = (count >= 2)[:, None] if mode == "hamburger" else None
+        feats, cache = self._features(model, mode, x[:, None], pos[:, None], state.cache,
+                                      slot[:, None], merged)
+        cache = cache.replace(length=cache.length + (~state.done).astype(jnp.int32))
+        return state.replace(cache=cache, features=feats[:, 0])
+
+      state = jax.lax.cond(jnp.all(state.done), lambda s: s, advance, state)
+      return step + 1, state
+
+    def cond(carry):
+      step, state = carry
+      finished = jnp.any(state.done & ~done_at_start)
+      full = jnp.any(~state.done & (state.cache.length >= state.cache.capacity()))
+      return (step < n_max) & ~jnp.all(state.done) & ~(refill & finished) & ~full
+
+    _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+    return state
+
+  def _on_step(self, group, count):
+    if self.stream_callback is not None:
+      self.stream_callback(np.asarray(group), np.asarray(count))
+
+  # ------------------------------------------------------------------ programs
+
+  def layout(self, mode: str, slots: int, max_new: int, longest_prompt: int,
+             kv_blocks: int | None = None) -> Layout:
+    """The static shapes for requests up to `longest_prompt` + `max_new` tokens. Without
+    `kv_blocks` the pool holds every slot's view (nothing ever waits for blocks)."""
+    n = bucket(max_new, LENGTH_BUCKETS)
+    view = bucket(longest_prompt + n + 1, LENGTH_BUCKETS)
+    mb = blocks_for(view, self.block_size)
+    nb = kv_blocks if kv_blocks is not None else slots * mb + 1
+    return Layout(mode, slots, n, mb, nb, self.block_size)
+
+  def _prefill_program(self, layout: Layout, chunk: int):
+    key = ("prefill", layout, chunk)
+    if key not in self.programs:
+      state = jax.eval_shape(lambda: self._init_state(layout))
+      i32 = jax.ShapeDtypeStruct((), jnp.int32)
+      request = {k: jax.ShapeDtypeStruct((), getattr(state, k).dtype)
+                 for k in ("max_new", "confidence", "temperature", "top_k", "top_p")}
+      request["key"] = jax.eval_shape(lambda: jax.random.key(0))
+      fn = jax.jit(self._prefill_impl, static_argnames=("mode",), donate_argnames=("state",))
+      self.programs[key] = fn.lower(
+          self.params, state, jax.ShapeDtypeStruct((chunk,), jnp.int32), i32, i32, i32,
+          jax.ShapeDtypeStruct((), bool), request, mode=layout.mode).compile()
+    return self.programs[key]
+
+  def _decode_program(self, layout: Layout, stochastic: bool, stream: bool):
+    key = ("decode", layout, stochastic, stream)
+    if key not in self.programs:
+      state = jax.eval_shape(lambda: self._init_state(layout))
+      fn = jax.jit(self._decode_impl, static_argnames=("mode", "stochastic", "stream"),
+                   donate_argnames=("state",))
+      self.programs[key] = fn.lower(self.params, state, jax.ShapeDtypeStruct((), bool),
+                                    mode=layout.mode, stochastic=stochastic,
+                                    stream=stream).compile()
+    return self.programs[key]
+
+  def compile_programs(self, layout: Layout, prompt_lengths: Iterable[int], stochastic: bool,
+                       stream: bool = False) -> float:
+    """Compiles what serving prompts of these lengths in `layout` runs; returns the seconds
+    spent (0 when all were compiled already; a load from JAX's persistent compilation cache
+    counts as compiling)."""
+    t = time.perf_counter()
+    before = len(self.programs)
+    for chunk in sorted({c for n in prompt_lengths for _, _, c in prefill_chunks(n)}):
+      self._prefill_program(layout, chunk)
+    self._decode_program(layout, stochastic, stream)
+    return time.perf_counter() - t if len(self.programs) > before else 0.0
+
+  @property
+  def compilations(self) -> int:
+    return len(self.programs)
+
+  # ------------------------------------------------------------------ host side
+
+  def encode_prompt(self, prompt) -> list[int]:
+    """str -> chat-templated user turn; list of messages -> chat template; list of ints -> as is."""
+    if isinstance(prompt, str):
+      if not prompt.strip():
+        raise GenerationError("empty prompt: give at least one non-blank character")
+      prompt = [{"role": "user", "content": prompt}]
+    if isinstance(prompt, dict) or not hasattr(prompt, "__len__"):
+      raise GenerationError(f"a prompt is a string, a list of chat messages or a list of token "
+                            f"ids; got {type(prompt).__name__}")
+    if len(prompt) and isinstance(prompt[0], dict):
+      if self.tokenizer is None:
+        raise GenerationError("text prompts need a tokenizer; pass token ids or a tokenizer")
+      return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                     tokenize=True))
+    if not len(prompt):
+      raise GenerationError("empty prompt: give at least one token")
+    if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompt):
+      raise GenerationError("a token-id prompt must hold integers only")
+    ids = [int(i) for i in prompt]
+    vocab = self.base_cfg.vocab_size
+    if min(ids) < 0 or max(ids) >= vocab:
+      raise GenerationError(f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
+    return ids
+
+  def check_mode(self, mode: str | None) -> str:
+    mode = mode or ("hamburger" if isinstance(self.model, Hamburger) else "base")
+    if mode not in ("base", "hamburger"):
+      raise GenerationError(f"mode={mode!r}: use 'base' or 'hamburger'")
+    if mode == "hamburger" and not isinstance(self.model, Hamburger):
+      raise GenerationError("mode 'hamburger' needs a HAMburger model (load a checkpoint)")
+    return mode
+
+  def serve(self, requests: Iterable, *, slots: int = 8, kv_blocks: int | None = None,
+            mode: str | None = None, max_new_bound: int | None = None,
+            progress: Callable[[Generation], None] | None = None) -> Iterator[Generation]:
+    """Continuous batching: yields each request's result as it finishes (see serving.py)."""
+    from hamburger_jax.decode import serving  # pylint: disable=import-outside-toplevel
+    return serving.serve(self, requests, slots=slots, kv_blocks=kv_blocks, mode=mode,
+                         max_new_bound=max_new_bound, progress=progress)
+
+  def _requests(self, prompts: Sequence, max_new_tokens: int, sampling: SamplingParams,
+                confidence: float | Sequence[float], seed: int) -> list:
+    from hamburger_jax.decode.serving import Request  # pylint: disable=import-outside-toplevel
+    if isinstance(prompts, (str, dict)) or not len(prompts):
+      raise GenerationError("prompts must be a non-empty list (wrap a single prompt in a list)")
+    conf = np.asarray(confidence, np.float64)
+    if conf.ndim and conf.shape != (len(prompts),):
+      raise GenerationError(f"confidence has {conf.size} values for {len(prompts)} prompts: give "
+                            "one value, or one per prompt")
+    conf = np.broadcast_to(conf, (len(prompts),))
+    reqs = [Request(p, max_new_tokens=max_new_tokens, confidence=float(c), sampling=sampling,
+                    seed=seed, id=i) for i, (p, c) in enumerate(zip(prompts, conf))]
+    for r in reqs:
+      r.check(self)
+    return reqs
+
+  def compile(self, prompts: Sequence, *, max_new_tokens: int = 128, mode: str | None = None,
+              sampling: SamplingParams = SamplingParams(), stream: bool = False) -> float:
+    """Compiles the programs that `generate` with these arguments runs (confidence and seed do
+    not change them), so that a caller can time compilation apart from generation. Returns the
+    seconds spent: 0 when they were compiled already."""
+    mode = self.check_mode(mode)
+    reqs = self._requests(prompts, max_new_tokens, sampling, DEFAULT_CONFIDENCE, 0)
+    lengths = [len(r.ids) for r in reqs]
+    layout = self.layout(mode, 1 << (len(reqs) - 1).bit_length(), max_new_tokens, max(lengths))
+    return self.compile_programs(layout, lengths, not sampling.greedy, stream)
+
+  def generate(self, prompts: Sequence, *, max_new_tokens: int = 128, mode: str | None = None,
+               sampling: SamplingParams = SamplingParams(),
+               confidence: float | Sequence[float] = DEFAULT_CONFIDENCE, seed: int = 0,
+               stream: Callable[[np.ndarray, np.ndarray], None] | None = None
+               ) -> list[Generation]:
+    """Generates for a batch of prompts (texts, message lists or token-id lists): one slot per
+    prompt, results in prompt order. Raises GenerationError on any bad prompt or setting."""
+    mode = self.check_mode(mode)
+    reqs = self._requests(prompts, max_new_tokens, sampling, confidence, seed)
+    from hamburger_jax.decode import serving  # pylint: disable=import-outside-toplevel
+    self.stream_callback = stream
+    try:
+      # Slots in powers of two (the spare ones stay empty), so batches of similar size share
+      # their compiled programs.
+      slots = 1 << (len(reqs) - 1).bit_length()
+      out = list(serving.serve(self, reqs, slots=slots, mode=mode, stream=stream is not None,
+                               max_new_bound=max_new_tokens))
+    finally:
+      self.stream_callback = None
+    out.sort(key=lambda g: g.id)
+    for g in out:
+      if g.error:
+        raise GenerationError(g.error)
+    return out
+
+  def set_model(self, model: Llama | Hamburger) -> None:
+    """Takes new weights; compiled programs are kept when the architecture is the same.
+
+    Base adapters stay unfolded: they act per row, only on macro steps whose input is a merged
+    entry, so mode "base" (which never marks an input merged) is the base model, exactly.
+    """
+    graphdef, params = nnx.split(model)
+    if getattr(self, "graphdef", graphdef) != graphdef:
+      raise GenerationError("set_model needs a model of the same architecture as the engine's")
+    if self.mesh is not None:
+      params = jax.device_put(params, sharding.state_shardings(params, self.mesh,
+                                                               sharding.INFER_RULES))
+    self.model = model
+    self.graphdef, self.params = graphdef, params

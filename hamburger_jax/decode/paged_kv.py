@@ -1,0 +1,128 @@
+"""The paged KV pool: one pool of fixed-size blocks shared by every decode slot, a block table
+per slot, and the host-side allocator that hands blocks out and takes them back.
+
+A slot's entry `s` lives in block `table[row, s // block_size]` at offset `s % block_size`. Block
+0 is the trash block: it belongs to nobody, every unused table entry points at it, and writes
+from finished or empty slots land there, so a slot can never write into another slot's blocks.
+Base mode takes one entry per token, HAMburger one per macro step, so the same pool holds about
+k (tokens per step) times the requests in HAMburger mode.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hamburger_jax.model.attention import attend
+
+TRASH_BLOCK = 0
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+  k: jax.Array  # [L, NB, BS, Hkv, Dh] the pool
+  v: jax.Array  # [L, NB, BS, Hkv, Dh]
+  table: jax.Array  # [B, MB] int32 block ids per slot (TRASH_BLOCK where unallocated)
+  length: jax.Array  # [B] int32 entries written so far
+
+  @classmethod
+  def init(cls, num_layers: int, num_blocks: int, block_size: int, batch: int,
+           blocks_per_row: int, num_kv_heads: int, head_dim: int,
+           dtype=jnp.float32) -> "PagedKVCache":
+    shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+               table=jnp.full((batch, blocks_per_row), TRASH_BLOCK, jnp.int32),
+               length=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def block_size(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def slots(self) -> int:
+    """Entries one row can address (its view): blocks per row x block size."""
+    return self.table.shape[1] * self.block_size
+
+  def capacity(self) -> jax.Array:
+    """[B] entries each row can hold in the blocks it owns."""
+    return jnp.sum(self.table != TRASH_BLOCK, axis=1) * self.block_size
+
+  def _locate(self, slots_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # Past the table's end reads as the trash block (a gather would clamp to the last one).
+    blocks = jnp.take_along_axis(self.table, slots_bt // self.block_size, axis=1, mode="fill",
+                                 fill_value=TRASH_BLOCK)
+    return blocks, slots_bt % self.block_size
+
+  def write(self, layer: int, slots_bt: jax.Array, k_bthd: jax.Array,
+            v_bthd: jax.Array) -> "PagedKVCache":
+    """Writes T new entries per row at per-row slots [B, T] into the rows' blocks."""
+    blocks, offsets = self._locate(slots_bt)
+    dt = self.k.dtype
+    return self.replace(k=self.k.at[layer, blocks, offsets].set(k_bthd.astype(dt)),
+                        v=self.v.at[layer, blocks, offsets].set(v_bthd.astype(dt)))
+
+  def mask(self, query_slots_bt: jax.Array) -> jax.Array:
+    """[B, T, slots] attention mask over a row's view: every slot up to and including its own."""
+    return jnp.arange(self.slots)[None, None, :] <= query_slots_bt[:, :, None]
+
+  def attend(self, layer: int, q_bthd: jax.Array, mask_bts: jax.Array) -> jax.Array:
+    return paged_attention(q_bthd, self.k[layer], self.v[layer], self.table, mask_bts)
+
+
+def paged_attention(q_bthd: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table_bm: jax.Array,
+                    mask_bts: jax.Array) -> jax.Array:
+  """Attention of each row's queries over the blocks of its table: [B, T, H*Dh].
+
+  The one place that reads the pool. Here a gather of the row's blocks into a contiguous view,
+  then dense attention (what a CPU does best); a TPU/GPU paged-attention kernel that reads the
+  blocks in place replaces this function alone."""
+  b, m = table_bm.shape
+  _, bs, hkv, dh = k_pool.shape
+  k = k_pool[table_bm].reshape(b, m * bs, hkv, dh).astype(q_bthd.dtype)
+  v = v_pool[table_bm].reshape(b, m * bs, hkv, dh).astype(q_bthd.dtype)
+  return attend(q_bthd, k, v, mask_bts)
+
+
+def blocks_for(entries: int, block_size: int) -> int:
+  return -(-entries // block_size)
+
+
+class BlockAllocator:
+  """Host-side free list of the pool's blocks (block 0, the trash block, is never handed out).
+
+  Lowest ids first, so allocation is deterministic."""
+
+  def __init__(self, num_blocks: int):
+    if num_blocks < 2:
+      raise ValueError(f"a KV pool needs at least 2 blocks (one is the trash block), got "
+                       f"{num_blocks}")
+    self.num_blocks = num_blocks
+    self._free = list(range(num_blocks - 1, TRASH_BLOCK, -1))  # a stack: pop() gives the lowest
+
+  @property
+  def free(self) -> int:
+    return len(self._free)
+
+  @property
+  def usable(self) -> int:
+    return self.num_blocks - 1
+
+  def take(self, n: int) -> list[int]:
+    if n > len(self._free):
+      raise RuntimeError(f"asked for {n} KV blocks, {len(self._free)} free")
+    return [self._free.pop() for _ in range(n)]
+
+  def give_back(self, blocks) -> None:
+    blocks = [int(x) for x in blocks if int(x) != TRASH_BLOCK]
+    if set(blocks) & set(self._free):
+      raise RuntimeError(f"KV blocks {sorted(set(blocks) & set(self._free))} freed twice")
+    self._free.extend(blocks)
+    self._free.sort(reverse=True)
+
+
+def row_table(blocks: list[int], blocks_per_row: int) -> np.ndarray:
+  out = np.full((blocks_per_row,), TRASH_BLOCK, np.int32)
+  out[:len(blocks)] = blocks
+  return out

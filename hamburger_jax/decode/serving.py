@@ -1,0 +1,232 @@
+"""Continuous batching over a paged KV pool: the host side of the engine.
+
+A fixed number of slots and a queue of requests. A request is admitted into a free slot when
+the pool has blocks for its prompt (plus one entry); it is prefilled alone (chunked when long)
+while the other slots keep their state. The decode program then runs macro steps until a slot
+finishes (its slot takes the next request), a live slot fills its last block (it gets one
+more), or everything is done. When the pool has no block for a slot that needs one, the
+youngest live request is preempted: its blocks are freed and it goes back to the front of the
+queue, to be recomputed from its prompt later (its greedy output is unchanged: a request's
+tokens depend only on its own prompt, settings and seed).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hamburger_jax.config import DEFAULT_CONFIDENCE
+from hamburger_jax.decode.engine import (Engine, Generation, GenerationError, Layout,
+                                         prefill_chunks)
+from hamburger_jax.decode.paged_kv import TRASH_BLOCK, BlockAllocator, blocks_for, row_table
+from hamburger_jax.decode.sampling import SamplingError, SamplingParams
+
+
+@dataclasses.dataclass
+class Request:
+  """One generation request. `prompt`: text (a user turn), chat messages or token ids."""
+  prompt: Any
+  max_new_tokens: int = 128
+  confidence: float = DEFAULT_CONFIDENCE
+  sampling: SamplingParams = SamplingParams()
+  seed: int = 0
+  id: Any = None
+  ids: list[int] | None = dataclasses.field(default=None, repr=False)  # set by check()
+
+  def check(self, engine: Engine) -> None:
+    """Validates and tokenises; raises GenerationError saying what to change."""
+    m = self.max_new_tokens
+    if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+      raise GenerationError(f"max_new_tokens={m!r} must be an integer >= 1")
+    c = self.confidence
+    if isinstance(c, bool) or not isinstance(c, (int, float, np.floating, np.integer)) or not (
+        0 <= c <= 1):
+      raise GenerationError(f"confidence must be in [0, 1], got {c!r}")
+    if not isinstance(self.sampling, SamplingParams):
+      raise GenerationError("sampling must be a SamplingParams(temperature, top_k, top_p)")
+    try:
+      self.sampling.check_vocab(engine.base_cfg.vocab_size)
+    except SamplingError as e:
+      raise GenerationError(str(e)) from None
+    s = self.seed
+    if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < 2 ** 63:
+      raise GenerationError(f"seed={s!r} must be an integer in [0, 2**63)")
+    self.ids = engine.encode_prompt(self.prompt)
+    if len(self.ids) + m > engine.max_seq_len:
+      raise GenerationError(
+          f"prompt has {len(self.ids)} tokens + max_new_tokens {m} > max_seq_len "
+          f"{engine.max_seq_len}: shorten the prompt or lower max_new_tokens")
+
+
+@dataclasses.dataclass
+class _Live:
+  request: Request
+  blocks: list[int]
+  admitted: float  # perf_counter when its prefill ended
+  prefill_s: float
+  preemptions: int
+
+
+def serve(engine: Engine, requests: Iterable[Request], *, slots: int = 8,
+          kv_blocks: int | None = None, mode: str | None = None, stream: bool = False,
+          max_new_bound: int | None = None,
+          progress: Callable[[Generation], None] | None = None) -> Iterator[Generation]:
+  """Serves `requests` with `slots` concurrent rows and a pool of `kv_blocks` KV blocks (default:
+  enough for every slot's longest request). Yields a Generation per request as it finishes; a
+  request that cannot be served yields one with `error` set, and the others go on."""
+  mode = engine.check_mode(mode)
+  if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+    raise GenerationError(f"slots={slots!r} must be an integer >= 1")
+  arrival = time.perf_counter()
+  queue: collections.deque[Request] = collections.deque()
+  failed: list[Generation] = []
+  preempted: dict[int, int] = collections.Counter()
+  for i, r in enumerate(requests):
+    if not isinstance(r, Request):
+      r = Request(r)
+    if r.id is None:
+      r.id = i
+    try:
+      r.check(engine)
+      queue.append(r)
+    except GenerationError as e:
+      failed.append(_failed(r, str(e), arrival))
+  yield from _report(failed, progress)
+  if not queue:
+    return
+  longest = max(len(r.ids) for r in queue)
+  bound = max(max_new_bound or 0, max(r.max_new_tokens for r in queue))
+  layout = engine.layout(mode, slots, bound, longest, kv_blocks)
+  pool = BlockAllocator(layout.num_blocks)
+  fits, too_big = [], []
+  for r in queue:
+    # A request must fit the pool alone in the worst case (one entry per token), or it could
+    # be preempted forever.
+    need = blocks_for(len(r.ids) + r.max_new_tokens, layout.block_size)
+    if need > pool.usable:
+      too_big.append(_failed(r, f"needs up to {need} KV blocks of {layout.block_size} entries "
+                             f"(prompt {len(r.ids)} + max_new_tokens {r.max_new_tokens}) but "
+                             f"the pool has {pool.usable}: raise kv_blocks or shorten the "
+                             "request", arrival))
+    else:
+      fits.append(r)
+  yield from _report(too_big, progress)
+  queue = collections.deque(fits)
+  if not queue:
+    return
+
+  stochastic = any(not r.sampling.greedy for r in queue)
+  compile_s = engine.compile_programs(layout, [len(r.ids) for r in queue], stochastic, stream)
+  decode = engine._decode_program(layout, stochastic, stream)  # pylint: disable=protected-access
+  state = engine._init_state(layout)  # pylint: disable=protected-access
+  table = np.full((layout.slots, layout.blocks_per_row), TRASH_BLOCK, np.int32)
+  live: dict[int, _Live] = {}
+  free_slots = list(range(layout.slots))
+  lengths = np.zeros((layout.slots,), np.int64)
+
+  def release(slot: int) -> None:
+    pool.give_back(live.pop(slot).blocks)
+    table[slot] = TRASH_BLOCK
+    free_slots.append(slot)
+    free_slots.sort()
+
+  while queue or live:
+    # Admit while a slot and the prompt's blocks are free (first come, first served).
+    while queue and free_slots:
+      r = queue[0]
+      need = blocks_for(len(r.ids) + 1, layout.block_size)
+      if need > pool.free:
+        if not live:
+          raise RuntimeError("KV pool accounting error: nothing is live and blocks are missing")
+        break
+      queue.popleft()
+      slot = free_slots.pop(0)
+      blocks = pool.take(need)
+      table[slot] = row_table(blocks, layout.blocks_per_row)
+      state = state.replace(cache=state.cache.replace(table=jnp.asarray(table)))
+      t = time.perf_counter()
+      state = _prefill(engine, layout, state, r, slot)
+      jax.block_until_ready(state.done)
+      now = time.perf_counter()
+      live[slot] = _Live(r, blocks, now, now - t, preempted[id(r)])
+      lengths[slot] = len(r.ids)
+    # Every live slot needs room for its next entry; the youngest gives way when blocks run out.
+    for slot in sorted(live, key=lambda s: live[s].admitted):
+      if slot not in live:
+        continue
+      while lengths[slot] >= len(live[slot].blocks) * layout.block_size:
+        if pool.free == 0:
+          victim = max(live, key=lambda s: live[s].admitted)
+          preempted[id(live[victim].request)] += 1
+          queue.appendleft(live[victim].request)
+          release(victim)
+          state = state.replace(done=state.done.at[victim].set(True))
+          if victim == slot:
+            break
+          continue
+        live[slot].blocks += pool.take(1)
+        table[slot] = row_table(live[slot].blocks, layout.blocks_per_row)
+    state = state.replace(cache=state.cache.replace(table=jnp.asarray(table)))
+    if not live:
+      continue
+    state = decode(engine.params, state, jnp.asarray(bool(queue)))
+    done, n_tokens, length = jax.device_get((state.done, state.n_tokens, state.cache.length))
+    lengths[:] = length
+    finished = [s for s in sorted(live) if done[s]]
+    if finished:
+      tokens, groups, n_steps = jax.device_get((state.tokens, state.groups, state.n_steps))
+      now = time.perf_counter()
+      results = []
+      for s in finished:
+        lv = live[s]
+        row = tokens[s, :n_tokens[s]].tolist()
+        text = (engine.tokenizer.decode(row, skip_special_tokens=True)
+                if engine.tokenizer is not None else "")
+        results.append(Generation(
+            row, text, groups[s, :n_steps[s]].tolist(), int(n_steps[s]), int(length[s]),
+            len(lv.request.ids), lv.prefill_s, now - lv.admitted, compile_s, id=lv.request.id,
+            queue_s=lv.admitted - lv.prefill_s - arrival, latency_s=now - arrival,
+            preemptions=lv.preemptions))
+        release(s)
+      yield from _report(results, progress)
+
+
+def _prefill(engine: Engine, layout: Layout, state, r: Request, slot: int):
+  request = {"max_new": jnp.int32(r.max_new_tokens), "confidence": jnp.float32(r.confidence),
+             "temperature": jnp.float32(r.sampling.temperature),
+             "top_k": jnp.int32(r.sampling.top_k), "top_p": jnp.float32(r.sampling.top_p),
+             "key": jax.random.fold_in(jax.random.key(r.seed), _id_salt(r.id))}
+  chunks = prefill_chunks(len(r.ids))
+  for j, (start, valid, size) in enumerate(chunks):
+    ids = np.zeros((size,), np.int32)
+    ids[:valid] = r.ids[start:start + valid]
+    program = engine._prefill_program(layout, size)  # pylint: disable=protected-access
+    state = program(engine.params, state, jnp.asarray(ids), jnp.int32(start), jnp.int32(valid),
+                    jnp.int32(slot), jnp.asarray(j == len(chunks) - 1), request)
+  return state
+
+
+def _id_salt(request_id: Any) -> int:
+  """Sampled requests draw from (seed, id): an integer id as is, another id by a stable hash."""
+  if isinstance(request_id, (int, np.integer)) and 0 <= request_id < 2 ** 31:
+    return int(request_id)
+  import zlib  # pylint: disable=import-outside-toplevel
+  return zlib.crc32(repr(request_id).encode()) & 0x7FFFFFFF
+
+
+def _failed(r: Request, error: str, arrival: float) -> Generation:
+  return Generation([], "", [], 0, 0, 0, 0.0, 0.0, id=r.id, error=error,
+                    latency_s=time.perf_counter() - arrival)
+
+
+def _report(results: list[Generation], progress) -> Iterator[Generation]:
+  for g in results:
+    if progress is not None:
+      progress(g)
+    yield g
