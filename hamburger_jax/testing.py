@@ -78,6 +78,23 @@ def sharpen(model, scale: float = 8.0) -> None:
       var.set_value(var[...] * scale)
 
 
+# The decode tests' tiny model: small enough to compile in seconds, sharpened so greedy tokens
+# are stable and the stop head's logits spread around 0 (groups of 1..4 all occur at c = 0.5).
+DECODE_CFG = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=4,
+                         num_heads=4, num_kv_heads=2, max_position_embeddings=256)
+DECODE_STOP = 96
+
+
+def tiny_decode_model():
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.config import GraftConfig, HamburgerConfig  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.model.hamburger import Hamburger  # pylint: disable=import-outside-toplevel
+  m = Hamburger(HamburgerConfig(DECODE_CFG, GraftConfig(merger_head_dim=16)), rngs=nnx.Rngs(0))
+  sharpen(m, 8.0)
+  sharpen(m.micro.stop_head, 3.0)
+  return m
+
+
 def llama_3_2_1b_config(**overrides) -> LlamaConfig:
   """Llama-3.2-1B(-Instruct)'s architecture, its config.json in numbers: the paper's setting
   (configs/llama3_2_1b.yaml) for shape-only tests, without its weights."""

@@ -9,27 +9,21 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig
+from hamburger_jax.config import HamburgerConfig
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import Llama, causal_segment_mask
-from hamburger_jax.testing import sharpen
+from hamburger_jax.testing import DECODE_CFG, DECODE_STOP, tiny_decode_model
 from hamburger_jax.decode import sampling as samplers
 from hamburger_jax.decode.engine import Engine, GenerationError
 from hamburger_jax.decode.sampling import SamplingError, SamplingParams
 
-CFG = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,
-                  num_kv_heads=2, max_position_embeddings=256)
-STOP = 96
+CFG, STOP = DECODE_CFG, DECODE_STOP
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8], list(range(10, 31)), [40, 41, 42]]
 
 
 @pytest.fixture(scope="module")
 def model() -> Hamburger:
-  m = Hamburger(HamburgerConfig(CFG, GraftConfig(merger_head_dim=16)), rngs=nnx.Rngs(0))
-  sharpen(m, 8.0)
-  # A stop head whose logits spread around 0, so that at c = 0.5 groups of 1..4 all occur.
-  sharpen(m.micro.stop_head, 3.0)
-  return m
+  return tiny_decode_model()
 
 
 @pytest.fixture(scope="module")

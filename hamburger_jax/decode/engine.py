@@ -156,6 +156,7 @@ class Engine:
     # compilation and reuse is observable.
     self.programs: dict[tuple, Any] = {}
     self.stream_callback: Callable[[np.ndarray, np.ndarray], None] | None = None
+    self.last_serve = None  # serving.ServeStats of the latest serve/generate call
 
   # ------------------------------------------------------------------ traced pieces
 

@@ -65,6 +65,30 @@ class Request:
 
 
 @dataclasses.dataclass
+class ServeStats:
+  """What one `serve` call did, for benches and tests (`Engine.last_serve`)."""
+  slots: int = 0
+  usable_blocks: int = 0
+  rounds: int = 0  # decode program calls
+  in_flight: list[int] = dataclasses.field(default_factory=list)  # live requests, per round
+  blocks_used: list[int] = dataclasses.field(default_factory=list)  # blocks held, per round
+  preemptions: int = 0
+  free_blocks_at_end: int = 0
+
+  @property
+  def mean_in_flight(self) -> float:
+    return float(np.mean(self.in_flight)) if self.in_flight else 0.0
+
+
+def check_tables(table: np.ndarray, live_slots) -> None:
+  """No block is held by two live slots, nor twice by one (a shared block corrupts a row)."""
+  held = [int(b) for s in live_slots for b in table[s] if b != TRASH_BLOCK]
+  if len(held) != len(set(held)):
+    dup = sorted({b for b in held if held.count(b) > 1})
+    raise RuntimeError(f"KV blocks {dup} are held by more than one live slot")
+
+
+@dataclasses.dataclass
 class _Live:
   request: Request
   blocks: list[int]
@@ -104,6 +128,7 @@ def serve(engine: Engine, requests: Iterable[Request], *, slots: int = 8,
   bound = max(max_new_bound or 0, max(r.max_new_tokens for r in queue))
   layout = engine.layout(mode, slots, bound, longest, kv_blocks)
   pool = BlockAllocator(layout.num_blocks)
+  stats = engine.last_serve = ServeStats(slots=slots, usable_blocks=pool.usable)
   fits, too_big = [], []
   for r in queue:
     # A request must fit the pool alone in the worst case (one entry per token), or it could
@@ -164,6 +189,7 @@ def serve(engine: Engine, requests: Iterable[Request], *, slots: int = 8,
         if pool.free == 0:
           victim = max(live, key=lambda s: live[s].admitted)
           preempted[id(live[victim].request)] += 1
+          stats.preemptions += 1
           queue.appendleft(live[victim].request)
           release(victim)
           state = state.replace(done=state.done.at[victim].set(True))
@@ -172,9 +198,13 @@ def serve(engine: Engine, requests: Iterable[Request], *, slots: int = 8,
           continue
         live[slot].blocks += pool.take(1)
         table[slot] = row_table(live[slot].blocks, layout.blocks_per_row)
+    check_tables(table, live)
     state = state.replace(cache=state.cache.replace(table=jnp.asarray(table)))
     if not live:
       continue
+    stats.rounds += 1
+    stats.in_flight.append(len(live))
+    stats.blocks_used.append(pool.usable - pool.free)
     state = decode(engine.params, state, jnp.asarray(bool(queue)))
     done, n_tokens, length = jax.device_get((state.done, state.n_tokens, state.cache.length))
     lengths[:] = length
@@ -194,6 +224,7 @@ def serve(engine: Engine, requests: Iterable[Request], *, slots: int = 8,
             queue_s=lv.admitted - lv.prefill_s - arrival, latency_s=now - arrival,
             preemptions=lv.preemptions))
         release(s)
+      stats.free_blocks_at_end = pool.free
       yield from _report(results, progress)
 
 

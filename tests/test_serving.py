@@ -1,0 +1,167 @@
+"""Continuous batching over the paged KV pool (hamburger_jax/decode/serving.py): every request
+served with others gives exactly what `generate` gives for it alone, in both modes; the pool
+never shares a block between live rows, frees finished rows' blocks, queues or preempts when
+short, and refuses a request it can never hold; programs are reused; bad requests fail alone."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from hamburger_jax.decode import engine as engine_lib
+from hamburger_jax.decode.engine import Engine, GenerationError
+from hamburger_jax.decode.paged_kv import TRASH_BLOCK, BlockAllocator
+from hamburger_jax.decode.sampling import SamplingParams
+from hamburger_jax.decode.serving import Request, check_tables
+from hamburger_jax.testing import DECODE_STOP, tiny_decode_model
+
+# Mixed lengths: 1 to 40 prompt tokens (prompt buckets 16, 32 and 64), 3 to 20 new tokens.
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8], list(range(10, 31)), [40, 41, 42], list(range(50, 90)),
+           [7], [60, 61, 62, 63, 64, 65, 66, 67], list(range(3, 20)), [33, 34], [80, 70, 60]]
+MAX_NEW = [12, 20, 7, 16, 9, 20, 3, 14, 18, 11]
+CONFIDENCES = [0.5, 0.0, 1.0, 0.7, 0.5, 0.3, 0.9, 0.5, 0.0, 0.6]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+  return Engine(tiny_decode_model(), None, stop_ids=[DECODE_STOP])
+
+
+@pytest.fixture(scope="module")
+def alone(engine):
+  """What `generate` gives each request by itself, per mode."""
+  out = {}
+  for mode in ("base", "hamburger"):
+    out[mode] = [engine.generate([p], max_new_tokens=n, mode=mode, confidence=c)[0]
+                 for p, n, c in zip(PROMPTS, MAX_NEW, CONFIDENCES)]
+  return out
+
+
+def requests(order=None) -> list[Request]:
+  order = order if order is not None else range(len(PROMPTS))
+  return [Request(PROMPTS[i], max_new_tokens=MAX_NEW[i], confidence=CONFIDENCES[i], id=i)
+          for i in order]
+
+
+@pytest.mark.parametrize("mode", ["base", "hamburger"])
+def test_served_requests_equal_generate_alone(engine, alone, mode):
+  order = list(range(len(PROMPTS)))
+  random.Random(3).shuffle(order)  # random arrival order
+  got = {g.id: g for g in engine.serve(requests(order), slots=3, mode=mode)}
+  assert sorted(got) == list(range(len(PROMPTS)))
+  merged = False
+  for i, want in enumerate(alone[mode]):
+    g = got[i]
+    assert g.error is None
+    assert (g.token_ids, g.groups) == (want.token_ids, want.groups), f"request {i}"
+    assert g.kv_entries == len(PROMPTS[i]) + g.macro_steps - 1
+    merged |= max(g.groups) >= 2
+  assert merged == (mode == "hamburger")
+  stats = engine.last_serve
+  assert max(stats.in_flight) == 3  # the slots were refilled, not run once
+  assert stats.free_blocks_at_end == stats.usable_blocks  # finished rows freed their blocks
+
+
+def test_small_pool_queues_and_preempts_without_corruption(engine, alone):
+  # 13 usable blocks of 4 entries: the longest request (40 + 9 entries) alone needs all 13 in
+  # the worst case; together the requests need far more, so they wait in the queue and live
+  # ones are preempted (and recomputed) when the pool runs dry.
+  small = Engine(engine.model, None, stop_ids=[DECODE_STOP], block_size=4)
+  got = {g.id: g for g in small.serve(requests(), slots=6, kv_blocks=14, mode="hamburger")}
+  for i, want in enumerate(alone["hamburger"]):
+    assert (got[i].token_ids, got[i].groups) == (want.token_ids, want.groups), f"request {i}"
+  stats = small.last_serve
+  assert max(stats.blocks_used) <= 13 and stats.free_blocks_at_end == 13
+  assert stats.preemptions > 0 and sum(g.preemptions for g in got.values()) == stats.preemptions
+  assert max(stats.in_flight) < 6  # the pool, not the slots, bounded the batch
+
+
+def test_pool_too_small_for_one_request_fails_it_alone(engine):
+  small = Engine(engine.model, None, stop_ids=[DECODE_STOP], block_size=4)
+  reqs = [Request(list(range(1, 41)), max_new_tokens=20, id="long"),  # 60 entries: 15 blocks
+          Request([1, 2, 3], max_new_tokens=5, id="short")]
+  got = {g.id: g for g in small.serve(reqs, slots=2, kv_blocks=8, mode="base")}
+  assert "needs up to 15 KV blocks" in got["long"].error and "raise kv_blocks" in got["long"].error
+  assert got["short"].error is None and got["short"].new_tokens == 5
+
+
+def test_block_tables_never_share_a_block():
+  table = np.full((3, 4), TRASH_BLOCK, np.int32)
+  table[0, :2] = [1, 2]
+  table[1, :1] = [3]
+  table[2, :2] = [2, 5]  # block 2 in slots 0 and 2
+  check_tables(table, [0, 1])  # slot 2 is not live: its stale row does not count
+  with pytest.raises(RuntimeError, match=r"KV blocks \[2\] are held by more than one"):
+    check_tables(table, [0, 1, 2])
+  pool = BlockAllocator(5)
+  assert pool.take(2) == [1, 2] and pool.free == 2
+  pool.give_back([1])
+  with pytest.raises(RuntimeError, match="freed twice"):
+    pool.give_back([1])
+  with pytest.raises(RuntimeError, match="asked for 9 KV blocks, 3 free"):
+    pool.take(9)
+
+
+def test_long_prompts_are_prefilled_in_chunks(engine, alone, monkeypatch):
+  """A prompt longer than the largest prefill bucket runs in chunks; its output is unchanged."""
+  monkeypatch.setattr(engine_lib, "PREFILL_BUCKETS", (8,))
+  chunked = Engine(engine.model, None, stop_ids=[DECODE_STOP])
+  got = {g.id: g for g in chunked.serve(requests(), slots=4, mode="hamburger")}
+  for i, want in enumerate(alone["hamburger"]):
+    assert (got[i].token_ids, got[i].groups) == (want.token_ids, want.groups), f"request {i}"
+  assert {k[2] for k in chunked.programs if k[0] == "prefill"} == {8}
+
+
+def test_fifty_requests_compile_one_program_per_prompt_bucket(engine):
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(1, 60, size=50)
+  reqs = [Request(rng.integers(0, 96, size=n).tolist(), max_new_tokens=int(rng.integers(2, 24)),
+                  confidence=float(rng.choice([0.3, 0.6, 1.0])), id=i)
+          for i, n in enumerate(lengths)]
+  fresh = Engine(engine.model, None, stop_ids=[DECODE_STOP])
+  out = list(fresh.serve(reqs, slots=8, mode="hamburger"))
+  assert len(out) == 50 and all(g.error is None for g in out)
+  buckets = {engine_lib.bucket(int(n), engine_lib.PREFILL_BUCKETS) for n in lengths}
+  kinds = [k[0] for k in fresh.programs]
+  assert kinds.count("prefill") == len(buckets) == 3  # 16, 32, 64
+  assert kinds.count("decode") == 1
+  assert fresh.compilations == len(buckets) + 1
+
+
+def test_bad_requests_fail_alone(engine, alone):
+  reqs = [Request([], id="empty"), Request("   ", id="blank"),
+          Request([1, 2], confidence=1.5, id="confidence"),
+          Request([1, 2], max_new_tokens=0, id="max_new"),
+          Request([1, 2], max_new_tokens=True, id="bool"),
+          Request([1, 2], seed=2 ** 70, id="seed"),
+          Request([1, 500], id="vocab"),
+          Request([1, 2], sampling=SamplingParams(temperature=1.0, top_k=1000), id="top_k"),
+          Request(PROMPTS[0], max_new_tokens=MAX_NEW[0], confidence=CONFIDENCES[0], id="ok")]
+  got = {g.id: g for g in engine.serve(reqs, slots=2, mode="hamburger")}
+  assert "empty prompt" in got["empty"].error and "empty prompt" in got["blank"].error
+  assert "confidence must be in [0, 1]" in got["confidence"].error
+  assert "max_new_tokens=0" in got["max_new"].error and "max_new_tokens=True" in got["bool"].error
+  assert "seed=" in got["seed"].error and "token ids must be in" in got["vocab"].error
+  assert "top_k=1000 exceeds the vocabulary (97 tokens)" in got["top_k"].error
+  assert got["ok"].error is None
+  assert got["ok"].token_ids == alone["hamburger"][0].token_ids
+  with pytest.raises(GenerationError, match="slots=0"):
+    list(engine.serve(reqs, slots=0))
+
+
+def test_sampled_request_does_not_depend_on_batch_mates(engine):
+  hot = SamplingParams(temperature=1.2, top_p=0.9)
+  one = Request(PROMPTS[2], max_new_tokens=12, confidence=0.5, sampling=hot, seed=7, id=0)
+  alone = list(engine.serve([one], slots=1, mode="hamburger"))[0]
+  mates = [Request(p, max_new_tokens=10, id=i + 1) for i, p in enumerate(PROMPTS[:5])]
+  served = {g.id: g for g in engine.serve([*mates, Request(PROMPTS[2], max_new_tokens=12,
+                                                               confidence=0.5, sampling=hot,
+                                                               seed=7, id=0)],
+                                          slots=3, mode="hamburger")}
+  assert served[0].token_ids == alone.token_ids
+  other_seed = list(engine.serve([Request(PROMPTS[2], max_new_tokens=12, confidence=0.5,
+                                          sampling=hot, seed=8, id=0)], slots=1,
+                                 mode="hamburger"))[0]
+  assert other_seed.token_ids != alone.token_ids
