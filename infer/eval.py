@@ -96,6 +96,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  help="training data (JSONL or tfds directory): check no eval prompt is in it")
   p.add_argument("--out", default="runs/eval", help="output directory")
   p.add_argument("--no-plots", action="store_true")
+  p.add_argument("--unsafe-exec", action="store_true",
+                 help="humaneval: run model-written code as a plain subprocess when no OS sandbox "
+                 "(namespaces through util-linux's unshare) is available; only for trusted code")
   args = p.parse_args(argv)
   try:
     args.confidence = parse_confidences(args.confidence)
@@ -115,6 +118,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.error(f"--data {args.data} does not exist")
   if args.train_data is not None and not os.path.exists(args.train_data):
     p.error(f"--train-data {args.train_data} does not exist")
+  if (args.tasks is None or "humaneval" in args.tasks) and not args.unsafe_exec:
+    from hamburger_jax.evaluation import sandbox  # pylint: disable=import-outside-toplevel
+    isolated, reason = sandbox.isolation_status()
+    if not isolated:
+      p.error(f"humaneval runs model-written code, and there is no OS sandbox here ({reason}): "
+              "leave humaneval out of --tasks, or pass --unsafe-exec to run it without isolation")
   return args
 
 
@@ -677,7 +686,9 @@ def evaluate(args) -> dict[str, Any]:
   import jax
   from infer import plots
   from hamburger_jax.decode.engine import Engine
+  from hamburger_jax.evaluation import sandbox
 
+  sandbox.set_unsafe_exec(getattr(args, "unsafe_exec", False))
   model, tok, model_info = load_model(args)
   names = args.tasks or ([*TEXT_TASKS] if tok is not None else ["synthetic"]) + (
       ["nll"] if args.data else [])
@@ -749,11 +760,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   from hamburger_jax.convert.mapping import WeightsError
   from hamburger_jax.decode.engine import GenerationError
   from hamburger_jax import cache
+  from hamburger_jax.evaluation.sandbox import SandboxUnavailable
   cache.enable_compilation_cache()
   try:
     results = evaluate(args)
   except (EvalError, AssetError, ConfigError, SourceError, WeightsError, GenerationError,
-          FileNotFoundError) as e:
+          FileNotFoundError, SandboxUnavailable) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   print(markdown(results))

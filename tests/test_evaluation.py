@@ -207,7 +207,7 @@ def test_sandbox_truncates_output_and_isolates() -> None:
   result = sandbox.run_python("for i in range(100000):\n  print(i)\n", max_output_chars=100)
   assert result.passed and "truncated" in result.output and result.output.endswith("99999\n")
   assert len(result.output) < 200
-  # Destructive calls are disabled, and the child starts in an empty temp dir.
+  # A failing delete fails the run, and the child starts in an empty private /tmp.
   assert sandbox.run_python("import shutil; shutil.rmtree('/nonexistent')").status == "failed"
   assert sandbox.run_python("import os; assert os.listdir('.') == ['main.py']").passed
 

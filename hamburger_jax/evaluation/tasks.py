@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from hamburger_jax.assets import AssetError, package_dir
 from hamburger_jax.data import sources
 from hamburger_jax.evaluation.rouge import rouge_l
-from hamburger_jax.evaluation.sandbox import SandboxResult, run_python
+from hamburger_jax.evaluation.sandbox import SandboxResult, run_checked
 
 EVAL_SEED = 10_000  # evaluation items use seeds >= EVAL_SEED; training seed + size <= EVAL_SEED
 
@@ -279,12 +279,10 @@ def extract_code(text: str, problem: Mapping[str, Any]) -> str:
   return prompt + code
 
 
-# Printed after check() returns: exit code 0 alone would also pass code that calls exit() early.
-_CHECKED = "__humaneval_check_returned__"
-
-
-def humaneval_program(code: str, problem: Mapping[str, Any]) -> str:
-  return f"{code}\n{problem['test']}\ncheck({problem['entry_point']})\nprint({_CHECKED!r})\n"
+def humaneval_check_source(problem: Mapping[str, Any]) -> str:
+  """The trusted side of a HumanEval run (sandbox.run_checked): the problem's prompt (its helper
+  functions, e.g. HumanEval/32's poly, are used by the tests) and its tests, defining check()."""
+  return f"{problem['prompt']}\n\n{problem['test']}\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,14 +299,13 @@ class HumanEvalTask:
             for p in problems]
 
   def run(self, text: str, example: Example) -> SandboxResult:
-    """Executes the extracted code against the problem's tests (for logs: status and output)."""
+    """Executes the extracted code in the sandbox; the problem's check() runs in a separate
+    checker process and calls the entry point across (for logs: status and output). Passed only
+    when check() returned: the program's own output and exit status decide nothing."""
     problem = example.reference
-    result = run_python(humaneval_program(extract_code(text, problem), problem),
-                        timeout_s=self.timeout_s, memory_mb=self.memory_mb)
-    if result.passed and not result.output.rstrip().endswith(_CHECKED):
-      return dataclasses.replace(result, passed=False, status="failed",
-                                 output=result.output + "\n[exited before the tests ran]")
-    return result
+    return run_checked(extract_code(text, problem), problem["entry_point"],
+                       humaneval_check_source(problem), timeout_s=self.timeout_s,
+                       memory_mb=self.memory_mb)
 
   def score(self, text: str, example: Example) -> float:
     return float(self.run(text, example).passed)
