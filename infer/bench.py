@@ -2,6 +2,7 @@
 
   python -m infer.bench                      # our base decode vs transformers' generate
   python -m infer.bench --mode hamburger     # HAMburger vs base in our engine (+ ceiling)
+  python -m infer.bench --mode serve         # continuous batching: base vs HAMburger, slots, pool
 
 Every row decodes exactly --new-tokens tokens (EOS ignored) so tokens/s compare like with like.
 Times exclude compilation (reported separately); each figure is the best of --repeats runs.
@@ -152,15 +153,13 @@ def step_costs(model, repeats: int, batch: int = 1) -> dict[str, float]:
 
   def micro_step(params, cache, x):
     m = nnx.merge(graphdef, params)
-    pos = jnp.full((batch, 1), 4, jnp.int32)
-    h, cache = m.micro(x, pos, cache.mask(pos), cache, pos)
+    h, cache = m.micro_step(1, x, cache)  # the engine's micro step (one new input)
     return m.logits(h), m.stop_logits(h), cache
 
   x = jnp.zeros((batch, 1, cfg.hidden_size), jnp.float32)
   base_cache = KVCache.init(cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
   base_cache = base_cache.replace(length=jnp.full((batch,), 200, jnp.int32))
-  micro_cache = KVCache.init(len(model.micro.decoder.layers), batch, model.num_features +
-                             model.max_group - 1, cfg.num_kv_heads, cfg.head_dim)
+  micro_cache = model.micro_cache(batch)
   steps = {"base": functools.partial(jax.jit(base_step), params, base_cache, x, None),
            "merged": functools.partial(jax.jit(base_step), params, base_cache, x,
                                        jnp.ones((batch, 1), bool)),
@@ -215,10 +214,116 @@ def lockstep_cost(gens, r: float) -> float:
   return sum(1 + r * (m - 1) for m in largest)
 
 
+def serve_workload(tok, n: int, new_range: tuple[int, int], seed: int = 0,
+                   max_prompt_tokens: int = 192) -> list[tuple[list[int], int]]:
+  """A stream of real requests: held-out ShareGPT first turns (up to max_prompt_tokens) and
+  gsm_symbolic evaluation questions, alternating, each with max_new_tokens drawn uniformly
+  from new_range."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.evaluation import tasks  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(seed)
+  count = lambda s: len(tok.encode(s))
+  chat = dataclasses.replace(tasks.SHAREGPT_HELDOUT, max_prompt_tokens=max_prompt_tokens)
+  sharegpt = chat.examples(n - n // 2, count_tokens=count)
+  gsm = tasks.GSM_SYMBOLIC.examples(n // 2)
+  mixed = [ex for pair in zip(sharegpt, gsm) for ex in pair] + sharegpt[len(gsm):]
+  return [(tok.apply_chat_template(ex.messages, add_generation_prompt=True, tokenize=True),
+           int(rng.integers(new_range[0], new_range[1] + 1))) for ex in mixed[:n]]
+
+
+def run_serve(engine, workload, mode: str, slots: int, confidence: float,
+              kv_blocks: int | None = None) -> dict[str, float]:
+  """Serves the workload once (programs compiled beforehand, not timed); every request arrives
+  at t = 0, so latency = queueing + prefill + decode."""
+  from hamburger_jax.decode.serving import Request  # pylint: disable=import-outside-toplevel
+  reqs = lambda: [Request(ids, max_new_tokens=n, confidence=confidence, id=i)
+                  for i, (ids, n) in enumerate(workload)]
+  lengths = [len(ids) for ids, _ in workload]
+  layout = engine.layout(mode, slots, max(n for _, n in workload), max(lengths), kv_blocks)
+  compile_s = engine.compile_programs(layout, lengths, stochastic=False)
+  t = time.perf_counter()
+  out = list(engine.serve(reqs(), slots=slots, kv_blocks=kv_blocks, mode=mode))
+  wall = time.perf_counter() - t
+  if any(g.error for g in out):
+    raise RuntimeError(next(g.error for g in out if g.error))
+  tokens = sum(g.new_tokens for g in out)
+  lat = np.asarray([g.latency_s for g in out])
+  stats = engine.last_serve
+  return {"tok_s": tokens / wall, "p50": float(np.percentile(lat, 50)),
+          "p95": float(np.percentile(lat, 95)), "k": tokens / sum(g.macro_steps for g in out),
+          "in_flight": stats.mean_in_flight, "peak_blocks": max(stats.blocks_used),
+          "preemptions": stats.preemptions, "wall": wall, "compile": compile_s,
+          "kv_per_token": sum(g.kv_entries - g.prompt_tokens for g in out) / tokens}
+
+
+def bench_serve(args) -> None:
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+
+  checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
+  model, tok = pretrained.load_hamburger(checkpoint or pretrained.UNTRAINED)
+  engine = Engine(model, tok, stop_ids=())  # every request runs its full max_new_tokens
+  workload = serve_workload(tok, args.requests, args.new_range)
+  prompt_lens = [len(ids) for ids, _ in workload]
+  print(f"continuous batching, {checkpoint or 'UNTRAINED graft'}: {len(workload)} requests "
+        f"(ShareGPT held-out + gsm_symbolic; prompts {min(prompt_lens)}-{max(prompt_lens)} "
+        f"tokens; max_new_tokens {args.new_range[0]}-{args.new_range[1]}, EOS ignored), all "
+        f"arriving at t = 0, greedy, KV blocks of {engine.block_size}")
+  variants = [("base", "base", 1.0), (f"HAMburger c={args.confidence}", "hamburger",
+                                      args.confidence),
+              ("HAMburger forced 4-token groups", "hamburger", 0.0)]
+  print("\n(a) KV pool holds every slot's longest request\n")
+  print("| slots | variant | tok/s | vs base | p50 latency s | p95 latency s | tokens/step | "
+        "KV entries/token |")
+  print("|---|---|---|---|---|---|---|---|")
+  curve = {}
+  for slots in args.slots:
+    base_tps = None
+    for name, mode, c in variants:
+      r = run_serve(engine, workload, mode, slots, c)
+      base_tps = base_tps or r["tok_s"]
+      curve.setdefault(name, []).append(r["tok_s"])
+      print(f"| {slots} | {name} | {r['tok_s']:.1f} | {r['tok_s'] / base_tps:.2f}x | "
+            f"{r['p50']:.1f} | {r['p95']:.1f} | {r['k']:.2f} | {r['kv_per_token']:.2f} |",
+            flush=True)
+  if args.plot:
+    plot_serve(args.slots, curve, args.plot)
+    print(f"\nplot: {args.plot}")
+  pool_slots = max(args.slots)
+  print(f"\n(b) one fixed KV pool of {args.kv_blocks} blocks x {engine.block_size} entries, "
+        f"{pool_slots} slots\n")
+  print("| variant | mean requests in flight | vs base | peak blocks | preemptions | tok/s | "
+        "vs base |")
+  print("|---|---|---|---|---|---|---|")
+  base = None
+  for name, mode, c in variants:
+    r = run_serve(engine, workload, mode, pool_slots, c, kv_blocks=args.kv_blocks)
+    base = base or r
+    print(f"| {name} | {r['in_flight']:.1f} | {r['in_flight'] / base['in_flight']:.2f}x | "
+          f"{r['peak_blocks']} | {r['preemptions']} | {r['tok_s']:.1f} | "
+          f"{r['tok_s'] / base['tok_s']:.2f}x |", flush=True)
+
+
+def plot_serve(slots: list[int], curve: dict[str, list[float]], path: str) -> None:
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+  fig = Figure(figsize=(6, 4), dpi=120)
+  ax = fig.subplots()
+  for name, tps in curve.items():
+    ax.plot(slots, tps, marker="o", label=name)
+  ax.set_xlabel("slots (requests decoded at once)")
+  ax.set_ylabel("generated tokens / s")
+  ax.set_xticks(slots)
+  ax.set_title("Continuous batching throughput (2 CPU cores)")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--mode", choices=("base", "hamburger"), default="base")
+  p.add_argument("--mode", choices=("base", "hamburger", "serve"), default="base")
   p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=None,
                  help="comma-separated batch sizes (default: 1,8 for base; 1,8,32 for hamburger)")
   p.add_argument("--new-tokens", type=int, default=128)
@@ -226,11 +331,19 @@ def main(argv=None) -> int:
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--checkpoint", default=None)
   p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE)
+  p.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32],
+                 help="serve: comma-separated slot counts")
+  p.add_argument("--requests", type=int, default=48, help="serve: requests in the stream")
+  p.add_argument("--new-range", type=lambda s: tuple(int(x) for x in s.split(",")),
+                 default=(32, 256), help="serve: min,max of per-request max_new_tokens")
+  p.add_argument("--kv-blocks", type=int, default=160,
+                 help="serve (b): the fixed KV pool, in blocks of 16 entries")
+  p.add_argument("--plot", default=None, help="serve: write the throughput-vs-slots PNG here")
   args = p.parse_args(argv)
   args.batches = args.batches or ([1, 8] if args.mode == "base" else [1, 8, 32])
   from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
   cache.enable_compilation_cache()
-  (bench_base if args.mode == "base" else bench_hamburger)(args)
+  {"base": bench_base, "hamburger": bench_hamburger, "serve": bench_serve}[args.mode](args)
   return 0
 
 

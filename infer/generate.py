@@ -70,13 +70,26 @@ def phase(what: str, fn: Callable[[], T]) -> T:
   return out
 
 
+def read_prompts_file(path: str) -> list[str]:
+  """One prompt per non-blank line of a UTF-8 text file; SystemExit saying what is wrong."""
+  if not os.path.isfile(path):
+    raise SystemExit(f"error: --prompts-file {path} does not exist (or is not a file)")
+  try:
+    with open(path, encoding="utf-8") as f:
+      prompts = [line.rstrip("\n") for line in f if line.strip()]
+  except UnicodeDecodeError as e:
+    raise SystemExit(f"error: --prompts-file {path} is not UTF-8 text ({e.reason} at byte "
+                     f"{e.start}): save it as UTF-8") from None
+  if not prompts:
+    raise SystemExit(f"error: --prompts-file {path} has no prompts (it is empty or blank): "
+                     "write one prompt per line")
+  return prompts
+
+
 def read_prompts(args) -> list[str]:
   prompts = list(args.prompt or [])
   if args.prompts_file:
-    if not os.path.exists(args.prompts_file):
-      raise SystemExit(f"error: --prompts-file {args.prompts_file} does not exist")
-    with open(args.prompts_file) as f:
-      prompts += [line.rstrip("\n") for line in f if line.strip()]
+    prompts += read_prompts_file(args.prompts_file)
   return prompts or list(DEFAULT_PROMPTS)
 
 
@@ -135,13 +148,8 @@ def main(argv=None) -> int:
     for m in modes:
       g = results[m][i]
       if args.json:
-        print(json.dumps({
-            "prompt": prompt, "mode": m, "text": g.text, "token_ids": g.token_ids,
-            "new_tokens": g.new_tokens, "decode_tokens_per_s": round(g.decode_tokens_per_s, 2),
-            "groups": g.groups, "macro_steps": g.macro_steps, "kv_entries": g.kv_entries,
-            "prompt_tokens": g.prompt_tokens, "prefill_s": round(g.prefill_s, 3),
-            "decode_s": round(g.decode_s, 3),
-            **({"confidence": args.confidence} if m == "hamburger" else {})}))
+        print(json.dumps({"prompt": prompt, "mode": m, **g.record(),
+                          **({"confidence": args.confidence} if m == "hamburger" else {})}))
         continue
       if m == modes[0]:
         print(f"\n=== prompt {i + 1}: {prompt}")

@@ -60,3 +60,59 @@ def test_errors_are_one_line(args, match):
   res = _run(*args, "--mode", "base") if "--mode" not in args else _run(*args)
   assert res.returncode != 0
   assert match in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", "infer.serve", *args], capture_output=True,
+                        text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_serve_json_lines(graft_checkpoint, tmp_path):
+  """infer.serve: one JSON line per request as it finishes, a bad request fails alone, and at
+  confidence 1.0 each served HAMburger request is the base's greedy answer."""
+  reqs = tmp_path / "requests.jsonl"
+  reqs.write_text("\n".join(json.dumps(r) for r in [
+      {"prompt": "What is 2 + 2?", "max_new_tokens": 6, "id": "a"},
+      {"prompt": "   ", "id": "blank"},
+      {"prompt": "Name a colour.", "max_new_tokens": 4, "id": "b"},
+      {"prompt": "Count to three.", "max_new_tokens": 5, "id": "c", "top_p": 2.0}]) + "\n")
+  rows = {}
+  for mode in ("hamburger", "base"):
+    res = _serve("--prompts-file", str(reqs), "--slots", "2", "--json", "--mode", mode,
+                 "--checkpoint", graft_checkpoint, "--confidence", "1.0")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "requests served (2 failed)" in res.stderr and "Traceback" not in res.stderr
+    rows[mode] = {r["id"]: r for r in map(json.loads, res.stdout.splitlines())}
+  ham, base = rows["hamburger"], rows["base"]
+  assert set(ham) == {"a", "blank", "b", "c"}
+  assert "empty prompt" in ham["blank"]["error"] and "top_p=2.0" in ham["c"]["error"]
+  for rid, n in (("a", 6), ("b", 4)):
+    assert {"queue_s", "latency_s", "preemptions", "kv_entries", "groups"} <= set(ham[rid])
+    assert ham[rid]["new_tokens"] == len(ham[rid]["token_ids"]) == sum(ham[rid]["groups"]) <= n
+    assert ham[rid]["token_ids"] == base[rid]["token_ids"]
+
+
+@pytest.mark.parametrize("content,match", [
+    ("", "has no prompts"),
+    ("  \n\n", "has no prompts"),
+    (b"\xff\xfe bad", "is not UTF-8"),
+])
+def test_prompt_file_errors_before_loading(tmp_path, content, match):
+  f = tmp_path / "prompts.txt"
+  (f.write_bytes if isinstance(content, bytes) else f.write_text)(content)
+  for run in (_run, _serve):
+    res = run("--prompts-file", str(f), "--mode", "base")
+    assert res.returncode != 0 and match in res.stderr and "Traceback" not in res.stderr, \
+        res.stderr[-2000:]
+    assert "loading weights" not in res.stderr  # refused before the model loads
+
+
+def test_serve_jsonl_errors_before_loading(tmp_path):
+  f = tmp_path / "r.jsonl"
+  f.write_text('{"prompt": "hi"}\nnot json\n')
+  res = _serve("--prompts-file", str(f))
+  assert res.returncode != 0 and "line 2 is not JSON" in res.stderr
+  f.write_text('{"prompt": "hi", "temp": 1}\n')
+  res = _serve("--prompts-file", str(f))
+  assert res.returncode != 0 and "unknown fields ['temp']" in res.stderr

@@ -33,8 +33,10 @@ from hamburger_jax.model.llama import Llama
 # Prompts are prefilled in chunks of at most the last bucket; a prompt runs in the smallest
 # bucket that holds it, a longer one in several chunks of the largest (one program per bucket).
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
-# Static sizes of the decode program: max_new_tokens and the per-slot view of the KV pool.
+# Static sizes of the decode program: max_new_tokens in powers of two, and each slot's view of
+# the KV pool (longest prompt + max_new_tokens) rounded up to a multiple of VIEW_STEP entries.
 LENGTH_BUCKETS = tuple(2 ** i for i in range(4, 18))
+VIEW_STEP = 128
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -100,6 +102,17 @@ class Generation:
   @property
   def tokens_per_step(self) -> float:
     return self.new_tokens / max(self.macro_steps, 1)
+
+  def record(self) -> dict:
+    """The JSON fields the CLIs print for one result."""
+    if self.error:
+      return {"id": self.id, "error": self.error}
+    r = lambda x: round(x, 3)
+    return {"text": self.text, "token_ids": self.token_ids, "new_tokens": self.new_tokens,
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2), "groups": self.groups,
+            "macro_steps": self.macro_steps, "kv_entries": self.kv_entries,
+            "prompt_tokens": self.prompt_tokens, "prefill_s": r(self.prefill_s),
+            "decode_s": r(self.decode_s)}
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
@@ -328,7 +341,8 @@ class Engine:
     """The static shapes for requests up to `longest_prompt` + `max_new` tokens. Without
     `kv_blocks` the pool holds every slot's view (nothing ever waits for blocks)."""
     n = bucket(max_new, LENGTH_BUCKETS)
-    view = bucket(longest_prompt + n + 1, LENGTH_BUCKETS)
+    # Attention reads a slot's whole view every step: keep it tight (a multiple of VIEW_STEP).
+    view = -(-(longest_prompt + n + 1) // VIEW_STEP) * VIEW_STEP
     mb = blocks_for(view, self.block_size)
     nb = kv_blocks if kv_blocks is not None else slots * mb + 1
     return Layout(mode, slots, n, mb, nb, self.block_size)
