@@ -5,7 +5,11 @@ short, and refuses a request it can never hold; programs are reused; bad request
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -165,3 +169,42 @@ def test_sampled_request_does_not_depend_on_batch_mates(engine):
                                           sampling=hot, seed=8, id=0)], slots=1,
                                  mode="hamburger"))[0]
   assert other_seed.token_ids != alone.token_ids
+
+
+SHARDED = """
+import json, os
+import jax
+from hamburger_jax import sharding
+from hamburger_jax.decode.engine import Engine
+from hamburger_jax.decode.serving import Request
+from hamburger_jax.testing import DECODE_STOP, tiny_decode_model
+m = tiny_decode_model()
+one = Engine(m, None, stop_ids=[DECODE_STOP])
+mesh = Engine(m, None, stop_ids=[DECODE_STOP], mesh=sharding.make_mesh(data=1, fsdp=1, tensor=8))
+prompts = [[1, 2, 3, 4, 5], [9, 8], list(range(10, 31)), [40, 41, 42], [7]]
+same = []
+for mode in ("base", "hamburger"):
+  a = one.generate(prompts, max_new_tokens=12, mode=mode, confidence=0.5)
+  b = mesh.generate(prompts, max_new_tokens=12, mode=mode, confidence=0.5)
+  same.append([(g.token_ids, g.groups) for g in a] == [(g.token_ids, g.groups) for g in b])
+  served = {g.id: g for g in mesh.serve([Request(p, max_new_tokens=12, confidence=0.5)
+                                          for p in prompts], slots=2, mode=mode)}
+  same.append([(g.token_ids, g.groups) for g in a]
+              == [(served[i].token_ids, served[i].groups) for i in range(len(prompts))])
+kernel = mesh.params["base"]["decoder"]["layers"][0]["mlp"]["up_proj"]["kernel"].get_value()
+print(json.dumps({"devices": jax.device_count(), "same": same,
+                  "spec": [str(s) for s in kernel.sharding.spec],
+                  "merged": any(max(g.groups) > 1 for g in b)}))
+"""
+
+
+def test_sharded_decode_equals_single_device():
+  """Decode and serving under an 8-device mesh (weights split on the tensor axis by the
+  inference rules) give the single-device tokens and groups."""
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  res = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True,
+                       timeout=600)
+  assert res.returncode == 0, res.stderr[-3000:]
+  out = json.loads(res.stdout.strip().splitlines()[-1])
+  assert out["devices"] == 8 and out["spec"] == ["None", "tensor"]
+  assert out["same"] == [True] * 4 and out["merged"]

@@ -72,20 +72,23 @@ def distill(conversations: Iterable[Conversation], engine, tokenizer, *, max_new
             batch: int, progress=None) -> Iterator[Conversation]:
   """The conversations with the base model's greedy responses and their exact token ids.
 
-  Prompts of similar length share a batch (one prompt bucket, less padding), so the output order
-  is by prompt length.
+  Served with continuous batching over `batch` slots: a finished row takes the next prompt at
+  once instead of waiting for the slowest row of a batch, so the output order is the order in
+  which answers finish.
   """
-  encoded = sorted(((tokenizer.apply_chat_template(c.prompt_messages, tokenize=True), c)
-                    for c in conversations), key=lambda x: len(x[0]))
-  for i in range(0, len(encoded), batch):
-    chunk = encoded[i:i + batch]
-    outs = engine.generate([ids for ids, _ in chunk], max_new_tokens=max_new_tokens, mode="base")
-    for (ids, conv), g in zip(chunk, outs):
-      yield dataclasses.replace(conv, response=tokenizer.decode(g.token_ids,
-                                                                 skip_special_tokens=True),
-                                prompt_ids=tuple(ids), response_ids=tuple(g.token_ids))
+  from hamburger_jax.decode.serving import Request  # pylint: disable=import-outside-toplevel
+  convs = list(conversations)
+  reqs = [Request(tokenizer.apply_chat_template(c.prompt_messages, tokenize=True),
+                  max_new_tokens=max_new_tokens, id=i) for i, c in enumerate(convs)]
+  for g in engine.serve(reqs, slots=batch, mode="base"):
+    conv = convs[g.id]
+    if g.error:
+      raise ValueError(f"{conv.id}: {g.error}")
+    yield dataclasses.replace(conv, response=tokenizer.decode(g.token_ids,
+                                                              skip_special_tokens=True),
+                              prompt_ids=tuple(reqs[g.id].ids), response_ids=tuple(g.token_ids))
     if progress is not None:
-      progress(len(chunk))
+      progress(1)
 
 
 def main(argv=None) -> int:
@@ -96,7 +99,7 @@ def main(argv=None) -> int:
   p.add_argument("--base", default="smollm2")
   p.add_argument("--max-new-tokens", type=int, default=160)
   p.add_argument("--max-prompt-tokens", type=int, default=96)
-  p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--batch", type=int, default=16, help="slots served at once (continuous batching)")
   p.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
 

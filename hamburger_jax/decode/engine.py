@@ -22,6 +22,7 @@ import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hamburger_jax import sharding
 from hamburger_jax.config import DEFAULT_CONFIDENCE
@@ -189,13 +190,32 @@ class Engine:
                               layout.blocks_per_row, cfg.num_kv_heads, cfg.head_dim,
                               jnp.dtype(cfg.dtype))
     zeros = lambda *s, dt=jnp.int32: jnp.zeros(s, dt)
-    return DecodeState(
+    return self.put(DecodeState(
         cache=cache, features=zeros(b, f, cfg.hidden_size, dt=jnp.dtype(cfg.dtype)),
         prompt_len=zeros(b), tokens=zeros(b, n + k), n_tokens=zeros(b), groups=zeros(b, n),
         n_steps=zeros(b), done=jnp.ones((b,), bool), max_new=zeros(b),
         confidence=jnp.ones((b,), jnp.float32), temperature=zeros(b, dt=jnp.float32),
         top_k=zeros(b), top_p=jnp.ones((b,), jnp.float32),
-        key=jax.random.split(jax.random.key(0), b))
+        key=jax.random.split(jax.random.key(0), b)))
+
+  def put(self, tree):
+    """Host values onto the engine's devices: replicated over the mesh, if there is one (the
+    decode state is small next to the weights, which the mesh splits)."""
+    if self.mesh is None:
+      return jax.tree.map(jnp.asarray, tree)
+    return jax.device_put(tree, NamedSharding(self.mesh, P()))
+
+  def _abstract_state(self, layout: Layout):
+    state = jax.eval_shape(lambda: self._init_state(layout))
+    if self.mesh is None:
+      return state
+    rep = NamedSharding(self.mesh, P())
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), state)
+
+  def _jit(self, fn, **kw):
+    if self.mesh is not None:  # the state stays replicated from one program to the next
+      kw["out_shardings"] = NamedSharding(self.mesh, P())
+    return jax.jit(fn, donate_argnames=("state",), **kw)
 
   def _prefill_impl(self, params, state: DecodeState, ids_c, start, n_valid, slot, last,
                     request: dict[str, jax.Array], *, mode: str) -> DecodeState:
@@ -350,12 +370,12 @@ class Engine:
   def _prefill_program(self, layout: Layout, chunk: int):
     key = ("prefill", layout, chunk)
     if key not in self.programs:
-      state = jax.eval_shape(lambda: self._init_state(layout))
+      state = self._abstract_state(layout)
       i32 = jax.ShapeDtypeStruct((), jnp.int32)
       request = {k: jax.ShapeDtypeStruct((), getattr(state, k).dtype)
                  for k in ("max_new", "confidence", "temperature", "top_k", "top_p")}
       request["key"] = jax.eval_shape(lambda: jax.random.key(0))
-      fn = jax.jit(self._prefill_impl, static_argnames=("mode",), donate_argnames=("state",))
+      fn = self._jit(self._prefill_impl, static_argnames=("mode",))
       self.programs[key] = fn.lower(
           self.params, state, jax.ShapeDtypeStruct((chunk,), jnp.int32), i32, i32, i32,
           jax.ShapeDtypeStruct((), bool), request, mode=layout.mode).compile()
@@ -364,9 +384,8 @@ class Engine:
   def _decode_program(self, layout: Layout, stochastic: bool, stream: bool):
     key = ("decode", layout, stochastic, stream)
     if key not in self.programs:
-      state = jax.eval_shape(lambda: self._init_state(layout))
-      fn = jax.jit(self._decode_impl, static_argnames=("mode", "stochastic", "stream"),
-                   donate_argnames=("state",))
+      state = self._abstract_state(layout)
+      fn = self._jit(self._decode_impl, static_argnames=("mode", "stochastic", "stream"))
       self.programs[key] = fn.lower(self.params, state, jax.ShapeDtypeStruct((), bool),
                                     mode=layout.mode, stochastic=stochastic,
                                     stream=stream).compile()

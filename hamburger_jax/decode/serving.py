@@ -18,7 +18,6 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hamburger_jax.config import DEFAULT_CONFIDENCE
@@ -174,7 +173,7 @@ def serve(engine: Engine, requests: Iterable[Request], *, slots: int = 8,
       slot = free_slots.pop(0)
       blocks = pool.take(need)
       table[slot] = row_table(blocks, layout.blocks_per_row)
-      state = state.replace(cache=state.cache.replace(table=jnp.asarray(table)))
+      state = state.replace(cache=state.cache.replace(table=engine.put(table)))
       t = time.perf_counter()
       state = _prefill(engine, layout, state, r, slot)
       jax.block_until_ready(state.done)
@@ -199,13 +198,13 @@ def serve(engine: Engine, requests: Iterable[Request], *, slots: int = 8,
         live[slot].blocks += pool.take(1)
         table[slot] = row_table(live[slot].blocks, layout.blocks_per_row)
     check_tables(table, live)
-    state = state.replace(cache=state.cache.replace(table=jnp.asarray(table)))
+    state = state.replace(cache=state.cache.replace(table=engine.put(table)))
     if not live:
       continue
     stats.rounds += 1
     stats.in_flight.append(len(live))
     stats.blocks_used.append(pool.usable - pool.free)
-    state = decode(engine.params, state, jnp.asarray(bool(queue)))
+    state = decode(engine.params, state, engine.put(np.bool_(bool(queue))))
     done, n_tokens, length = jax.device_get((state.done, state.n_tokens, state.cache.length))
     lengths[:] = length
     finished = [s for s in sorted(live) if done[s]]
@@ -229,17 +228,19 @@ def serve(engine: Engine, requests: Iterable[Request], *, slots: int = 8,
 
 
 def _prefill(engine: Engine, layout: Layout, state, r: Request, slot: int):
-  request = {"max_new": jnp.int32(r.max_new_tokens), "confidence": jnp.float32(r.confidence),
-             "temperature": jnp.float32(r.sampling.temperature),
-             "top_k": jnp.int32(r.sampling.top_k), "top_p": jnp.float32(r.sampling.top_p),
-             "key": jax.random.fold_in(jax.random.key(r.seed), _id_salt(r.id))}
+  request = engine.put({
+      "max_new": np.int32(r.max_new_tokens), "confidence": np.float32(r.confidence),
+      "temperature": np.float32(r.sampling.temperature), "top_k": np.int32(r.sampling.top_k),
+      "top_p": np.float32(r.sampling.top_p),
+      "key": jax.random.fold_in(jax.random.key(r.seed), _id_salt(r.id))})
   chunks = prefill_chunks(len(r.ids))
   for j, (start, valid, size) in enumerate(chunks):
     ids = np.zeros((size,), np.int32)
     ids[:valid] = r.ids[start:start + valid]
     program = engine._prefill_program(layout, size)  # pylint: disable=protected-access
-    state = program(engine.params, state, jnp.asarray(ids), jnp.int32(start), jnp.int32(valid),
-                    jnp.int32(slot), jnp.asarray(j == len(chunks) - 1), request)
+    args = engine.put((ids, np.int32(start), np.int32(valid), np.int32(slot),
+                       np.bool_(j == len(chunks) - 1)))
+    state = program(engine.params, state, *args, request)
   return state
 
 
