@@ -221,8 +221,21 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
   import yaml  # pylint: disable=import-outside-toplevel
   if not os.path.exists(path):
     raise ConfigError(f"config file {path} does not exist")
-  with open(path) as f:
-    data = yaml.safe_load(f) or {}
+  if os.path.isdir(path):
+    raise ConfigError(f"config file {path} is a directory; pass a YAML file, e.g. "
+                      "configs/tiny.yaml")
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = yaml.safe_load(f) or {}
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                      f"offset {e.start}); save it as UTF-8") from None
+  except yaml.YAMLError as e:
+    where = getattr(e, "problem_mark", None)
+    at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    raise ConfigError(f"config file {path} is not valid YAML{at}: {problem}; fix the "
+                      "file") from None
   if not isinstance(data, dict):
     raise ConfigError(f"config file {path} must hold a mapping at the top level")
   return data
@@ -242,5 +255,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
       node = node.setdefault(part, {})
       if not isinstance(node, dict):
         raise ConfigError(f"--set {item!r}: {part!r} is not a section")
-    node[parts[-1]] = yaml.safe_load(raw)
+    try:
+      node[parts[-1]] = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+      problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+      raise ConfigError(f"--set {item!r}: the value is not valid YAML ({problem}); quote a "
+                        "value meant as text") from None
   return data

@@ -10,6 +10,16 @@ from hamburger_jax.config import (DEFAULT_CONFIDENCE, ConfigError, GraftConfig, 
                                   apply_overrides, from_dict, load_yaml, to_dict)
 
 
+def _at_least(section: str, obj: Any, minimum: float, *names: str, hint: str = "") -> None:
+  """Refuses a value of `names` below `minimum` (a config typo that would otherwise surface as a
+  ZeroDivisionError or a silent no-op mid-run) with an error naming the key."""
+  for name in names:
+    value = getattr(obj, name)
+    if value < minimum:
+      raise ConfigError(f"{section}.{name}={value} must be >= {minimum:g}" +
+                        (f" ({hint})" if hint else ""))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   base: str = "smollm2"  # smollm2 | path/to/file.gguf | HF directory | random
@@ -31,6 +41,9 @@ class DataConfig:
   accum: int = 1  # micro-batches per optimiser step (gradient accumulation)
   seed: int = 0
   validation_rows: int = 64  # rows of the validation split used per evaluation
+
+  def __post_init__(self):
+    _at_least("data", self, 1, "entries", "groups", "rows", "accum", "validation_rows")
 
 
 # What a run trains. Stages of the distill recipe: "micro" (stage 1: micro-step decoder + stop
@@ -72,6 +85,21 @@ class TrainConfig:
     if self.trainable == "micro" and self.recipe != "distill":
       raise ConfigError("train.trainable=micro (stage 1) learns from the teacher's stored "
                         "features: it needs train.recipe=distill")
+    _at_least("train", self, 1, "steps", hint="an untrained run has nothing to export")
+    _at_least("train", self, 1, "log_every", "ce_chunk", "generate_prompts", "generate_tokens")
+    _at_least("train", self, 0, "eval_every", "generate_every", hint="0 turns it off")
+    _at_least("train", self, 0, "warmup_steps", "lr_base", "lr_graft", "lr_final",
+              "weight_decay", "clip_norm")
+    if self.warmup_steps > self.steps:
+      raise ConfigError(f"train.warmup_steps={self.warmup_steps} exceeds train.steps="
+                        f"{self.steps}: the warm-up must fit in the run")
+    for name in ("b1", "b2"):
+      if not 0 <= getattr(self, name) < 1:
+        raise ConfigError(f"train.{name}={getattr(self, name)} must be in [0, 1)")
+    if not self.eps > 0:
+      raise ConfigError(f"train.eps={self.eps} must be > 0")
+    if not 0 <= self.generate_confidence <= 1:
+      raise ConfigError(f"train.generate_confidence={self.generate_confidence} must be in [0, 1]")
 
 
 STOP_TARGETS = ("teacher", "segments")
@@ -95,6 +123,9 @@ class DistillConfig:
         raise ConfigError(f"distill.{name}={getattr(self, name)} must be >= 0")
 
 
+EXPORT_DTYPES = ("bfloat16", "float32", "float16")
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
   dir: str = "runs/default"  # orbax checkpoints, metrics.jsonl, TensorBoard events
@@ -103,12 +134,26 @@ class CheckpointConfig:
   export: str = ""  # params-only export directory written at the end ("" = <dir>/export)
   export_dtype: str = "bfloat16"
 
+  def __post_init__(self):
+    _at_least("checkpoint", self, 1, "every", hint="steps between saves")
+    _at_least("checkpoint", self, 1, "keep", hint="checkpoints kept; resuming needs at least one")
+    if not self.dir:
+      raise ConfigError("checkpoint.dir is empty: name the run's directory, e.g. runs/my-run")
+    if self.export_dtype not in EXPORT_DTYPES:
+      raise ConfigError(f"checkpoint.export_dtype={self.export_dtype!r}: use one of "
+                        f"{', '.join(EXPORT_DTYPES)}")
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   data: int = -1  # -1: whatever is left of the devices
   fsdp: int = 1
   tensor: int = 1
+
+  def __post_init__(self):
+    if self.data != -1 and self.data < 1:
+      raise ConfigError(f"mesh.data={self.data} must be -1 (the devices left) or >= 1")
+    _at_least("mesh", self, 1, "fsdp", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +191,22 @@ def load_run_config(path: str | None, overrides: list[str] = (),
     # stage's own values.
     raw = _select_stage(raw, stages, stage, {o.split("=", 1)[0] for o in overrides})
   return from_dict(RunConfig, raw)
+
+
+def check_training_inputs(cfg: RunConfig) -> None:
+  """What a training run needs beyond a valid config, checked before anything heavy loads: a
+  dataset at data.dir (written by train.prepare_data)."""
+  d = cfg.data.dir
+  if not d:
+    raise ConfigError("data.dir is empty: build a dataset with python -m train.prepare_data ... "
+                      "--out DIR and set data.dir=DIR")
+  if not os.path.isdir(d):
+    raise ConfigError(f"data.dir {d} does not exist: build it with python -m train.prepare_data "
+                      f"... --out {d} (or set data.dir to an existing dataset)")
+  if not os.path.isfile(os.path.join(d, "dataset_info.json")):
+    raise ConfigError(f"data.dir {d} is not a dataset written by train.prepare_data (no "
+                      f"dataset_info.json): rebuild it with python -m train.prepare_data ... "
+                      f"--out {d}")
 
 
 def stage_names(raw: Mapping[str, Any]) -> list[str]:

@@ -32,7 +32,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--cpu-devices", type=int, default=None,
                  help="fake this many CPU devices per process (testing sharding on one machine)")
   p.add_argument("--no-progress", action="store_true")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if args.max_steps is not None and args.max_steps < 1:
+    p.error(f"--max-steps={args.max_steps} must be a positive number of steps (leave it out to "
+            "train to train.steps)")
+  if args.max_minutes is not None and not args.max_minutes >= 0:
+    p.error(f"--max-minutes={args.max_minutes} must be >= 0 (0: stop after one step)")
+  return args
 
 
 def init_distributed(args) -> None:
@@ -56,9 +62,11 @@ def init_distributed(args) -> None:
 def main(argv=None) -> int:
   args = parse_args(argv)
   from hamburger_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.run_config import load_run_config  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.run_config import (  # pylint: disable=import-outside-toplevel
+      check_training_inputs, load_run_config)
   try:
     cfg = load_run_config(args.config, args.set, stage=args.stage)
+    check_training_inputs(cfg)  # before jax starts and the model loads
   except ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
