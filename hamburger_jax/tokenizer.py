@@ -10,6 +10,7 @@ import datetime
 import functools
 import json
 import os
+import re
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Sequence
 
 import jinja2
@@ -42,6 +43,10 @@ _DIGIT_PRES = {"smollm", "starcoder", "refact", "codeshell"}
 _GPT2_PRES = {"gpt2", *_DIGIT_PRES}
 _REGEX_PRES = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT}
 SUPPORTED_GGUF_PRE_TOKENIZERS = tuple(sorted({*_GPT2_PRES, *_REGEX_PRES}))
+
+
+# Chat roles a message may have; anything else is a typo the template would render silently.
+CHAT_ROLES = ("system", "user", "assistant", "tool", "ipython")
 
 
 class TokenizerError(ValueError):
@@ -291,11 +296,25 @@ class Tokenizer:
 
   # -- ids -----------------------------------------------------------------------------------
 
-  def encode(self, text: str) -> list[int]:
-    """Token ids of `text`; special tokens written in the text become their single ids."""
+  def encode(self, text: str, *, parse_special: bool = True) -> list[int]:
+    """Token ids of `text`; special tokens written in the text become their single ids, unless
+    `parse_special=False` (untrusted text: "<|im_end|>" is then spelled out as ordinary text)."""
     if not isinstance(text, str):
       raise TypeError(f"encode takes a str, got {type(text).__name__}; use encode_batch for lists")
-    return self._tok.encode(text).ids
+    return (self._tok if parse_special else self._plain).encode(text).ids
+
+  @functools.cached_property
+  def _plain(self) -> _Backend:
+    """The same tokenizer with special-token matching off (their strings are plain text)."""
+    plain = _Backend.from_str(self._tok.to_str())
+    plain.encode_special_tokens = True
+    return plain
+
+  @functools.cached_property
+  def _special_strings(self) -> tuple[str, ...]:
+    """The special (control) tokens' strings, longest first."""
+    specials = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+    return tuple(sorted(specials, key=len, reverse=True))
 
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     """`encode` over many texts at once (parallel in the Rust backend)."""
@@ -365,6 +384,11 @@ class Tokenizer:
     Renders like transformers: the template sees `messages`, `add_generation_prompt`,
     `tools`/`documents` (None), the special token strings (`bos_token`, ...) and
     `template_kwargs` (e.g. `date_string`, `tools`). Ids get no BOS beyond what the template writes.
+
+    Message content is text, never control: a special token's string inside a message (a user
+    typing "<|im_end|>") is encoded as ordinary text in the ids, so it cannot end the turn or open
+    another (transformers' default would turn it into the control token). The returned text keeps
+    it verbatim; encode that text yourself only if you trust the messages.
     """
     template = chat_template if chat_template is not None else self.chat_template
     if template is None:
@@ -372,15 +396,58 @@ class Tokenizer:
                            "the HF directory); pass one as chat_template=")
     _check_messages(messages)
     context = {"tools": None, "documents": None, **self._special, **template_kwargs}
-    try:
-      text = _compile_template(template).render(
-          messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-          **context)
-    except jinja2.TemplateError as e:
-      raise TokenizerError(f"the chat template refused these messages: {e}") from None
-    if not tokenize:
-      return text
-    return self._tok.encode(text, add_special_tokens=False).ids
+
+    def render(msgs: list[dict[str, Any]]) -> str:
+      try:
+        return _compile_template(template).render(
+            messages=msgs, add_generation_prompt=add_generation_prompt, **context)
+      except jinja2.TemplateError as e:
+        raise TokenizerError(f"the chat template refused these messages: {e}") from None
+
+    messages = [dict(m) for m in messages]
+    specials = self._special_strings
+    pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
+    injected = pattern is not None and any(
+        isinstance(m["content"], str) and pattern.search(m["content"]) for m in messages)
+    if not tokenize or not injected:
+      text = render(messages)
+      return self._tok.encode(text, add_special_tokens=False).ids if tokenize else text
+    return self._encode_defused(messages, render, pattern)
+
+  def _encode_defused(self, messages: list[dict[str, Any]], render, pattern: re.Pattern
+                      ) -> list[int]:
+    """Ids of the rendered conversation where only the template's special tokens are control
+    tokens: special strings inside message content are replaced by placeholders for rendering,
+    the text is split at the template's own special tokens (as the tokenizer splits it), and the
+    runs between them, placeholders restored, are encoded with special-token matching off."""
+    text_chars = "".join(m["content"] for m in messages if isinstance(m["content"], str))
+    mark = next(chr(c) for c in range(0xE000, 0xF900) if chr(c) not in text_chars)
+    originals: dict[str, str] = {}
+
+    def placeholder(match: re.Match) -> str:
+      key = f"{mark}{len(originals)}{mark}"
+      originals[key] = match.group(0)
+      return key
+
+    defused = [{**m, "content": pattern.sub(placeholder, m["content"])}
+               if isinstance(m["content"], str) else m for m in messages]
+    text = render(defused)
+    holes = re.compile(re.escape(mark) + r"\d+" + re.escape(mark))
+    if sorted(holes.findall(text)) != sorted(originals):
+      raise TokenizerError("a message holds a special token's string and this chat template "
+                           "rewrites message content, so it cannot be encoded as plain text: "
+                           "remove the special token strings from the messages")
+    ids: list[int] = []
+    pos = 0
+    for match in list(pattern.finditer(text)) + [None]:
+      end = match.start() if match is not None else len(text)
+      run = holes.sub(lambda h: originals[h.group(0)], text[pos:end])
+      if run:
+        ids += self._plain.encode(run, add_special_tokens=False).ids
+      if match is not None:
+        ids.append(self._tok.token_to_id(match.group(0)))
+        pos = match.end()
+    return ids
 
 
 def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
@@ -401,6 +468,9 @@ def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
     if not isinstance(m["role"], str):
       raise TokenizerError(f"message {i} has role {m['role']!r}; roles are strings "
                            "('system', 'user', 'assistant', ...)")
+    if m["role"] not in CHAT_ROLES:
+      raise TokenizerError(f"message {i} has unknown role {m['role']!r}; use one of "
+                           f"{', '.join(CHAT_ROLES)}")
 
 
 def _read_json(path: str) -> dict[str, Any]:
