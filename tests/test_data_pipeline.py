@@ -325,15 +325,17 @@ class _FakeTokenizer:
   eos_id = 2
   vocab_size = 260
 
-  def encode(self, text):
+  def encode(self, text, parse_special=True):
+    del parse_special  # no special tokens in this vocabulary
     return [b + 3 for b in text.encode("utf-8")]
 
   def token_to_id(self, token):
     return 2 if token == "<|im_end|>" else None
 
   def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
-    assert add_generation_prompt and not tokenize
-    return "".join(f"[{m['role']}]{m['content']}" for m in messages) + "[assistant]"
+    assert add_generation_prompt
+    text = "".join(f"[{m['role']}]{m['content']}" for m in messages) + "[assistant]"
+    return self.encode(text) if tokenize else text
 
 
 def test_prepare_dataset_end_to_end_with_a_tiny_model(tmp_path):

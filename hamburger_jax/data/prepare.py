@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -21,8 +20,8 @@ from flax import nnx
 
 from hamburger_jax import segmentation
 from hamburger_jax.config import ConfigError
-from hamburger_jax.data.sources import Conversation
-from hamburger_jax.data.tfds_builder import build_dataset, check_output_dir
+from hamburger_jax.data.sources import Conversation, SourceError
+from hamburger_jax.data.tfds_builder import build_dataset, check_output_dir, work_dir_beside
 
 # End-of-turn spellings, most specific first; the one the chat template writes is the model's.
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>")
@@ -116,11 +115,31 @@ def tokenize(conversation: Conversation, tokenizer, eot_id: int) -> TokenizedSam
     return TokenizedSample(conversation.id, conversation.source,
                            np.asarray(conversation.prompt_ids, np.int32),
                            np.asarray(conversation.response_ids, np.int32))
-  prompt = tokenizer.encode(tokenizer.apply_chat_template(
-      conversation.prompt_messages, add_generation_prompt=True, tokenize=False))
-  response = list(tokenizer.encode(conversation.response)) + [eot_id]
+  # Ids straight from the template (as the engine does at inference), and the response as plain
+  # text: a "<|im_end|>" typed in a message is text, never the control token.
+  prompt = tokenizer.apply_chat_template(conversation.prompt_messages,
+                                         add_generation_prompt=True, tokenize=True)
+  response = list(tokenizer.encode(conversation.response, parse_special=False)) + [eot_id]
   return TokenizedSample(conversation.id, conversation.source, np.asarray(prompt, np.int32),
                          np.asarray(response, np.int32))
+
+
+def check_ids_in_vocab(record: Conversation | TokenizedSample, vocab_size: int) -> None:
+  """Refuses ids outside [0, vocab_size) (JAX would clamp them silently), naming the record (for
+  JSONL sources: file:line)."""
+  for name in ("prompt_ids", "response_ids"):
+    ids = getattr(record, name)
+    if ids is None:
+      continue
+    if isinstance(ids, np.ndarray):
+      out = ids[(ids < 0) | (ids >= vocab_size)]
+      bad = int(out[0]) if out.size else None
+    else:
+      bad = next((int(i) for i in ids if not 0 <= int(i) < vocab_size), None)
+    if bad is not None:
+      raise SourceError(f"record {record.id} ({record.source}): {name} holds token id {bad}, "
+                        f"outside the model's vocabulary [0, {vocab_size}); fix or remove the "
+                        "record")
 
 
 # ----------------------------------------------------------------------------- segmentation
@@ -205,10 +224,14 @@ def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, to
   row_len = -(-max_len // _ROW_BUCKET) * _ROW_BUCKET
   stats = PrepareStats()
 
+  vocab = int(model.cfg.vocab_size)
+
   def kept() -> Iterator[TokenizedSample]:
     for conv in conversations:
       stats.conversations += 1
+      check_ids_in_vocab(conv, vocab)  # ids given by the source, before any conversion
       sample = tokenize(conv, tokenizer, eot)
+      check_ids_in_vocab(sample, vocab)
       if len(sample) > max_len:
         stats.dropped_too_long += 1
         if progress is not None:
@@ -216,8 +239,7 @@ def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, to
         continue
       yield sample
 
-  with tempfile.TemporaryDirectory(prefix=f".{os.path.basename(out)}.samples-",
-                                   dir=parent) as tmp:
+  with work_dir_beside(out, "samples") as tmp:
     samples_path = os.path.join(tmp, "samples.jsonl")
     with open(samples_path, "w", encoding="utf-8") as f:
       for chunk in _chunks(kept(), chunk_size):

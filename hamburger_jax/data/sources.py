@@ -124,11 +124,16 @@ def jsonl_conversations(path: str) -> Iterator[Conversation]:
   if not os.path.exists(path):
     raise SourceError(f"JSONL file {path} does not exist")
   name = os.path.basename(path)
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, start=1):
+  with open(path, "rb") as f:
+    for lineno, raw in enumerate(f, start=1):
+      where = f"{path}:{lineno}"
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise SourceError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                          f"{e.start + 1}); re-save the file as UTF-8") from None
       if not line.strip():
         continue
-      where = f"{path}:{lineno}"
       try:
         record = json.loads(line)
       except json.JSONDecodeError as e:
@@ -160,6 +165,11 @@ def _parse_jsonl_record(record: Any, where: str) -> tuple[list[dict[str, str]], 
                 for m in messages)):
       raise SourceError(f"{where}: 'messages' must be a list of at least two "
                         "{\"role\", \"content\"} objects")
+    roles = ("system", "user", "assistant")
+    unknown = next((m["role"] for m in messages if m["role"] not in roles), None)
+    if unknown is not None:
+      raise SourceError(f"{where}: unknown role {unknown!r} in 'messages'; use one of "
+                        f"{', '.join(roles)}")
     if messages[-1]["role"] != "assistant":
       raise SourceError(f"{where}: the last message must be the assistant's response, got role "
                         f"{messages[-1]['role']!r}")

@@ -4,14 +4,23 @@ Works without tensorflow. Read it with `tfds.builder_from_directory(DIR).as_data
 Per sample: input_ids (prompt + response), prompt_len, groups (sizes summing to the response
 length, SPEC.md 2.1), source. The builder writes whatever samples the caller hands it; building
 is atomic (`build_dataset`): a temp directory next to the output, renamed at the end.
+
+Work directories beside the output (`.NAME.samples-*` of prepare_dataset, `.NAME.tmp-*` of
+build_dataset) are held under a lock while their run lives; one that a killed run left behind is
+removed by the next run for the same output (`check_output_dir`), never a live run's and never a
+complete dataset (a dataset a killed --overwrite had moved aside is put back).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
+import sys
 import tempfile
-from typing import Any, Callable, Iterable, Mapping
+import time
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -124,13 +133,18 @@ def build_dataset(out_dir: str, splits: Mapping[str, Callable[[], Iterable[Sampl
 
   Built in a temp directory next to `out_dir` and renamed into place at the end, so an
   interrupted build never leaves anything at `out_dir` (a kill may leave a `.NAME.tmp-*`
-  directory beside it, safe to delete).
+  directory beside it, which the next run for the same output removes).
   """
   out = os.path.abspath(out_dir)
   check_output_dir(out, overwrite)
-  parent = os.path.dirname(out)
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+  with work_dir_beside(out, "tmp") as tmp:
+    _build(out, tmp, splits, max_group=max_group, metadata=metadata, teacher=teacher)
+  return out
+
+
+def _build(out: str, tmp: str, splits: Mapping[str, Callable[[], Iterable[Sample]]], *,
+           max_group: int, metadata: Mapping[str, Any] | None,
+           teacher: Mapping[str, int] | None) -> None:
   # tfds buffers a split in memory and spills it to disk past MAX_MEM_BUFFER_SIZE (1 GB) through
   # tf.io.gfile, i.e. TensorFlow, which we do not depend on: a dataset with teacher features
   # passes 1 GB at a few thousand samples. Records keep their order (disable_shuffling), so the
@@ -148,11 +162,81 @@ def build_dataset(out_dir: str, splits: Mapping[str, Callable[[], Iterable[Sampl
     os.rename(built, out)
   finally:
     tfds_shuffle.MAX_MEM_BUFFER_SIZE = spill_limit
-    shutil.rmtree(tmp, ignore_errors=True)
-  return out
+
+
+WORK_KINDS = ("samples", "tmp")
+_LOCK_FILE = ".owner.lock"
+# A work directory without a lock file (written before locks, or a run killed between creating
+# it and locking it) counts as abandoned once it is this old.
+_UNLOCKED_GRACE_S = 60.0
+
+
+@contextlib.contextmanager
+def work_dir_beside(out: str, kind: str) -> Iterator[str]:
+  """A fresh `.NAME.<kind>-*` directory beside `out`, locked by this process while it exists and
+  removed at the end; a killed run leaves it unlocked for clean_stale_work_dirs."""
+  out = os.path.abspath(out)
+  parent = os.path.dirname(out)
+  os.makedirs(parent, exist_ok=True)
+  path = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.{kind}-", dir=parent)
+  fd = os.open(os.path.join(path, _LOCK_FILE), os.O_CREAT | os.O_RDWR, 0o600)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield path
+  finally:
+    shutil.rmtree(path, ignore_errors=True)
+    os.close(fd)
+
+
+def clean_stale_work_dirs(out_dir: str) -> list[str]:
+  """Removes the work directories beside `out_dir` that killed runs left (unlocked); returns
+  them. A previous dataset that a killed --overwrite had moved into one (`replaced`) goes back to
+  `out_dir` when that is missing."""
+  out = os.path.abspath(out_dir)
+  parent, name = os.path.split(out)
+  try:
+    entries = sorted(os.listdir(parent))
+  except (FileNotFoundError, NotADirectoryError):
+    return []
+  removed = []
+  for entry in entries:
+    path = os.path.join(parent, entry)
+    if (not any(entry.startswith(f".{name}.{kind}-") for kind in WORK_KINDS)
+        or os.path.islink(path) or not os.path.isdir(path)):
+      continue
+    lock = os.path.join(path, _LOCK_FILE)
+    try:
+      fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
+      if time.time() - os.path.getmtime(path) > _UNLOCKED_GRACE_S:
+        _remove_work_dir(path, out)
+        removed.append(path)
+      continue
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      continue  # a live run's
+    else:
+      _remove_work_dir(path, out)
+      removed.append(path)
+    finally:
+      os.close(fd)
+  return removed
+
+
+def _remove_work_dir(path: str, out: str) -> None:
+  replaced = os.path.join(path, "replaced")
+  if os.path.isdir(replaced) and not os.path.exists(out):
+    os.rename(replaced, out)
+    print(f"note: restored {out}, which an interrupted --overwrite had moved aside",
+          file=sys.stderr)
+  shutil.rmtree(path, ignore_errors=True)
 
 
 def check_output_dir(out_dir: str, overwrite: bool) -> None:
+  """Refuses an existing `out_dir` unless `overwrite`; first removes what killed runs for the same
+  output left beside it (clean_stale_work_dirs)."""
+  clean_stale_work_dirs(out_dir)
   if os.path.exists(out_dir) and not overwrite:
     raise DatasetExistsError(
         f"{out_dir} already exists; pass --overwrite (overwrite=True) to replace it, or choose "
