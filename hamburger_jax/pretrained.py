@@ -19,7 +19,8 @@ import numpy as np
 from flax import nnx
 
 from hamburger_jax import assets
-from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig, from_dict, to_dict
+from hamburger_jax.config import (ConfigError, GraftConfig, HamburgerConfig, LlamaConfig,
+                                  from_dict, to_dict)
 from hamburger_jax.convert import gguf, hf, mapping
 from hamburger_jax.convert.mapping import Rule, WeightsError
 from hamburger_jax.model.hamburger import Hamburger
@@ -104,8 +105,18 @@ def read_meta(path: str) -> dict[str, Any]:
   if not os.path.exists(meta_path):
     raise WeightsError(f"{path} is not a HAMburger checkpoint (no {META_FILE}); pass the "
                        f"directory written by train.main's export or hamburger_jax.pretrained.save_graft")
-  with open(meta_path) as f:
-    return json.load(f)
+  try:
+    with open(meta_path, encoding="utf-8") as f:
+      meta = json.load(f)
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise WeightsError(f"{meta_path} is not valid JSON ({e}): the checkpoint is damaged; "
+                       "re-export it (train.main writes it at the end of a run)") from None
+  missing = [k for k in ("base_source", "base_config", "graft")
+             if not isinstance(meta, dict) or k not in meta]
+  if missing:
+    raise WeightsError(f"{meta_path} lacks {', '.join(missing)}: it is not a HAMburger "
+                       "checkpoint's metadata, or it is damaged; re-export the checkpoint")
+  return meta
 
 
 def _same_architecture(a: LlamaConfig, b: LlamaConfig) -> bool:
@@ -148,14 +159,19 @@ def load_hamburger(checkpoint: str | None = None, base_source: str | None = None
     raise ValueError("`graft` configures an untrained graft only; a checkpoint brings its own "
                      f"(pass checkpoint={UNTRAINED!r} to graft fresh modules)")
   meta = read_meta(resolved)
+  try:  # before the base loads: a damaged hamburger.json should not cost a model load
+    ckpt_base = from_dict(LlamaConfig, meta["base_config"])
+    graft_cfg = from_dict(GraftConfig, meta["graft"])
+  except ConfigError as e:
+    raise WeightsError(f"{os.path.join(resolved, META_FILE)}: {e}; the checkpoint's metadata is "
+                       "damaged, re-export it") from None
   source = base_source or meta["base_source"]
   base, tok = load_llama(source, **overrides)
-  ckpt_base = from_dict(LlamaConfig, meta["base_config"])
   if not _same_architecture(ckpt_base, base.cfg):
     raise WeightsError(
         f"checkpoint {resolved} was trained on a different base ({ckpt_base}) than "
         f"{source!r} ({base.cfg}); pass the matching --base or checkpoint")
-  cfg = HamburgerConfig(base.cfg, from_dict(GraftConfig, meta["graft"]))
+  cfg = HamburgerConfig(base.cfg, graft_cfg)
   # Built abstract, not randomly initialised (seconds of eager init on a CPU): the base's arrays
   # are moved in and the checkpoint fills every grafted param; load_graft's loader refuses a
   # model left with any param unset.
@@ -181,7 +197,14 @@ def load_graft(model: Hamburger, checkpoint: str) -> None:
     files.append((BASE_FILE, base_table(model)))
   for name, table in files:
     path = os.path.join(checkpoint, name)
-    mapping.load(model, load_file(path), table, path)
+    try:
+      tensors = load_file(path)
+    except FileNotFoundError:
+      raise WeightsError(f"{path} is missing: the checkpoint is incomplete; re-export it") from None
+    except Exception as e:  # pylint: disable=broad-except  # safetensors' SafetensorError & co.
+      raise WeightsError(f"{path} cannot be read ({e}): the file is truncated or corrupted; "
+                         "re-export the checkpoint or restore the file") from None
+    mapping.load(model, tensors, table, path)
 
 
 def load_base_for_run(model_cfg, seed: int = 0) -> tuple[Llama, Tokenizer | None]:
