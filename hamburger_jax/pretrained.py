@@ -23,7 +23,7 @@ from hamburger_jax.config import (ConfigError, GraftConfig, HamburgerConfig, Lla
                                   from_dict, to_dict)
 from hamburger_jax.convert import gguf, hf, mapping
 from hamburger_jax.convert.mapping import Rule, WeightsError
-from hamburger_jax.model.hamburger import Hamburger
+from hamburger_jax.model.hamburger import Hamburger, copy_top_layers_into_micro
 from hamburger_jax.model.llama import GraftParam, Llama
 from hamburger_jax.tokenizer import Tokenizer
 
@@ -214,3 +214,31 @@ def load_base_for_run(model_cfg, seed: int = 0) -> tuple[Llama, Tokenizer | None
   if model_cfg.base != "random":
     return load_llama(model_cfg.base, **overrides)
   return Llama(dataclasses.replace(model_cfg.random, **overrides), rngs=nnx.Rngs(seed)), None
+
+
+def build_run_model(cfg) -> tuple[Hamburger, Tokenizer | None]:
+  """A run config's model (a RunConfig): its base, the graft freshly initialised (or copied
+  from the base's top layers) or from train.init_from. The one builder, for training and
+  evaluation."""
+  check_init_from(cfg)
+  base, tok = load_base_for_run(cfg.model, cfg.train.seed)
+  model = Hamburger(HamburgerConfig(base.cfg, cfg.graft), rngs=nnx.Rngs(cfg.train.seed), base=base)
+  if cfg.graft.micro_init == "copy_top":
+    copy_top_layers_into_micro(model)
+  if cfg.train.init_from:
+    load_graft(model, cfg.train.init_from)
+  return model, tok
+
+
+def check_init_from(cfg) -> None:
+  """A stage that starts from its predecessor's export fails early, and says how to make it."""
+  path = cfg.train.init_from
+  if not path or os.path.exists(os.path.join(path, META_FILE)):
+    return
+  what = f"train.init_from={path}"
+  if cfg.stage:
+    what = f"stage {cfg.stage!r} starts from the previous stage's export {path}, which"
+    raise ConfigError(f"{what} does not exist yet: run the previous stage to its end first "
+                      "(python -m train.main --config CONFIG --stage PREVIOUS)")
+  raise ConfigError(f"{what} is not a graft export (no {META_FILE}); point it at the "
+                    "export directory a run wrote")

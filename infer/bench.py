@@ -235,7 +235,7 @@ def run_serve(engine, workload, mode: str, slots: int, confidence: float,
               kv_blocks: int | None = None) -> dict[str, float]:
   """Serves the workload once (programs compiled beforehand, not timed); every request arrives
   at t = 0, so latency = queueing + prefill + decode."""
-  from hamburger_jax.decode.serving import Request  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.requests import Request  # pylint: disable=import-outside-toplevel
   reqs = lambda: [Request(ids, max_new_tokens=n, confidence=confidence, id=i)
                   for i, (ids, n) in enumerate(workload)]
   lengths = [len(ids) for ids, _ in workload]

@@ -213,9 +213,8 @@ def load_model(args) -> tuple[Any, Any, dict[str, Any]]:
   from hamburger_jax import pretrained
   if args.config:
     from hamburger_jax.run_config import load_run_config
-    from train.trainer import build_model
     cfg = load_run_config(args.config, shared_only=True)
-    model, tok = build_model(cfg)
+    model, tok = pretrained.build_run_model(cfg)
     if args.checkpoint:
       pretrained.load_graft(model, args.checkpoint)
     return model, tok, {"config": args.config, "base": cfg.model.base,

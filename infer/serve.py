@@ -89,7 +89,7 @@ def to_request(raw: dict, index: int, args):
   """A Request, or (id, error) when its settings are invalid."""
   from hamburger_jax.decode.sampling import (SamplingError,  # pylint: disable=import-outside-toplevel
                                              SamplingParams)
-  from hamburger_jax.decode.serving import Request  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.requests import Request  # pylint: disable=import-outside-toplevel
   rid = raw.get("id", index)
   try:
     sampling = SamplingParams(raw.get("temperature", args.temperature),

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 
+from hamburger_jax import pretrained
 from hamburger_jax.data import pipeline
 from hamburger_jax.distillation import micro_step_losses
 from hamburger_jax.model.llama import causal_segment_mask
@@ -28,7 +29,6 @@ from hamburger_jax.run_config import DistillConfig, load_run_config
 from hamburger_jax.testing import build_synthetic_teacher_dataset
 from infer import eval as ev
 from infer.eval import SyntheticTask
-from train.trainer import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -252,7 +252,7 @@ def teacher_nll(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
   cfg = load_run_config(TINY, ["graft.base_lora_rank=4"])
   data = build_synthetic_teacher_dataset(str(tmp_path_factory.mktemp("teacher") / "data"), cfg,
                                          n_train=4, n_val=16)
-  model, _ = build_model(cfg)
+  model, _ = pretrained.build_run_model(cfg)
   return SimpleNamespace(model=model, data=data,
                          result=ev.eval_nll(model, data, "validation", None, TEACHER_BATCH))
 
@@ -318,7 +318,7 @@ def test_teacher_agreement_in_results_md(teacher_nll: SimpleNamespace):
 
 def test_teacher_signals_of_another_base_are_not_compared(teacher_nll: SimpleNamespace):
   assert ev.teacher_mismatch(teacher_nll.model, teacher_nll.data) is None
-  other, _ = build_model(load_run_config(TINY, ["train.seed=1"]))  # another random base
+  other, _ = pretrained.build_run_model(load_run_config(TINY, ["train.seed=1"]))  # another random base
   assert "segmented with another base" in ev.teacher_mismatch(other, teacher_nll.data)
-  other, _ = build_model(load_run_config(TINY, ["graft.num_features=2"]))  # layers 1, 3
+  other, _ = pretrained.build_run_model(load_run_config(TINY, ["graft.num_features=2"]))  # layers 1, 3
   assert "stores the teacher's features of layers" in ev.teacher_mismatch(other, teacher_nll.data)

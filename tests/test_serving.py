@@ -18,7 +18,8 @@ from hamburger_jax.decode import engine as engine_lib
 from hamburger_jax.decode.engine import Engine, GenerationError
 from hamburger_jax.decode.paged_kv import TRASH_BLOCK, BlockAllocator
 from hamburger_jax.decode.sampling import SamplingParams
-from hamburger_jax.decode.serving import Request, check_tables
+from hamburger_jax.decode.requests import Request
+from hamburger_jax.decode.serving import check_tables
 from hamburger_jax.testing import DECODE_STOP, tiny_decode_model
 
 # Mixed lengths: 1 to 40 prompt tokens (prompt buckets 16, 32 and 64), 3 to 20 new tokens.
@@ -176,7 +177,7 @@ import json, os
 import jax
 from hamburger_jax import sharding
 from hamburger_jax.decode.engine import Engine
-from hamburger_jax.decode.serving import Request
+from hamburger_jax.decode.requests import Request
 from hamburger_jax.testing import DECODE_STOP, tiny_decode_model
 m = tiny_decode_model()
 one = Engine(m, None, stop_ids=[DECODE_STOP])

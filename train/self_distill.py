@@ -76,7 +76,7 @@ def distill(conversations: Iterable[Conversation], engine, tokenizer, *, max_new
   once instead of waiting for the slowest row of a batch, so the output order is the order in
   which answers finish.
   """
-  from hamburger_jax.decode.serving import Request  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.requests import Request  # pylint: disable=import-outside-toplevel
   convs = list(conversations)
   reqs = [Request(tokenizer.apply_chat_template(c.prompt_messages, tokenize=True),
                   max_new_tokens=max_new_tokens, id=i) for i, c in enumerate(convs)]

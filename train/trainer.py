@@ -26,11 +26,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hamburger_jax import pretrained, sharding
-from hamburger_jax.config import ConfigError, HamburgerConfig
+from hamburger_jax.config import ConfigError
 from hamburger_jax.data import pipeline
 from hamburger_jax.distillation import distill_loss, micro_distill_loss
 from hamburger_jax.losses import hamburger_loss
-from hamburger_jax.model.hamburger import Hamburger, copy_top_layers_into_micro
+from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import GraftParam
 from hamburger_jax.run_config import RunConfig
 
@@ -74,32 +74,6 @@ class IteratorSnapshot(grain.DatasetIterator):
 
   def set_state(self, state: dict[str, Any]) -> None:
     self._state = state
-
-
-def build_model(cfg: RunConfig) -> tuple[Hamburger, Any]:
-  """The run's model: its base, the graft freshly initialised or from train.init_from."""
-  check_init_from(cfg)
-  base, tok = pretrained.load_base_for_run(cfg.model, cfg.train.seed)
-  model = Hamburger(HamburgerConfig(base.cfg, cfg.graft), rngs=nnx.Rngs(cfg.train.seed), base=base)
-  if cfg.graft.micro_init == "copy_top":
-    copy_top_layers_into_micro(model)
-  if cfg.train.init_from:
-    pretrained.load_graft(model, cfg.train.init_from)
-  return model, tok
-
-
-def check_init_from(cfg: RunConfig) -> None:
-  """A stage that starts from its predecessor's export fails early, and says how to make it."""
-  path = cfg.train.init_from
-  if not path or os.path.exists(os.path.join(path, pretrained.META_FILE)):
-    return
-  what = f"train.init_from={path}"
-  if cfg.stage:
-    what = f"stage {cfg.stage!r} starts from the previous stage's export {path}, which"
-    raise ConfigError(f"{what} does not exist yet: run the previous stage to its end first "
-                      "(python -m train.main --config CONFIG --stage PREVIOUS)")
-  raise ConfigError(f"{what} is not a graft export (no {pretrained.META_FILE}); point it at the "
-                    "export directory a run wrote")
 
 
 def check_data(cfg: RunConfig, meta: dict[str, Any], model: Hamburger | None = None) -> None:
@@ -169,7 +143,7 @@ class Trainer:
           f" and the process count {self.process_count}: make rows a multiple of both")
     self.local_rows = d.rows // self.process_count
 
-    self.model, self.tokenizer = build_model(cfg)
+    self.model, self.tokenizer = pretrained.build_run_model(cfg)
     # "graft" holds the trained grafted params, "base" the rest (trained only with "all").
     self.graphdef, graft, base = nnx.split(self.model, TRAINED[cfg.train.trainable], nnx.Param)
     self.trains_base = cfg.train.trainable == "all"
@@ -428,7 +402,7 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   meta = pipeline.dataset_metadata(cfg.data.dir)  # data problems fail before the model loads
   check_data(cfg, meta)
-  check_init_from(cfg)
+  pretrained.check_init_from(cfg)
   trainer = Trainer(cfg)
   check_data(cfg, meta, trainer.model)
   d, t = cfg.data, cfg.train

@@ -26,7 +26,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hamburger_jax import sharding
 from hamburger_jax.config import DEFAULT_CONFIDENCE
+from hamburger_jax.decode import serving
 from hamburger_jax.decode.paged_kv import PagedKVCache, blocks_for
+from hamburger_jax.decode.requests import Generation, GenerationError, Request
 from hamburger_jax.decode.sampling import SamplingParams, sample_rows
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import Llama
@@ -39,10 +41,6 @@ PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 LENGTH_BUCKETS = tuple(2 ** i for i in range(4, 18))
 VIEW_STEP = 128
 DEFAULT_BLOCK_SIZE = 16
-
-
-class GenerationError(ValueError):
-  """A request cannot be served as given; the message says what to change."""
 
 
 @flax.struct.dataclass
@@ -72,48 +70,6 @@ class Layout:
   blocks_per_row: int  # MB: a slot's view of the pool is MB x block_size entries
   num_blocks: int  # NB, the trash block included
   block_size: int
-
-
-@dataclasses.dataclass
-class Generation:
-  """One request's result (`error` set and nothing else when it could not be served)."""
-  token_ids: list[int]
-  text: str
-  groups: list[int]  # tokens per macro step (sums to len(token_ids))
-  macro_steps: int
-  kv_entries: int  # KV cache entries the row holds at the end (prompt included)
-  prompt_tokens: int
-  prefill_s: float
-  decode_s: float  # from the end of its prefill to its last token
-  compile_s: float = 0.0  # spent compiling programs for this call (0 when all were reused)
-  id: Any = None
-  error: str | None = None
-  queue_s: float = 0.0  # from the call (arrival) to its admission into a slot
-  latency_s: float = 0.0  # from the call (arrival) to its result
-  preemptions: int = 0  # times it was evicted for KV blocks and recomputed
-
-  @property
-  def new_tokens(self) -> int:
-    return len(self.token_ids)
-
-  @property
-  def decode_tokens_per_s(self) -> float:
-    return self.new_tokens / self.decode_s if self.decode_s > 0 else float("nan")
-
-  @property
-  def tokens_per_step(self) -> float:
-    return self.new_tokens / max(self.macro_steps, 1)
-
-  def record(self) -> dict:
-    """The JSON fields the CLIs print for one result."""
-    if self.error:
-      return {"id": self.id, "error": self.error}
-    r = lambda x: round(x, 3)
-    return {"text": self.text, "token_ids": self.token_ids, "new_tokens": self.new_tokens,
-            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2), "groups": self.groups,
-            "macro_steps": self.macro_steps, "kv_entries": self.kv_entries,
-            "prompt_tokens": self.prompt_tokens, "prefill_s": r(self.prefill_s),
-            "decode_s": r(self.decode_s)}
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
@@ -391,6 +347,22 @@ class Engine:
                                     stream=stream).compile()
     return self.programs[key]
 
+  def prefill(self, layout: Layout, state: DecodeState, r: Request, slot: int) -> DecodeState:
+    """Prefills request `r` into `slot` (its blocks already in the state's table), chunk by
+    chunk; the slot then decodes with the request's settings."""
+    request = self.put({
+        "max_new": np.int32(r.max_new_tokens), "confidence": np.float32(r.confidence),
+        "temperature": np.float32(r.sampling.temperature), "top_k": np.int32(r.sampling.top_k),
+        "top_p": np.float32(r.sampling.top_p), "key": r.key()})
+    chunks = prefill_chunks(len(r.ids))
+    for j, (start, valid, size) in enumerate(chunks):
+      ids = np.zeros((size,), np.int32)
+      ids[:valid] = r.ids[start:start + valid]
+      args = self.put((ids, np.int32(start), np.int32(valid), np.int32(slot),
+                       np.bool_(j == len(chunks) - 1)))
+      state = self._prefill_program(layout, size)(self.params, state, *args, request)
+    return state
+
   def compile_programs(self, layout: Layout, prompt_lengths: Iterable[int], stochastic: bool,
                        stream: bool = False) -> float:
     """Compiles what serving prompts of these lengths in `layout` runs; returns the seconds
@@ -445,13 +417,11 @@ class Engine:
             mode: str | None = None, max_new_bound: int | None = None,
             progress: Callable[[Generation], None] | None = None) -> Iterator[Generation]:
     """Continuous batching: yields each request's result as it finishes (see serving.py)."""
-    from hamburger_jax.decode import serving  # pylint: disable=import-outside-toplevel
     return serving.serve(self, requests, slots=slots, kv_blocks=kv_blocks, mode=mode,
                          max_new_bound=max_new_bound, progress=progress)
 
   def _requests(self, prompts: Sequence, max_new_tokens: int, sampling: SamplingParams,
                 confidence: float | Sequence[float], seed: int) -> list:
-    from hamburger_jax.decode.serving import Request  # pylint: disable=import-outside-toplevel
     if isinstance(prompts, (str, dict)) or not len(prompts):
       raise GenerationError("prompts must be a non-empty list (wrap a single prompt in a list)")
     conf = np.asarray(confidence, np.float64)
@@ -485,7 +455,6 @@ class Engine:
     prompt, results in prompt order. Raises GenerationError on any bad prompt or setting."""
     mode = self.check_mode(mode)
     reqs = self._requests(prompts, max_new_tokens, sampling, confidence, seed)
-    from hamburger_jax.decode import serving  # pylint: disable=import-outside-toplevel
     self.stream_callback = stream
     try:
       # Slots in powers of two (the spare ones stay empty), so batches of similar size share

@@ -15,52 +15,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import jax
 import numpy as np
 
-from hamburger_jax.config import DEFAULT_CONFIDENCE
-from hamburger_jax.decode.engine import (Engine, Generation, GenerationError, Layout,
-                                         prefill_chunks)
 from hamburger_jax.decode.paged_kv import TRASH_BLOCK, BlockAllocator, blocks_for, row_table
-from hamburger_jax.decode.sampling import SamplingError, SamplingParams
-
-
-@dataclasses.dataclass
-class Request:
-  """One generation request. `prompt`: text (a user turn), chat messages or token ids."""
-  prompt: Any
-  max_new_tokens: int = 128
-  confidence: float = DEFAULT_CONFIDENCE
-  sampling: SamplingParams = SamplingParams()
-  seed: int = 0
-  id: Any = None
-  ids: list[int] | None = dataclasses.field(default=None, repr=False)  # set by check()
-
-  def check(self, engine: Engine) -> None:
-    """Validates and tokenises; raises GenerationError saying what to change."""
-    m = self.max_new_tokens
-    if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
-      raise GenerationError(f"max_new_tokens={m!r} must be an integer >= 1")
-    c = self.confidence
-    if isinstance(c, bool) or not isinstance(c, (int, float, np.floating, np.integer)) or not (
-        0 <= c <= 1):
-      raise GenerationError(f"confidence must be in [0, 1], got {c!r}")
-    if not isinstance(self.sampling, SamplingParams):
-      raise GenerationError("sampling must be a SamplingParams(temperature, top_k, top_p)")
-    try:
-      self.sampling.check_vocab(engine.base_cfg.vocab_size)
-    except SamplingError as e:
-      raise GenerationError(str(e)) from None
-    s = self.seed
-    if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < 2 ** 63:
-      raise GenerationError(f"seed={s!r} must be an integer in [0, 2**63)")
-    self.ids = engine.encode_prompt(self.prompt)
-    if len(self.ids) + m > engine.max_seq_len:
-      raise GenerationError(
-          f"prompt has {len(self.ids)} tokens + max_new_tokens {m} > max_seq_len "
-          f"{engine.max_seq_len}: shorten the prompt or lower max_new_tokens")
+from hamburger_jax.decode.requests import Generation, GenerationError, Request
 
 
 @dataclasses.dataclass
@@ -96,7 +57,7 @@ class _Live:
   preemptions: int
 
 
-def serve(engine: Engine, requests: Iterable[Request], *, slots: int = 8,
+def serve(engine, requests: Iterable[Request], *, slots: int = 8,
           kv_blocks: int | None = None, mode: str | None = None, stream: bool = False,
           max_new_bound: int | None = None,
           progress: Callable[[Generation], None] | None = None) -> Iterator[Generation]:
@@ -175,7 +136,7 @@ def serve(engine: Engine, requests: Iterable[Request], *, slots: int = 8,
       table[slot] = row_table(blocks, layout.blocks_per_row)
       state = state.replace(cache=state.cache.replace(table=engine.put(table)))
       t = time.perf_counter()
-      state = _prefill(engine, layout, state, r, slot)
+      state = engine.prefill(layout, state, r, slot)
       jax.block_until_ready(state.done)
       now = time.perf_counter()
       live[slot] = _Live(r, blocks, now, now - t, preempted[id(r)])
@@ -225,31 +186,6 @@ def serve(engine: Engine, requests: Iterable[Request], *, slots: int = 8,
         release(s)
       stats.free_blocks_at_end = pool.free
       yield from _report(results, progress)
-
-
-def _prefill(engine: Engine, layout: Layout, state, r: Request, slot: int):
-  request = engine.put({
-      "max_new": np.int32(r.max_new_tokens), "confidence": np.float32(r.confidence),
-      "temperature": np.float32(r.sampling.temperature), "top_k": np.int32(r.sampling.top_k),
-      "top_p": np.float32(r.sampling.top_p),
-      "key": jax.random.fold_in(jax.random.key(r.seed), _id_salt(r.id))})
-  chunks = prefill_chunks(len(r.ids))
-  for j, (start, valid, size) in enumerate(chunks):
-    ids = np.zeros((size,), np.int32)
-    ids[:valid] = r.ids[start:start + valid]
-    program = engine._prefill_program(layout, size)  # pylint: disable=protected-access
-    args = engine.put((ids, np.int32(start), np.int32(valid), np.int32(slot),
-                       np.bool_(j == len(chunks) - 1)))
-    state = program(engine.params, state, *args, request)
-  return state
-
-
-def _id_salt(request_id: Any) -> int:
-  """Sampled requests draw from (seed, id): an integer id as is, another id by a stable hash."""
-  if isinstance(request_id, (int, np.integer)) and 0 <= request_id < 2 ** 31:
-    return int(request_id)
-  import zlib  # pylint: disable=import-outside-toplevel
-  return zlib.crc32(repr(request_id).encode()) & 0x7FFFFFFF
 
 
 def _failed(r: Request, error: str, arrival: float) -> Generation:

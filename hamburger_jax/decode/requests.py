@@ -1,0 +1,106 @@
+"""What a request to the engine is (`Request`), what it gives back (`Generation`), and the error
+a request that cannot be served raises or carries (`GenerationError`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Any
+
+import jax
+import numpy as np
+
+from hamburger_jax.config import DEFAULT_CONFIDENCE
+from hamburger_jax.decode.sampling import SamplingError, SamplingParams
+
+
+class GenerationError(ValueError):
+  """A request cannot be served as given; the message says what to change."""
+
+
+@dataclasses.dataclass
+class Generation:
+  """One request's result (`error` set and nothing else when it could not be served)."""
+  token_ids: list[int]
+  text: str
+  groups: list[int]  # tokens per macro step (sums to len(token_ids))
+  macro_steps: int
+  kv_entries: int  # KV cache entries the row holds at the end (prompt included)
+  prompt_tokens: int
+  prefill_s: float
+  decode_s: float  # from the end of its prefill to its last token
+  compile_s: float = 0.0  # spent compiling programs for this call (0 when all were reused)
+  id: Any = None
+  error: str | None = None
+  queue_s: float = 0.0  # from the call (arrival) to its admission into a slot
+  latency_s: float = 0.0  # from the call (arrival) to its result
+  preemptions: int = 0  # times it was evicted for KV blocks and recomputed
+
+  @property
+  def new_tokens(self) -> int:
+    return len(self.token_ids)
+
+  @property
+  def decode_tokens_per_s(self) -> float:
+    return self.new_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+  @property
+  def tokens_per_step(self) -> float:
+    return self.new_tokens / max(self.macro_steps, 1)
+
+  def record(self) -> dict:
+    """The JSON fields the CLIs print for one result."""
+    if self.error:
+      return {"id": self.id, "error": self.error}
+    r = lambda x: round(x, 3)
+    return {"text": self.text, "token_ids": self.token_ids, "new_tokens": self.new_tokens,
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2), "groups": self.groups,
+            "macro_steps": self.macro_steps, "kv_entries": self.kv_entries,
+            "prompt_tokens": self.prompt_tokens, "prefill_s": r(self.prefill_s),
+            "decode_s": r(self.decode_s)}
+
+
+@dataclasses.dataclass
+class Request:
+  """One generation request. `prompt`: text (a user turn), chat messages or token ids."""
+  prompt: Any
+  max_new_tokens: int = 128
+  confidence: float = DEFAULT_CONFIDENCE
+  sampling: SamplingParams = SamplingParams()
+  seed: int = 0
+  id: Any = None
+  ids: list[int] | None = dataclasses.field(default=None, repr=False)  # set by check()
+
+  def check(self, engine) -> None:
+    """Validates and tokenises; raises GenerationError saying what to change."""
+    m = self.max_new_tokens
+    if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+      raise GenerationError(f"max_new_tokens={m!r} must be an integer >= 1")
+    c = self.confidence
+    if isinstance(c, bool) or not isinstance(c, (int, float, np.floating, np.integer)) or not (
+        0 <= c <= 1):
+      raise GenerationError(f"confidence must be in [0, 1], got {c!r}")
+    if not isinstance(self.sampling, SamplingParams):
+      raise GenerationError("sampling must be a SamplingParams(temperature, top_k, top_p)")
+    try:
+      self.sampling.check_vocab(engine.base_cfg.vocab_size)
+    except SamplingError as e:
+      raise GenerationError(str(e)) from None
+    s = self.seed
+    if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < 2 ** 63:
+      raise GenerationError(f"seed={s!r} must be an integer in [0, 2**63)")
+    self.ids = engine.encode_prompt(self.prompt)
+    if len(self.ids) + m > engine.max_seq_len:
+      raise GenerationError(
+          f"prompt has {len(self.ids)} tokens + max_new_tokens {m} > max_seq_len "
+          f"{engine.max_seq_len}: shorten the prompt or lower max_new_tokens")
+
+
+  def key(self) -> jax.Array:
+    """The request's sampling key: from (seed, id) only, never from its slot or batch mates."""
+    rid = self.id
+    if isinstance(rid, (int, np.integer)) and not isinstance(rid, bool) and 0 <= rid < 2 ** 31:
+      salt = int(rid)
+    else:  # another id by a stable hash
+      salt = zlib.crc32(repr(rid).encode()) & 0x7FFFFFFF
+    return jax.random.fold_in(jax.random.key(self.seed), salt)
