@@ -4,9 +4,13 @@ architecture."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from hamburger_jax.config import LlamaConfig, RopeScaling
+from hamburger_jax.model.llama import causal_segment_mask
 
 from hamburger_jax.data.tfds_builder import build_dataset
 
@@ -87,7 +91,7 @@ DECODE_STOP = 96
 
 def tiny_decode_model():
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.config import GraftConfig, HamburgerConfig  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.config import GraftConfig, HamburgerConfig  # pylint: disable=C0415
   from hamburger_jax.model.hamburger import Hamburger  # pylint: disable=import-outside-toplevel
   m = Hamburger(HamburgerConfig(DECODE_CFG, GraftConfig(merger_head_dim=16)), rngs=nnx.Rngs(0))
   sharpen(m, 8.0)
@@ -166,3 +170,59 @@ def write_tiny_llama_gguf(path: str, seed: int = 0) -> LlamaConfig:
   w.write_tensors_to_file()
   w.close()
   return cfg
+
+
+@nnx.jit
+def _reference_features(model, x_btd, positions_bt, merged_bt):
+  mask = causal_segment_mask(jnp.ones(x_btd.shape[:2], jnp.int32))
+  return model.base_features(x_btd, positions_bt, mask, merged_bt=merged_bt)[0]
+
+
+@nnx.jit
+def _reference_micro(model, x_btd):
+  t = x_btd.shape[1]
+  h, _ = model.micro(x_btd, jnp.arange(t)[None], causal_segment_mask(jnp.ones((1, t), jnp.int32)))
+  return model.logits(h), model.stop_logits(h)
+
+
+def reference_hamburger(model, prompt: list[int], max_new: int, confidence: float,
+                        stop: int, pad: int = 64) -> tuple[list[int], list[int]]:
+  """HAMburger decoding (docs/method.md section 3) as a plain per-row Python loop that
+  recomputes everything from scratch each step (no KV cache): the decode tests' reference.
+  `pad`: the fixed length of its (jitted) uncached forwards."""
+  k, f = model.max_group, model.num_features
+  offset = model.cfg.graft.position_offset
+  inputs = list(model.base.embed(jnp.asarray(prompt)))  # unmerged prompt entries
+  positions = list(range(len(prompt)))
+  merged = [False] * len(prompt)  # base adapters act on merged entries only
+  tokens, groups = [], []
+  while len(tokens) < max_new:
+    n = len(inputs)
+    x = jnp.zeros((1, pad, model.cfg.base.hidden_size)).at[0, :n].set(jnp.stack(inputs))
+    pos = jnp.zeros((1, pad), jnp.int32).at[0, :n].set(jnp.asarray(positions))
+    gate = jnp.zeros((1, pad), bool).at[0, :n].set(jnp.asarray(merged))
+    feats = _reference_features(model, x, pos, gate)[0, n - 1]  # [F, D], predicting position
+    group = []
+    for i in range(k):
+      if i == 0:  # the skip connection
+        logits, stop = model.logits(feats[-1]), model.stop_logits(feats[-1])
+      else:
+        seq = jnp.concatenate([feats, model.base.embed(jnp.asarray(group))])
+        padded = jnp.zeros((1, f + k - 1, model.cfg.base.hidden_size)).at[0, :len(seq)].set(seq)
+        logits, stop = _reference_micro(model, padded)
+        logits, stop = logits[0, len(seq) - 1], stop[0, len(seq) - 1]
+      tok = int(jnp.argmax(logits))
+      group.append(tok)
+      p_continue = float(jax.nn.sigmoid(-stop))
+      if (tok == stop or len(tokens) + len(group) >= max_new or confidence >= 1.0
+          or p_continue < confidence):
+        break
+    tokens += group
+    groups.append(len(group))
+    if tokens[-1] == stop or len(tokens) >= max_new:
+      break
+    ids = jnp.zeros((k,), jnp.int32).at[:len(group)].set(jnp.asarray(group))
+    inputs.append(model.smash(ids[None], jnp.asarray([len(group)]))[0])
+    positions.append(len(prompt) - 1 + len(tokens) + offset)
+    merged.append(len(group) >= 2)
+  return tokens, groups

@@ -394,16 +394,19 @@ def teacher_agreement_weights(batch: dict[str, np.ndarray], max_group: int) -> d
   return weights
 
 
-def nll_batches(records: Sequence[dict[str, Any]], max_group: int, batch: int):
+def nll_batches(records: Sequence[dict[str, Any]], max_group: int, batch: int,
+                position_offset: int = 0):
   """The records in file order as packed training-layout batches of `batch` rows, shaped to fit
-  the largest record (rounded up to a multiple of 16, so that few shapes compile)."""
+  the largest record (rounded up to a multiple of 16, so that few shapes compile), merged
+  entries at the model's `position_offset`."""
   from hamburger_jax.data import pipeline
-  layouts = [pipeline.record_layout(r, max_group) for r in records]
+  layouts = [pipeline.record_layout(r, max_group, position_offset) for r in records]
   round_up = lambda n, m: -(-n // m) * m
   entries = round_up(max(lay.num_entries for lay in layouts), 16)
   groups = round_up(max(lay.num_groups for lay in layouts), 16)
   return pipeline.packed_dataset(records, batch_rows=batch, entries=entries, groups=groups,
-                                 max_group=max_group, seed=None, num_epochs=1, prefetch=0)
+                                 max_group=max_group, seed=None, num_epochs=1, prefetch=0,
+                                 position_offset=position_offset)
 
 
 def teacher_mismatch(model, data_dir: str) -> str | None:
@@ -482,7 +485,7 @@ def eval_nll(model, data_dir: str, split: str, limit: int | None, batch: int) ->
   agree_groups: dict[str, int] = collections.defaultdict(int)
   n_batches = -(-len(records) // batch)
   bar = tqdm(total=2 * n_batches, desc="nll", unit="batch", file=sys.stderr)
-  for b in nll_batches(records, k, batch):
+  for b in nll_batches(records, k, batch, model.cfg.graft.position_offset):
     m, t = jax.device_get(ham_metrics(params, b))
     if teacher:
       # Each agree_* is a mean over its own groups (max(count, 1) of them): weight it back.

@@ -87,8 +87,8 @@ def read_requests(args) -> list[dict]:
 
 def to_request(raw: dict, index: int, args):
   """A Request, or (id, error) when its settings are invalid."""
-  from hamburger_jax.decode.sampling import (SamplingError,  # pylint: disable=import-outside-toplevel
-                                             SamplingParams)
+  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.sampling import SamplingError, SamplingParams
   from hamburger_jax.decode.requests import Request  # pylint: disable=import-outside-toplevel
   rid = raw.get("id", index)
   try:
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
   raws = read_requests(args)  # before the model loads: a bad file fails in a second
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   from hamburger_jax import cache, pretrained  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.decode.engine import Engine, GenerationError  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine, GenerationError  # pylint: disable=C0415
   from infer.generate import phase  # pylint: disable=import-outside-toplevel
 
   cache.enable_compilation_cache(enabled=not args.no_compile_cache)

@@ -11,7 +11,8 @@ from flax import nnx
 
 from hamburger_jax.config import HamburgerConfig
 from hamburger_jax.model.hamburger import Hamburger
-from hamburger_jax.model.llama import Llama, causal_segment_mask
+from hamburger_jax.model.llama import Llama
+from hamburger_jax import testing
 from hamburger_jax.testing import DECODE_CFG, DECODE_STOP, tiny_decode_model
 from hamburger_jax.decode import sampling as samplers
 from hamburger_jax.decode.engine import Engine, GenerationError
@@ -52,58 +53,9 @@ def argmax_rollout(base: Llama, prompt: list[int], n: int) -> list[int]:
   return seq[len(prompt):]
 
 
-@nnx.jit
-def _features(model: Hamburger, x_btd, positions_bt, merged_bt):
-  mask = causal_segment_mask(jnp.ones(x_btd.shape[:2], jnp.int32))
-  return model.base_features(x_btd, positions_bt, mask, merged_bt=merged_bt)[0]
-
-
-@nnx.jit
-def _micro(model: Hamburger, x_btd):
-  t = x_btd.shape[1]
-  h, _ = model.micro(x_btd, jnp.arange(t)[None], causal_segment_mask(jnp.ones((1, t), jnp.int32)))
-  return model.logits(h), model.stop_logits(h)
-
-
-def reference_hamburger(model: Hamburger, prompt: list[int], max_new: int, confidence: float,
-                        ) -> tuple[list[int], list[int]]:
-  """SPEC.md section 3 as a plain per-row Python loop that recomputes everything each step."""
-  k, f = model.max_group, model.num_features
-  offset = model.cfg.graft.position_offset
-  inputs = list(model.base.embed(jnp.asarray(prompt)))  # unmerged prompt entries
-  positions = list(range(len(prompt)))
-  merged = [False] * len(prompt)  # base adapters act on merged entries only
-  tokens, groups = [], []
-  while len(tokens) < max_new:
-    n = len(inputs)
-    x = jnp.zeros((1, PAD, CFG.hidden_size)).at[0, :n].set(jnp.stack(inputs))
-    pos = jnp.zeros((1, PAD), jnp.int32).at[0, :n].set(jnp.asarray(positions))
-    gate = jnp.zeros((1, PAD), bool).at[0, :n].set(jnp.asarray(merged))
-    feats = _features(model, x, pos, gate)[0, n - 1]  # [F, D] at the predicting position
-    group = []
-    for i in range(k):
-      if i == 0:  # the skip connection
-        logits, stop = model.logits(feats[-1]), model.stop_logits(feats[-1])
-      else:
-        seq = jnp.concatenate([feats, model.base.embed(jnp.asarray(group))])
-        padded = jnp.zeros((1, f + k - 1, CFG.hidden_size)).at[0, :len(seq)].set(seq)
-        logits, stop = _micro(model, padded)
-        logits, stop = logits[0, len(seq) - 1], stop[0, len(seq) - 1]
-      tok = int(jnp.argmax(logits))
-      group.append(tok)
-      p_continue = float(jax.nn.sigmoid(-stop))
-      if (tok == STOP or len(tokens) + len(group) >= max_new or confidence >= 1.0
-          or p_continue < confidence):
-        break
-    tokens += group
-    groups.append(len(group))
-    if tokens[-1] == STOP or len(tokens) >= max_new:
-      break
-    ids = jnp.zeros((k,), jnp.int32).at[:len(group)].set(jnp.asarray(group))
-    inputs.append(model.smash(ids[None], jnp.asarray([len(group)]))[0])
-    positions.append(len(prompt) - 1 + len(tokens) + offset)
-    merged.append(len(group) >= 2)
-  return tokens, groups
+def reference_hamburger(model: Hamburger, prompt: list[int], max_new: int,
+                        confidence: float) -> tuple[list[int], list[int]]:
+  return testing.reference_hamburger(model, prompt, max_new, confidence, STOP)
 
 
 # ------------------------------------------------------------------ base decoding

@@ -411,7 +411,7 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
   iterator = pipeline.make_train_iterator(
       d.dir, "train", batch_rows=trainer.local_rows, entries=d.entries, groups=d.groups,
       max_group=cfg.graft.max_group, seed=d.seed, shard_index=trainer.process_index,
-      shard_count=trainer.process_count)
+      shard_count=trainer.process_count, position_offset=cfg.graft.position_offset)
   config_dict = cfg.to_dict()
   try:
     resume_latest(trainer, mngr, iterator, cfg, ckpt_dir, log)
@@ -449,7 +449,8 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
         m.update(trainer.evaluate(pipeline.validation_batches(
             d.dir, batch_rows=trainer.local_rows, entries=d.entries, groups=d.groups,
             max_group=cfg.graft.max_group, shard_index=trainer.process_index,
-            shard_count=trainer.process_count), max(d.validation_rows // d.rows, 1)))
+            shard_count=trainer.process_count, position_offset=cfg.graft.position_offset),
+            max(d.validation_rows // d.rows, 1)))
       if t.generate_every and (done % t.generate_every == 0 or last_step):
         if engine is None:
           from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel

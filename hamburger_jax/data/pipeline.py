@@ -193,19 +193,24 @@ def open_split(data_dir: str, split: str, max_group: int | None = None):
 
 def make_train_iterator(data_dir: str, split: str, batch_rows: int, entries: int, groups: int,
                         max_group: int, seed: int, shard_index: int = 0, shard_count: int = 1,
-                        num_epochs: int | None = None) -> grain.DatasetIterator:
-  """Checkpointable iterator of packed training batches (dicts of np.int32, see layout.py)."""
+                        num_epochs: int | None = None,
+                        position_offset: int = 0) -> grain.DatasetIterator:
+  """Checkpointable iterator of packed training batches (dicts of np.int32, see layout.py).
+  `position_offset`: the model's graft.position_offset (merged entries' RoPE positions)."""
   ds = packed_dataset(open_split(data_dir, split, max_group), batch_rows=batch_rows,
                       entries=entries, groups=groups, max_group=max_group, seed=seed,
-                      shard_index=shard_index, shard_count=shard_count, num_epochs=num_epochs)
+                      shard_index=shard_index, shard_count=shard_count, num_epochs=num_epochs,
+                      position_offset=position_offset)
   return iter(ds)
 
 
 def validation_batches(data_dir: str, split: str = "validation", *, batch_rows: int,
                        entries: int, groups: int, max_group: int, shard_index: int = 0,
-                       shard_count: int = 1) -> Iterator[dict[str, np.ndarray]]:
+                       shard_count: int = 1,
+                       position_offset: int = 0) -> Iterator[dict[str, np.ndarray]]:
   """One deterministic pass over `split` in file order (last batch padded with empty rows)."""
   ds = packed_dataset(open_split(data_dir, split, max_group), batch_rows=batch_rows,
                       entries=entries, groups=groups, max_group=max_group, seed=None,
-                      shard_index=shard_index, shard_count=shard_count, num_epochs=1, prefetch=0)
+                      shard_index=shard_index, shard_count=shard_count, num_epochs=1, prefetch=0,
+                      position_offset=position_offset)
   return iter(ds)

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 
-def attend(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, mask_bts: jax.Array) -> jax.Array:
+def attend(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array,
+           mask_bts: jax.Array) -> jax.Array:
   """Grouped-query softmax attention in fp32; mask True = may attend. Returns [B, T, H*Dh]."""
   b, t, h, dh = q_bthd.shape
   hkv = k_bskd.shape[2]

@@ -77,8 +77,9 @@ class Hamburger(nnx.Module):
   def micro_cache(self, batch: int) -> KVCache:
     """The micro decoder's own cache for one macro step (F + K - 1 entries, reset every step)."""
     b = self.cfg.base
-    return KVCache.init(len(self.micro.decoder.layers), batch, self.num_features + self.max_group - 1,
-                        b.num_kv_heads, b.head_dim, dtype_of(b.dtype))
+    slots = self.num_features + self.max_group - 1
+    return KVCache.init(len(self.micro.decoder.layers), batch, slots, b.num_kv_heads, b.head_dim,
+                        dtype_of(b.dtype))
 
   def micro_step(self, i: int | jax.Array, x_btd: jax.Array,
                  cache: KVCache) -> tuple[jax.Array, KVCache]:
