@@ -128,13 +128,13 @@ class LlamaConfig:
 
 @dataclasses.dataclass(frozen=True)
 class GraftConfig:
-  """The two HAMburger modules grafted around the base (SPEC.md 1.1-1.4)."""
+  """The two HAMburger modules grafted around the base (docs/SPEC.md 1.1-1.4)."""
   max_group: int = 4  # K: tokens per macro step at most
   num_features: int = 4  # F
   feature_layers: tuple[int, ...] = ()  # empty: F evenly spaced layers ending at the last
   micro_layers: int = 4
   merger_head_dim: int = 32  # release: 64 heads of 32 at D = 2048
-  position_offset: int = 0  # 0: SPEC.md 1.2 (training); 1: the release's HF generate path
+  position_offset: int = 0  # 0: docs/SPEC.md 1.2 (training); 1: the release's HF generate path
   micro_init: str = "fresh"  # fresh (release) | copy_top (the base's top layers)
   base_lora_rank: int = 0  # > 0: low-rank adapters on the base's projections (frozen-base runs)
   base_lora_alpha: float = 32.0

@@ -1,4 +1,5 @@
-"""Token smashing layout of one sample (SPEC.md 1.2, 2.2): base-input entries and predicted groups.
+"""Token smashing layout of one sample (docs/SPEC.md 1.2, 2.2): base-input entries and predicted
+groups.
 
 A sample is (prompt ids [P], response ids [R], group sizes summing to R). The base model sees P
 unmerged prompt entries, then one merged entry per response group, at the RoPE position of the
@@ -60,7 +61,7 @@ def check_groups(groups, response_len: int, max_group: int) -> np.ndarray:
 
 
 def merged_positions(prompt_len: int, groups, position_offset: int = 0) -> np.ndarray:
-  """Prompt positions 0..P-1, then the position of each group's last token (SPEC.md 1.2)."""
+  """Prompt positions 0..P-1, then the position of each group's last token (docs/SPEC.md 1.2)."""
   groups = np.asarray(groups, dtype=np.int64)
   return np.concatenate([np.arange(prompt_len),
                          prompt_len - 1 + np.cumsum(groups) + position_offset]).astype(np.int32)

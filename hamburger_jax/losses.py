@@ -1,4 +1,4 @@
-"""HAMburger training forward and loss (SPEC.md 2.2) on a packed static-shape batch."""
+"""HAMburger training forward and loss (docs/SPEC.md 2.2) on a packed static-shape batch."""
 
 from __future__ import annotations
 

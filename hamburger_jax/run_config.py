@@ -56,7 +56,7 @@ RECIPES = ("paper", "distill")
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   trainable: str = "graft"  # one of TRAINABLE
-  recipe: str = "paper"  # paper (SPEC.md 2.2) | distill (hamburger_jax.distillation)
+  recipe: str = "paper"  # paper (docs/SPEC.md 2.2) | distill (hamburger_jax.distillation)
   init_from: str = ""  # a graft export to start from (a stage starts from the previous one's)
   steps: int = 1000  # optimiser steps (the cosine schedule spans them)
   lr_base: float = 5e-5

@@ -1,4 +1,5 @@
-"""Segmentation of responses into groups of 1..K tokens by the base model's confidence (SPEC 2.1).
+"""Segmentation of responses into groups of 1..K tokens by the base model's confidence
+(docs/SPEC.md 2.1).
 
 The original base model reads (prompt + response) teacher-forced; the distribution that predicts
 response token j is taken at position j - 1. Per token we keep its entropy (nats) and the
@@ -38,7 +39,7 @@ class TokenStats:
   prob: np.ndarray  # [R] probability that distribution gives the token itself
   # Teacher signals (TeacherSpec given): the distribution predicting each response token as its
   # top-k (ids by decreasing probability, log-probabilities), and the base's F micro-decoder
-  # features (SPEC.md 1.3) at each predicting position (row j predicts response token j).
+  # features (docs/SPEC.md 1.3) at each predicting position (row j predicts response token j).
   topk_ids: np.ndarray | None = None  # [R, k] int32
   topk_logp: np.ndarray | None = None  # [R, k] float32
   features: np.ndarray | None = None  # [R, F, D] float32

@@ -135,7 +135,7 @@ def step_costs(model, repeats: int, batch: int = 1) -> dict[str, float]:
   """Seconds of one jitted decode step at this batch size, each with its LM head: "base" (an
   unmerged input: the exact base), "merged" (a merged input: the base with its merged-entry
   adapters acting, unfolded; equal to "base" without adapters) and "micro" (one micro step).
-  r = micro / base is SPEC.md 6's cost ratio in the ceiling k / (1 + (k - 1) r)."""
+  r = micro / base is docs/SPEC.md 6's cost ratio in the ceiling k / (1 + (k - 1) r)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
@@ -207,7 +207,7 @@ def bench_hamburger(args) -> None:
 def lockstep_cost(gens, r: float) -> float:
   """Cost of a batch's decode in base-step units. Rows advance in lockstep: macro step j costs one
   base step plus r per micro step, and it runs micro steps until its largest group is complete.
-  At batch 1 this is steps * (1 + (k - 1) r), SPEC.md 6's ceiling k / (1 + (k - 1) r)."""
+  At batch 1 this is steps * (1 + (k - 1) r), docs/SPEC.md 6's ceiling k / (1 + (k - 1) r)."""
   steps = max(g.macro_steps for g in gens)
   largest = [max((g.groups[j] for g in gens if j < len(g.groups)), default=1)
              for j in range(steps)]

@@ -7,7 +7,7 @@
 
 Each task is decoded greedily in mode "base" (the base weights alone) and in mode "hamburger" at
 each confidence c, in batches, with the same engine. Reported per task: the score, the KV
-compression (generated tokens / macro steps = tokens per KV entry, SPEC.md 3) and the decode
+compression (generated tokens / macro steps = tokens per KV entry, docs/SPEC.md 3) and the decode
 tokens/s ratio HAMburger / base (the engine's decode time; compilation excluded). Scores carry a
 95% percentile-bootstrap interval over the examples (`ci95`), and HAMburger's difference to the
 base a paired one (`delta_ci95`, the same examples resampled for both); HAMburger's greedy tokens
@@ -77,7 +77,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  help=f"comma-separated, from: {','.join(ALL_TASKS)} (default: the text tasks, "
                  "or synthetic for a model without tokenizer; plus nll when --data is given)")
   p.add_argument("--confidence", default="0.6,0.7,0.8,0.9",
-                 help="comma-separated confidence levels in [0, 1] (SPEC.md 3)")
+                 help="comma-separated confidence levels in [0, 1] (docs/SPEC.md 3)")
   p.add_argument("--limit", type=int, default=None,
                  help="examples per task (nll: validation records); default: the whole task")
   p.add_argument("--checkpoint", default=None,
@@ -427,7 +427,7 @@ def teacher_mismatch(model, data_dir: str) -> str | None:
 
 
 def eval_nll(model, data_dir: str, split: str, limit: int | None, batch: int) -> dict[str, Any]:
-  """Teacher-forced NLL (nats per response token) of HAMburger (SPEC.md 2.2's lm loss, with its
+  """Teacher-forced NLL (nats per response token) of HAMburger (docs/SPEC.md 2.2's lm loss, with its
   per-micro-step accuracies and stop accuracy) and of the base's plain forward, same tokens.
 
   On data with teacher signals, also "teacher_agreement": how often HAMburger's micro-step argmax

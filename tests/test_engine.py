@@ -1,4 +1,4 @@
-"""The decode engine: base decode consistency, HAMburger vs a plain reference loop (SPEC.md 3),
+"""The decode engine: base decode consistency, HAMburger vs a plain reference loop (docs/SPEC.md 3),
 forced single-token steps == base, batch invariance, EOS, exact lengths, program reuse, errors."""
 
 from __future__ import annotations
@@ -257,8 +257,8 @@ def test_bad_sampling_params(kwargs, match):
 
 def test_base_adapters_act_only_after_merged_steps(model):
   """With merged-entry adapters at random non-zero values, HAMburger decoding equals the gated
-  SPEC-3 reference; at confidence 1.0 (nothing merged) it is the base, token for token; and the
-  adapters do change the tokens once merged entries are read (the gate is really there)."""
+  reference of docs/SPEC.md 3; at confidence 1.0 (nothing merged) it is the base, token for
+  token; and the adapters do change the tokens once merged entries are read (the gate is really there)."""
   from hamburger_jax.model import lora  # pylint: disable=import-outside-toplevel
   cfg = dataclasses_replace_graft(model, base_lora_rank=4, base_lora_alpha=8.0)
   adapted = Hamburger(cfg, rngs=nnx.Rngs(0))

@@ -78,7 +78,7 @@ def test_results_json_numbers(tiny_eval: Path):
   for h in syn["hamburger"].values():
     assert h["speed_ratio"] > 0
     assert sum(h["group_sizes"].values()) == h["macro_steps"]
-  # c = 1 stops every group after one token: exactly the base's tokens (SPEC.md 3).
+  # c = 1 stops every group after one token: exactly the base's tokens (docs/SPEC.md 3).
   assert syn["hamburger"]["1"]["kv_compression"] == 1.0
   assert syn["hamburger"]["1"]["score"] == syn["base"]["score"]
   assert syn["hamburger"]["0.3"]["kv_compression"] >= syn["hamburger"]["1"]["kv_compression"]
@@ -318,7 +318,9 @@ def test_teacher_agreement_in_results_md(teacher_nll: SimpleNamespace):
 
 def test_teacher_signals_of_another_base_are_not_compared(teacher_nll: SimpleNamespace):
   assert ev.teacher_mismatch(teacher_nll.model, teacher_nll.data) is None
-  other, _ = pretrained.build_run_model(load_run_config(TINY, ["train.seed=1"]))  # another random base
+  # another random base
+  other, _ = pretrained.build_run_model(load_run_config(TINY, ["train.seed=1"]))
   assert "segmented with another base" in ev.teacher_mismatch(other, teacher_nll.data)
-  other, _ = pretrained.build_run_model(load_run_config(TINY, ["graft.num_features=2"]))  # layers 1, 3
+  # layers 1, 3
+  other, _ = pretrained.build_run_model(load_run_config(TINY, ["graft.num_features=2"]))
   assert "stores the teacher's features of layers" in ev.teacher_mismatch(other, teacher_nll.data)

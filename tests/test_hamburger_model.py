@@ -1,4 +1,4 @@
-"""The HAMburger model (SPEC.md 1, 2.2, 5): merger, layout, loss vs a slow reference, full-size
+"""The HAMburger model (docs/SPEC.md 1, 2.2, 5): merger, layout, loss vs a slow reference, full-size
 parameter counts, initialisation, a training step, and the release checkpoint importer."""
 
 from __future__ import annotations
@@ -57,11 +57,11 @@ def model() -> Hamburger:
 
 @pytest.fixture(scope="module")
 def fresh_model() -> Hamburger:
-  """As initialised (SPEC.md 2.3); tests must not modify it (clone it first)."""
+  """As initialised (docs/SPEC.md 2.3); tests must not modify it (clone it first)."""
   return Hamburger(tiny_config(), rngs=nnx.Rngs(1))
 
 
-# ----------------------------------------------------------------------------- merger (SPEC 1.1)
+# ------------------------------------------------------------------------ merger (docs/SPEC.md 1.1)
 
 
 def merger_weights(embedder: CompositionalEmbedder) -> dict[str, np.ndarray]:
@@ -75,7 +75,7 @@ def merger_weights(embedder: CompositionalEmbedder) -> dict[str, np.ndarray]:
 
 
 def np_merge(e_sd: np.ndarray, p: dict[str, np.ndarray], num_heads: int) -> np.ndarray:
-  """SPEC.md 1.1 written out in NumPy, one group of S embeddings [S, D] -> [D]."""
+  """docs/SPEC.md 1.1 written out in NumPy, one group of S embeddings [S, D] -> [D]."""
   s, d = e_sd.shape
   if s == 1:
     return e_sd[0]  # single tokens are never merged
@@ -113,7 +113,7 @@ def test_merger_matches_numpy_reference_batched_with_padding(model):
   np.testing.assert_array_equal(a[0], a[1])
 
 
-# ----------------------------------------------------------------------------- layout (SPEC 1.2)
+# ------------------------------------------------------------------------ layout (docs/SPEC.md 1.2)
 
 
 def test_merged_positions_example():
@@ -172,7 +172,7 @@ def test_stop_targets_through_the_loss_metrics(fresh_model):
   np.testing.assert_allclose(float(metrics["stop_acc"]), 3 / 7, rtol=1e-6)  # right at stops only
 
 
-# ----------------------------------------------------------------------------- loss (SPEC 2.2)
+# -------------------------------------------------------------------------- loss (docs/SPEC.md 2.2)
 
 
 def _logsumexp(x: np.ndarray) -> np.ndarray:
@@ -256,7 +256,7 @@ def test_token_zero_is_the_base_prediction(model):
                              rtol=1e-6, atol=1e-6)
 
 
-# ----------------------------------------------------------------------------- sizes (SPEC 1.5)
+# ------------------------------------------------------------------------- sizes (docs/SPEC.md 1.5)
 
 
 def test_parameter_counts_at_llama_3_2_1b():
@@ -297,7 +297,7 @@ def test_feature_layers():
     GraftConfig(num_features=2, feature_layers=(0, 2)).resolved_feature_layers(4)
 
 
-# ----------------------------------------------------------------------------- init (SPEC 2.3)
+# -------------------------------------------------------------------------- init (docs/SPEC.md 2.3)
 
 
 def _check_torch_uniform(name: str, w: np.ndarray, fan_in: int) -> None:
@@ -366,7 +366,7 @@ def test_graft_only_training_step_lowers_the_loss_and_freezes_the_base(fresh_mod
   assert all(jax.tree.leaves(moved))  # every grafted param was trained
 
 
-# ----------------------------------------------------------------------------- release (SPEC 5)
+# ------------------------------------------------------------------------- release (docs/SPEC.md 5)
 
 
 def release_config(tied: bool = True, **graft) -> HamburgerConfig:
@@ -378,7 +378,7 @@ def release_config(tied: bool = True, **graft) -> HamburgerConfig:
 
 
 def release_state_dict(cfg: HamburgerConfig, seed: int = 0) -> dict[str, np.ndarray]:
-  """Key names and torch-layout shapes of SPEC.md 5, written out by hand, random values."""
+  """Key names and torch-layout shapes of docs/SPEC.md 5, written out by hand, random values."""
   b = cfg.base
   v, d, f, dh = b.vocab_size, b.hidden_size, b.intermediate_size, b.head_dim
   h, hkv = b.num_heads * dh, b.num_kv_heads * dh

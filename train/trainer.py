@@ -103,7 +103,7 @@ def check_data(cfg: RunConfig, meta: dict[str, Any], model: Hamburger | None = N
 
 
 def schedules(cfg: RunConfig) -> dict[str, optax.Schedule]:
-  """Cosine decay to lr_final over the run (SPEC.md 2.3), after an optional linear warmup."""
+  """Cosine decay to lr_final over the run (docs/SPEC.md 2.3), after an optional linear warmup."""
   t = cfg.train
 
   def make(peak: float) -> optax.Schedule:

@@ -1,4 +1,4 @@
-"""The authors' released PyTorch Lightning checkpoint (SPEC.md 5) <-> our Hamburger params.
+"""The authors' released PyTorch Lightning checkpoint (docs/SPEC.md 5) <-> our Hamburger params.
 
 The release's LightningModule holds `model` (transformers' LlamaForCausalLM), `comp_embedder`
 (whose `embedding` IS the base's embed_tokens module) and `micro_step_decoder`. Its state dict

@@ -1,6 +1,7 @@
 """The grain training pipeline: records -> sample layouts -> packed static-shape batches.
 
-source -> per-process shard -> shuffle(seed) -> repeat -> layout (SPEC.md 1.2) -> greedy packing
+source -> per-process shard -> shuffle(seed) -> repeat -> layout (docs/SPEC.md 1.2) -> greedy
+packing
 into `batch_rows` rows of (entries M, groups G) -> thread prefetch. Every batch is a dict of
 np.int32 arrays with the fields of `layout.PackedBatch`, shaped identically every step. The
 iterator is checkpointable: `get_state()` / `set_state()` resume mid-epoch exactly.

@@ -1,4 +1,4 @@
-"""Conversations -> token ids -> entropy groups -> the tfds training set (SPEC.md 2.1).
+"""Conversations -> token ids -> entropy groups -> the tfds training set (docs/SPEC.md 2.1).
 
 The library half of `train.prepare_data`: tokenise with the chat template (the response keeps its
 end-of-turn token), drop samples over the max length, compute the base model's teacher-forced

@@ -1,7 +1,7 @@
 """Training conversations from ShareGPT, reasoning-gym gsm_symbolic and local JSONL files.
 
 Every source yields `Conversation`s lazily: chat messages for the prompt and the assistant's
-response text (the response the model learns to emit, SPEC.md 2.1).
+response text (the response the model learns to emit, docs/SPEC.md 2.1).
 """
 
 from __future__ import annotations

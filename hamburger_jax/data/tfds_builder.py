@@ -2,7 +2,7 @@
 
 Works without tensorflow. Read it with `tfds.builder_from_directory(DIR).as_data_source()`.
 Per sample: input_ids (prompt + response), prompt_len, groups (sizes summing to the response
-length, SPEC.md 2.1), source. The builder writes whatever samples the caller hands it; building
+length, docs/SPEC.md 2.1), source. The builder writes whatever samples the caller hands it; building
 is atomic (`build_dataset`): a temp directory next to the output, renamed at the end.
 
 Work directories beside the output (`.NAME.samples-*` of prepare_dataset, `.NAME.tmp-*` of

@@ -1,4 +1,5 @@
-"""Compositional embedder (SPEC.md 1.1): smashes a group of up to K token embeddings into one."""
+"""Compositional embedder (docs/SPEC.md 1.1): smashes a group of up to K token embeddings into
+one."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Micro-step decoder (SPEC.md 1.4): fresh base-config layers that emit tokens 1..K-1 of a step."""
+"""Micro-step decoder (docs/SPEC.md 1.4): fresh base-config layers that emit tokens 1..K-1 of a
+step."""
 
 from __future__ import annotations
 
