@@ -89,6 +89,12 @@ def prefill_chunks(n: int) -> list[tuple[int, int, int]]:
   return out
 
 
+def generate_slots(n: int) -> int:
+  """`generate`'s slots for n prompts: a power of two (the spare slots stay empty), so batches of
+  similar size share their compiled programs."""
+  return 1 << (n - 1).bit_length()
+
+
 def _continues(stop_logit: jax.Array, confidence: jax.Array) -> jax.Array:
   """P(continue) = 1 - sigmoid(stop) >= c; c = 1 always stops after one token (exactly)."""
   return (confidence < 1.0) & (jax.nn.sigmoid(-stop_logit) >= confidence)
@@ -443,7 +449,7 @@ class Engine:
     mode = self.check_mode(mode)
     reqs = self._requests(prompts, max_new_tokens, sampling, DEFAULT_CONFIDENCE, 0)
     lengths = [len(r.ids) for r in reqs]
-    layout = self.layout(mode, 1 << (len(reqs) - 1).bit_length(), max_new_tokens, max(lengths))
+    layout = self.layout(mode, generate_slots(len(reqs)), max_new_tokens, max(lengths))
     return self.compile_programs(layout, lengths, not sampling.greedy, stream)
 
   def generate(self, prompts: Sequence, *, max_new_tokens: int = 128, mode: str | None = None,
@@ -457,11 +463,8 @@ class Engine:
     reqs = self._requests(prompts, max_new_tokens, sampling, confidence, seed)
     self.stream_callback = stream
     try:
-      # Slots in powers of two (the spare ones stay empty), so batches of similar size share
-      # their compiled programs.
-      slots = 1 << (len(reqs) - 1).bit_length()
-      out = list(serving.serve(self, reqs, slots=slots, mode=mode, stream=stream is not None,
-                               max_new_bound=max_new_tokens))
+      out = list(serving.serve(self, reqs, slots=generate_slots(len(reqs)), mode=mode,
+                               stream=stream is not None, max_new_bound=max_new_tokens))
     finally:
       self.stream_callback = None
     out.sort(key=lambda g: g.id)
