@@ -54,7 +54,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--no-compile-cache", action="store_true",
                  help="compile every program and keep none (default: JAX's persistent "
                       "compilation cache under the per-user cache directory)")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  # Cheap checks before the model loads (the engine checks the same again per request).
+  if args.max_new_tokens < 1:
+    p.exit(2, f"error: max_new_tokens={args.max_new_tokens} must be an integer >= 1\n")
+  if not 0 <= args.confidence <= 1:
+    p.exit(2, f"error: confidence must be in [0, 1], got {args.confidence}\n")
+  return args
 
 
 def phase(what: str, fn: Callable[[], T]) -> T:

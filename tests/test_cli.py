@@ -55,6 +55,8 @@ def test_json_side_by_side(graft_checkpoint):
     (["--prompts-file", "/nonexistent.txt"], "does not exist"),
     (["--mode", "hamburger", "--checkpoint", "/nonexistent"], "not a HAMburger checkpoint"),
     (["--prompt", " "], "empty prompt"),
+    (["--confidence", "1.5"], "confidence must be in [0, 1], got 1.5"),
+    (["--top-k", "60000", "--temperature", "1"], "top_k=60000 exceeds the vocabulary (49152"),
 ])
 def test_errors_are_one_line(args, match):
   res = _run(*args, "--mode", "base") if "--mode" not in args else _run(*args)

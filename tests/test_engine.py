@@ -225,6 +225,10 @@ def test_top_p_and_top_k_filters():
     ({"max_new_tokens": 0}, "max_new_tokens=0 must be an integer >= 1"),
     ({"max_new_tokens": 252}, "max_seq_len 256"),
     ({"mode": "fast"}, "mode='fast'"),
+    ({"confidence": [0.5, 0.6, 0.7]}, "confidence has 3 values for 2 prompts"),
+    ({"seed": 2 ** 70}, "seed=1180591620717411303424 must be an integer"),
+    ({"max_new_tokens": True}, "max_new_tokens=True must be an integer"),
+    ({"sampling": SamplingParams(1.0, top_k=98)}, "top_k=98 exceeds the vocabulary"),
 ])
 def test_bad_requests(engine, kwargs, match):
   with pytest.raises(GenerationError, match=match):
@@ -249,6 +253,10 @@ def test_bad_prompts(engine):
     ({"top_p": 0.0}, "top_p=0.0 must be in"),
     ({"top_p": 1.5}, "top_p=1.5 must be in"),
     ({"top_k": -2}, "top_k=-2"),
+    ({"top_k": 2.5}, "top_k=2.5 must be an integer"),
+    ({"temperature": float("inf")}, "temperature=inf must be >= 0 and finite"),
+    ({"temperature": float("nan")}, "temperature=nan must be >= 0 and finite"),
+    ({"top_p": "0.9"}, "top_p='0.9' must be a number"),
 ])
 def test_bad_sampling_params(kwargs, match):
   with pytest.raises(SamplingError, match=match):

@@ -131,8 +131,23 @@ def test_fifty_requests_compile_one_program_per_prompt_bucket(engine):
   buckets = {engine_lib.bucket(int(n), engine_lib.PREFILL_BUCKETS) for n in lengths}
   kinds = [k[0] for k in fresh.programs]
   assert kinds.count("prefill") == len(buckets) == 3  # 16, 32, 64
-  assert kinds.count("decode") == 1
+  # One decode program per view of the pool (here one: every slot's view fits 128 entries).
+  assert kinds.count("decode") == len(set(fresh.last_serve.views)) == 1
   assert fresh.compilations == len(buckets) + 1
+
+
+def test_decode_views_follow_the_live_lengths(engine, alone, monkeypatch):
+  """With views of 16 entries x 2^i, slots that grow move the decode to larger views (one
+  program each) and the outputs do not change."""
+  monkeypatch.setattr(engine_lib, "VIEW_STEP", 16)
+  stepped = Engine(engine.model, None, stop_ids=[DECODE_STOP])
+  got = {g.id: g for g in stepped.serve(requests(), slots=3, mode="hamburger")}
+  for i, want in enumerate(alone["hamburger"]):
+    assert (got[i].token_ids, got[i].groups) == (want.token_ids, want.groups), f"request {i}"
+  views = stepped.last_serve.views
+  assert set(views) == {1, 2, 4} and views != sorted(views)  # up as slots grow, then down
+  # The layout's row: 40 + 32 (max_new bucket) + 1 entries -> 80 -> 5 blocks; views up to it.
+  assert stepped.views(stepped.layout("hamburger", 3, 20, 40)) == [1, 2, 4, 5]
 
 
 def test_bad_requests_fail_alone(engine, alone):

@@ -37,7 +37,8 @@ from hamburger_jax.model.llama import Llama
 # bucket that holds it, a longer one in several chunks of the largest (one program per bucket).
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 # Static sizes of the decode program: max_new_tokens in powers of two, and each slot's view of
-# the KV pool (longest prompt + max_new_tokens) rounded up to a multiple of VIEW_STEP entries.
+# the KV pool (longest prompt + max_new_tokens) rounded up to a multiple of VIEW_STEP entries;
+# decode programs read views of VIEW_STEP x 2^i entries of it (Engine.views).
 LENGTH_BUCKETS = tuple(2 ** i for i in range(4, 18))
 VIEW_STEP = 128
 DEFAULT_BLOCK_SIZE = 16
@@ -256,9 +257,14 @@ class Engine:
     return jax.lax.cond(jnp.any(cont), run_micro, lambda o: o[:2], (tokens, count, cont))
 
   def _decode_impl(self, params, state: DecodeState, refill, *, mode: str, stochastic: bool,
-                   stream: bool) -> DecodeState:
+                   stream: bool, view: int) -> DecodeState:
     """Macro steps until every slot is done, or (with `refill`) a slot finishes so the host can
-    give it the next request, or a live slot's blocks are full so the host can add one."""
+    give it the next request, or a live slot's blocks are full so the host can add one.
+
+    Attention reads the first `view` blocks of each slot's table (the host picks a view that
+    holds every live slot's blocks): its cost follows the live lengths, not the layout's."""
+    full_table = state.cache.table
+    state = state.replace(cache=state.cache.replace(table=full_table[:, :view]))
     model = nnx.merge(self.graphdef, params)
     base = base_of(model)
     offset = model.cfg.graft.position_offset if mode == "hamburger" else 0
@@ -310,7 +316,7 @@ class Engine:
       return (step < n_max) & ~jnp.all(state.done) & ~(refill & finished) & ~full
 
     _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
-    return state
+    return state.replace(cache=state.cache.replace(table=full_table))
 
   def _on_step(self, group, count):
     if self.stream_callback is not None:
@@ -343,15 +349,28 @@ class Engine:
           jax.ShapeDtypeStruct((), bool), request, mode=layout.mode).compile()
     return self.programs[key]
 
-  def _decode_program(self, layout: Layout, stochastic: bool, stream: bool):
-    key = ("decode", layout, stochastic, stream)
+  def _decode_program(self, layout: Layout, stochastic: bool, stream: bool, view: int):
+    key = ("decode", layout, stochastic, stream, view)
     if key not in self.programs:
       state = self._abstract_state(layout)
-      fn = self._jit(self._decode_impl, static_argnames=("mode", "stochastic", "stream"))
+      fn = self._jit(self._decode_impl, static_argnames=("mode", "stochastic", "stream", "view"))
       self.programs[key] = fn.lower(self.params, state, jax.ShapeDtypeStruct((), bool),
-                                    mode=layout.mode, stochastic=stochastic,
-                                    stream=stream).compile()
+                                    mode=layout.mode, stochastic=stochastic, stream=stream,
+                                    view=view).compile()
     return self.programs[key]
+
+  def views(self, layout: Layout) -> list[int]:
+    """The decode programs' views of a slot's table, in blocks: VIEW_STEP entries times a power
+    of two, up to the layout's whole row."""
+    step = blocks_for(VIEW_STEP, layout.block_size)
+    out = [min(step, layout.blocks_per_row)]
+    while out[-1] < layout.blocks_per_row:
+      out.append(min(out[-1] * 2, layout.blocks_per_row))
+    return out
+
+  def view_for(self, layout: Layout, blocks: int) -> int:
+    """The smallest view that holds `blocks` blocks of every live slot."""
+    return next(v for v in self.views(layout) if v >= blocks)
 
   def prefill(self, layout: Layout, state: DecodeState, r: Request, slot: int) -> DecodeState:
     """Prefills request `r` into `slot` (its blocks already in the state's table), chunk by
@@ -378,7 +397,8 @@ class Engine:
     before = len(self.programs)
     for chunk in sorted({c for n in prompt_lengths for _, _, c in prefill_chunks(n)}):
       self._prefill_program(layout, chunk)
-    self._decode_program(layout, stochastic, stream)
+    for view in self.views(layout):
+      self._decode_program(layout, stochastic, stream, view)
     return time.perf_counter() - t if len(self.programs) > before else 0.0
 
   @property

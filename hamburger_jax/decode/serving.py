@@ -32,6 +32,7 @@ class ServeStats:
   rounds: int = 0  # decode program calls
   in_flight: list[int] = dataclasses.field(default_factory=list)  # live requests, per round
   blocks_used: list[int] = dataclasses.field(default_factory=list)  # blocks held, per round
+  views: list[int] = dataclasses.field(default_factory=list)  # decode view (blocks), per round
   preemptions: int = 0
   free_blocks_at_end: int = 0
 
@@ -108,7 +109,6 @@ def serve(engine, requests: Iterable[Request], *, slots: int = 8,
 
   stochastic = any(not r.sampling.greedy for r in queue)
   compile_s = engine.compile_programs(layout, [len(r.ids) for r in queue], stochastic, stream)
-  decode = engine._decode_program(layout, stochastic, stream)  # pylint: disable=protected-access
   state = engine._init_state(layout)  # pylint: disable=protected-access
   table = np.full((layout.slots, layout.blocks_per_row), TRASH_BLOCK, np.int32)
   live: dict[int, _Live] = {}
@@ -165,6 +165,9 @@ def serve(engine, requests: Iterable[Request], *, slots: int = 8,
     stats.rounds += 1
     stats.in_flight.append(len(live))
     stats.blocks_used.append(pool.usable - pool.free)
+    view = engine.view_for(layout, max(len(lv.blocks) for lv in live.values()))
+    stats.views.append(view)
+    decode = engine._decode_program(layout, stochastic, stream, view)  # pylint: disable=W0212
     state = decode(engine.params, state, engine.put(np.bool_(bool(queue))))
     done, n_tokens, length = jax.device_get((state.done, state.n_tokens, state.cache.length))
     lengths[:] = length
