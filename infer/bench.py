@@ -253,6 +253,7 @@ def run_serve(engine, workload, mode: str, slots: int, confidence: float,
           "p95": float(np.percentile(lat, 95)), "k": tokens / sum(g.macro_steps for g in out),
           "in_flight": stats.mean_in_flight, "peak_blocks": max(stats.blocks_used),
           "preemptions": stats.preemptions, "wall": wall, "compile": compile_s,
+          "rounds": stats.rounds, "prefill": sum(g.prefill_s for g in out),
           "kv_per_token": sum(g.kv_entries - g.prompt_tokens for g in out) / tokens}
 
 
@@ -274,8 +275,8 @@ def bench_serve(args) -> None:
               ("HAMburger forced 4-token groups", "hamburger", 0.0)]
   print("\n(a) KV pool holds every slot's longest request\n")
   print("| slots | variant | tok/s | vs base | p50 latency s | p95 latency s | tokens/step | "
-        "KV entries/token |")
-  print("|---|---|---|---|---|---|---|---|")
+        "KV entries/token | decode calls | prefill s | wall s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   curve = {}
   for slots in args.slots:
     base_tps = None
@@ -284,8 +285,8 @@ def bench_serve(args) -> None:
       base_tps = base_tps or r["tok_s"]
       curve.setdefault(name, []).append(r["tok_s"])
       print(f"| {slots} | {name} | {r['tok_s']:.1f} | {r['tok_s'] / base_tps:.2f}x | "
-            f"{r['p50']:.1f} | {r['p95']:.1f} | {r['k']:.2f} | {r['kv_per_token']:.2f} |",
-            flush=True)
+            f"{r['p50']:.1f} | {r['p95']:.1f} | {r['k']:.2f} | {r['kv_per_token']:.2f} | "
+            f"{r['rounds']} | {r['prefill']:.1f} | {r['wall']:.1f} |", flush=True)
   if args.plot:
     plot_serve(args.slots, curve, args.plot)
     print(f"\nplot: {args.plot}")

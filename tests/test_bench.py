@@ -21,3 +21,20 @@ def test_lockstep_cost_follows_the_largest_group_and_the_slowest_row():
   # step 1: max group 3 -> 1 + 2r; step 2: 1 -> 1; step 3 (row b only): 2 -> 1 + r
   gens = [_gen([3, 1]), _gen([1, 1, 2])]
   assert lockstep_cost(gens, 0.5) == pytest.approx((1 + 2 * 0.5) + 1 + (1 + 0.5))
+
+
+def test_run_serve_reports_the_serving_figures():
+  """The serve bench's figures on the tiny model (plumbing and counts, never timings)."""
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.testing import tiny_decode_model  # pylint: disable=import-outside-toplevel
+  from infer.bench import run_serve  # pylint: disable=import-outside-toplevel
+  engine = Engine(tiny_decode_model(), None, stop_ids=())  # every request runs its max_new
+  workload = [([1, 2, 3, 4], 8), ([5, 6], 12), (list(range(10, 30)), 5), ([7], 9)]
+  base = run_serve(engine, workload, "base", 2, 1.0)
+  forced = run_serve(engine, workload, "hamburger", 2, 0.0)
+  assert base["k"] == 1.0 and forced["k"] > 2.0
+  # The last token of a request is never written back: n - 1 entries for n tokens.
+  assert base["kv_per_token"] == pytest.approx(30 / 34)
+  assert forced["kv_per_token"] < 0.5
+  assert max(engine.last_serve.in_flight) == 2 and forced["rounds"] >= 2
+  assert base["tok_s"] > 0 and base["p95"] >= base["p50"] > 0
