@@ -63,6 +63,23 @@ def load_llama(source: str = DEFAULT_BASE, **overrides: Any) -> tuple[Llama, Tok
   return model, Tokenizer.from_hf_dir(path)
 
 
+def vocab_size(checkpoint: str | None = None, base_source: str | None = None) -> int:
+  """The vocabulary of the model that load_hamburger(checkpoint, base_source) (checkpoint None:
+  load_llama(base_source)) would build, from metadata only: for argument checks that must not
+  wait for the weights."""
+  if checkpoint is not None and base_source is None:
+    meta = read_meta(checkpoint)
+    try:
+      return int(meta["base_config"]["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+      raise WeightsError(f"{os.path.join(checkpoint, META_FILE)}: base_config has no valid "
+                         "vocab_size; the checkpoint's metadata is damaged, re-export it") from None
+  kind, path = resolve_base(base_source or DEFAULT_BASE)
+  if kind == "gguf":
+    return gguf.GGUFFile(path).config().vocab_size
+  return hf.read_config(path).vocab_size
+
+
 def graft_table(model: Hamburger) -> dict[str, Rule]:
   """Dotted param path -> the grafted param (what graft.safetensors holds)."""
   return {".".join(map(str, p)): Rule(tuple(p))

@@ -99,6 +99,19 @@ def read_prompts(args) -> list[str]:
   return prompts or list(DEFAULT_PROMPTS)
 
 
+def check_top_k(sampling, checkpoint: str | None, base: str | None) -> None:
+  """--top-k against the model's vocabulary, read from metadata before the weights load."""
+  if not sampling.top_k:
+    return
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.convert.mapping import WeightsError  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.sampling import SamplingError  # pylint: disable=import-outside-toplevel
+  try:
+    sampling.check_vocab(pretrained.vocab_size(checkpoint, base))
+  except (SamplingError, WeightsError, FileNotFoundError, ValueError) as e:
+    raise SystemExit(f"error: {e}") from None
+
+
 def coloured(tokenizer, token_ids: list[int], groups: list[int], colour: bool) -> str:
   """The text with each macro step's group on an alternating background."""
   parts, start = [], 0
@@ -127,6 +140,7 @@ def main(argv=None) -> int:
   if mode != "base" and checkpoint is None:
     raise SystemExit("error: --mode hamburger needs a trained checkpoint (--checkpoint DIR); "
                      "none is shipped at " + pretrained.DEFAULT_CHECKPOINT)
+  check_top_k(sampling, None if mode == "base" else checkpoint, args.base)
   if mode == "base":
     what = f"base {args.base or pretrained.DEFAULT_BASE}"
     load = lambda: pretrained.load_llama(args.base or pretrained.DEFAULT_BASE)

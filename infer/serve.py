@@ -107,13 +107,19 @@ def main(argv=None) -> int:
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   from hamburger_jax import cache, pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine, GenerationError  # pylint: disable=C0415
-  from infer.generate import phase  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.sampling import SamplingError, SamplingParams  # pylint: disable=C0415
+  from infer.generate import check_top_k, phase  # pylint: disable=import-outside-toplevel
 
   cache.enable_compilation_cache(enabled=not args.no_compile_cache)
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
   mode = args.mode or ("hamburger" if checkpoint else "base")
   if mode == "hamburger" and checkpoint is None:
     raise SystemExit("error: --mode hamburger needs a trained checkpoint (--checkpoint DIR)")
+  try:  # the flags are every request's defaults: wrong ones fail here, not once per request
+    defaults = SamplingParams(args.temperature, args.top_k, args.top_p)
+  except SamplingError as e:
+    raise SystemExit(f"error: {e}") from None
+  check_top_k(defaults, None if mode == "base" else checkpoint, args.base)
   load = ((lambda: pretrained.load_llama(args.base or pretrained.DEFAULT_BASE)) if mode == "base"
           else (lambda: pretrained.load_hamburger(checkpoint, args.base)))
   try:

@@ -95,6 +95,17 @@ def test_serve_json_lines(graft_checkpoint, tmp_path):
     assert ham[rid]["token_ids"] == base[rid]["token_ids"]
 
 
+def test_top_k_beyond_the_vocabulary_fails_before_loading(graft_checkpoint):
+  """The vocabulary comes from metadata (the checkpoint's, or the GGUF header in base mode)."""
+  for run, mode_args in ((_run, ["--mode", "base"]),
+                         (_serve, ["--mode", "hamburger", "--checkpoint", graft_checkpoint])):
+    extra = [] if run is _run else ["--prompts-file", __file__]
+    res = run("--top-k", "60000", "--temperature", "1", *mode_args, *extra)
+    assert res.returncode != 0 and "top_k=60000 exceeds the vocabulary (49152" in res.stderr
+    assert "loading weights" not in res.stderr and "Traceback" not in res.stderr, \
+        res.stderr[-2000:]
+
+
 @pytest.mark.parametrize("content,match", [
     ("", "has no prompts"),
     ("  \n\n", "has no prompts"),
