@@ -54,8 +54,10 @@ def requests(order=None) -> list[Request]:
 def test_served_requests_equal_generate_alone(engine, alone, mode):
   order = list(range(len(PROMPTS)))
   random.Random(3).shuffle(order)  # random arrival order
-  got = {g.id: g for g in engine.serve(requests(order), slots=3, mode=mode)}
+  reqs = requests(order)
+  got = {g.id: g for g in engine.serve(reqs, slots=3, mode=mode)}
   assert sorted(got) == list(range(len(PROMPTS)))
+  assert all(r.ids is None for r in reqs)  # serving works on copies, not the caller's requests
   merged = False
   for i, want in enumerate(alone[mode]):
     g = got[i]
@@ -86,10 +88,11 @@ def test_small_pool_queues_and_preempts_without_corruption(engine, alone):
 def test_pool_too_small_for_one_request_fails_it_alone(engine):
   small = Engine(engine.model, None, stop_ids=[DECODE_STOP], block_size=4)
   reqs = [Request(list(range(1, 41)), max_new_tokens=20, id="long"),  # 60 entries: 15 blocks
-          Request([1, 2, 3], max_new_tokens=5, id="short")]
+          Request([1, 2, 3], max_new_tokens=5)]
   got = {g.id: g for g in small.serve(reqs, slots=2, kv_blocks=8, mode="base")}
   assert "needs up to 15 KV blocks" in got["long"].error and "raise kv_blocks" in got["long"].error
-  assert got["short"].error is None and got["short"].new_tokens == 5
+  assert got[1].error is None and got[1].new_tokens == 5  # an id-less request: its index
+  assert reqs[1].id is None
 
 
 def test_block_tables_never_share_a_block():

@@ -447,7 +447,7 @@ class Engine:
                          max_new_bound=max_new_bound, progress=progress)
 
   def _requests(self, prompts: Sequence, max_new_tokens: int, sampling: SamplingParams,
-                confidence: float | Sequence[float], seed: int) -> list:
+                confidence: float | Sequence[float], seed: int, check: bool = True) -> list:
     if isinstance(prompts, (str, dict)) or not len(prompts):
       raise GenerationError("prompts must be a non-empty list (wrap a single prompt in a list)")
     conf = np.asarray(confidence, np.float64)
@@ -457,7 +457,7 @@ class Engine:
     conf = np.broadcast_to(conf, (len(prompts),))
     reqs = [Request(p, max_new_tokens=max_new_tokens, confidence=float(c), sampling=sampling,
                     seed=seed, id=i) for i, (p, c) in enumerate(zip(prompts, conf))]
-    for r in reqs:
+    for r in reqs if check else ():
       r.check(self)
     return reqs
 
@@ -480,18 +480,20 @@ class Engine:
     """Generates for a batch of prompts (texts, message lists or token-id lists): one slot per
     prompt, results in prompt order. Raises GenerationError on any bad prompt or setting."""
     mode = self.check_mode(mode)
-    reqs = self._requests(prompts, max_new_tokens, sampling, confidence, seed)
+    # serve checks each request; it reports the bad ones before any work, so the first error
+    # stops the batch before anything compiles.
+    reqs = self._requests(prompts, max_new_tokens, sampling, confidence, seed, check=False)
     self.stream_callback = stream
+    out = []
     try:
-      out = list(serving.serve(self, reqs, slots=generate_slots(len(reqs)), mode=mode,
-                               stream=stream is not None, max_new_bound=max_new_tokens))
+      for g in serving.serve(self, reqs, slots=generate_slots(len(reqs)), mode=mode,
+                             stream=stream is not None, max_new_bound=max_new_tokens):
+        if g.error:
+          raise GenerationError(g.error)
+        out.append(g)
     finally:
       self.stream_callback = None
-    out.sort(key=lambda g: g.id)
-    for g in out:
-      if g.error:
-        raise GenerationError(g.error)
-    return out
+    return sorted(out, key=lambda g: g.id)
 
   def set_model(self, model: Llama | Hamburger) -> None:
     """Takes new weights; compiled programs are kept when the architecture is the same.

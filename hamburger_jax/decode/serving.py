@@ -73,10 +73,9 @@ def serve(engine, requests: Iterable[Request], *, slots: int = 8,
   failed: list[Generation] = []
   preempted: dict[int, int] = collections.Counter()
   for i, r in enumerate(requests):
-    if not isinstance(r, Request):
-      r = Request(r)
-    if r.id is None:
-      r.id = i
+    # A copy: serving sets its id and token ids, never the caller's object.
+    r = dataclasses.replace(r, id=i if r.id is None else r.id) if isinstance(r, Request) else (
+        Request(r, id=i))
     try:
       r.check(engine)
       queue.append(r)
