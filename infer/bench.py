@@ -232,7 +232,7 @@ def serve_workload(tok, n: int, new_range: tuple[int, int], seed: int = 0,
 
 
 def run_serve(engine, workload, mode: str, slots: int, confidence: float,
-              kv_blocks: int | None = None) -> dict[str, float]:
+              kv_blocks: int | None = None, round_steps: int | None = None) -> dict[str, float]:
   """Serves the workload once (programs compiled beforehand, not timed); every request arrives
   at t = 0, so latency = queueing + prefill + decode."""
   from hamburger_jax.decode.requests import Request  # pylint: disable=import-outside-toplevel
@@ -242,7 +242,8 @@ def run_serve(engine, workload, mode: str, slots: int, confidence: float,
   layout = engine.layout(mode, slots, max(n for _, n in workload), max(lengths), kv_blocks)
   compile_s = engine.compile_programs(layout, lengths, stochastic=False)
   t = time.perf_counter()
-  out = list(engine.serve(reqs(), slots=slots, kv_blocks=kv_blocks, mode=mode))
+  out = list(engine.serve(reqs(), slots=slots, kv_blocks=kv_blocks, mode=mode,
+                          round_steps=round_steps))
   wall = time.perf_counter() - t
   if any(g.error for g in out):
     raise RuntimeError(next(g.error for g in out if g.error))
@@ -273,6 +274,15 @@ def bench_serve(args) -> None:
   variants = [("base", "base", 1.0), (f"HAMburger c={args.confidence}", "hamburger",
                                       args.confidence),
               ("HAMburger forced 4-token groups", "hamburger", 0.0)]
+  if "a" in args.parts:
+    serve_slots(args, engine, workload, variants)
+  if "b" in args.parts:
+    serve_fixed_pool(args, engine, workload, variants)
+  if args.round_steps:
+    serve_rounds(args, engine, workload, variants)
+
+
+def serve_slots(args, engine, workload, variants) -> None:
   print("\n(a) KV pool holds every slot's longest request\n")
   print("| slots | variant | tok/s | vs base | p50 latency s | p95 latency s | tokens/step | "
         "KV entries/token | decode calls | prefill s | wall s |")
@@ -290,6 +300,9 @@ def bench_serve(args) -> None:
   if args.plot:
     plot_serve(args.slots, curve, args.plot)
     print(f"\nplot: {args.plot}")
+
+
+def serve_fixed_pool(args, engine, workload, variants) -> None:
   pool_slots = max(args.slots)
   print(f"\n(b) one fixed KV pool of {args.kv_blocks} blocks x {engine.block_size} entries, "
         f"{pool_slots} slots\n")
@@ -303,6 +316,23 @@ def bench_serve(args) -> None:
     print(f"| {name} | {r['in_flight']:.1f} | {r['in_flight'] / base['in_flight']:.2f}x | "
           f"{r['peak_blocks']} | {r['preemptions']} | {r['tok_s']:.1f} | "
           f"{r['tok_s'] / base['tok_s']:.2f}x |", flush=True)
+
+
+def serve_rounds(args, engine, workload, variants) -> None:
+  """Refill as each slot finishes (a host round trip then) against rounds of K macro steps
+  (fewer round trips; a finished slot idles until its round ends)."""
+  slots = max(args.slots)
+  print(f"\n(c) when slots are refilled, {slots} slots, KV pool as in (a)\n")
+  print("| variant | refill | tok/s | vs refill at finish | decode calls | p50 latency s |")
+  print("|---|---|---|---|---|---|")
+  for name, mode, c in (variants[0], variants[-1]):  # the base and forced 4-token groups
+    first = None
+    for k in (None, *args.round_steps):
+      r = run_serve(engine, workload, mode, slots, c, round_steps=k)
+      first = first or r
+      print(f"| {name} | {'at finish' if k is None else f'every {k} steps'} | "
+            f"{r['tok_s']:.1f} | {r['tok_s'] / first['tok_s']:.2f}x | {r['rounds']} | "
+            f"{r['p50']:.1f} |", flush=True)
 
 
 def plot_serve(slots: list[int], curve: dict[str, list[float]], path: str) -> None:
@@ -340,7 +370,15 @@ def main(argv=None) -> int:
   p.add_argument("--kv-blocks", type=int, default=160,
                  help="serve (b): the fixed KV pool, in blocks of 16 entries")
   p.add_argument("--plot", default=None, help="serve: write the throughput-vs-slots PNG here")
+  p.add_argument("--parts", default="ab",
+                 help="serve: a (slots sweep), b (fixed pool) or both; c runs with --round-steps")
+  p.add_argument("--round-steps", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                 help="serve (c): refill every K macro steps, against refill at each finish")
   args = p.parse_args(argv)
+  if not set(args.parts) <= {"a", "b"}:
+    p.error(f"--parts={args.parts!r}: use a, b or ab")
+  if any(k < 1 for k in args.round_steps):
+    p.error(f"--round-steps {args.round_steps}: each K must be >= 1")
   args.batches = args.batches or ([1, 8] if args.mode == "base" else [1, 8, 32])
   from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
   cache.enable_compilation_cache()

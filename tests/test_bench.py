@@ -38,3 +38,8 @@ def test_run_serve_reports_the_serving_figures():
   assert forced["kv_per_token"] < 0.5
   assert max(engine.last_serve.in_flight) == 2 and forced["rounds"] >= 2
   assert base["tok_s"] > 0 and base["p95"] >= base["p50"] > 0
+  # Rounds of 3 macro steps: more host round trips than refilling at each finish (34 tokens
+  # over 2 slots take at least 17 base steps: 6 rounds), the same tokens.
+  rounds = run_serve(engine, workload, "base", 2, 1.0, round_steps=3)
+  assert rounds["rounds"] >= 6 and rounds["rounds"] > base["rounds"]
+  assert rounds["kv_per_token"] == base["kv_per_token"]

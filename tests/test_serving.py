@@ -71,6 +71,17 @@ def test_served_requests_equal_generate_alone(engine, alone, mode):
   assert stats.free_blocks_at_end == stats.usable_blocks  # finished rows freed their blocks
 
 
+def test_bounded_rounds_give_the_same_tokens(engine, alone):
+  """round_steps=K: the host refills every K macro steps instead of at each finish."""
+  got = {g.id: g for g in engine.serve(requests(), slots=3, mode="hamburger", round_steps=2)}
+  for i, want in enumerate(alone["hamburger"]):
+    assert (got[i].token_ids, got[i].groups) == (want.token_ids, want.groups), f"request {i}"
+  stats = engine.last_serve
+  assert stats.rounds >= max(g.macro_steps for g in got.values()) // 2
+  with pytest.raises(GenerationError, match="round_steps=0 must be None"):
+    list(engine.serve(requests(), round_steps=0))
+
+
 def test_small_pool_queues_and_preempts_without_corruption(engine, alone):
   # 13 usable blocks of 4 entries: the longest request (40 + 9 entries) alone needs all 13 in
   # the worst case; together the requests need far more, so they wait in the queue and live

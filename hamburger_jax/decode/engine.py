@@ -256,10 +256,11 @@ class Engine:
     # Rows whose stop head fired after token 0 need no micro decoder work at all.
     return jax.lax.cond(jnp.any(cont), run_micro, lambda o: o[:2], (tokens, count, cont))
 
-  def _decode_impl(self, params, state: DecodeState, refill, *, mode: str, stochastic: bool,
-                   stream: bool, view: int) -> DecodeState:
+  def _decode_impl(self, params, state: DecodeState, refill, limit, *, mode: str,
+                   stochastic: bool, stream: bool, view: int) -> DecodeState:
     """Macro steps until every slot is done, or (with `refill`) a slot finishes so the host can
-    give it the next request, or a live slot's blocks are full so the host can add one.
+    give it the next request, or a live slot's blocks are full so the host can add one, or
+    `limit` macro steps have run.
 
     Attention reads the first `view` blocks of each slot's table (the host picks a view that
     holds every live slot's blocks): its cost follows the live lengths, not the layout's."""
@@ -313,7 +314,8 @@ class Engine:
       step, state = carry
       finished = jnp.any(state.done & ~done_at_start)
       full = jnp.any(~state.done & (state.cache.length >= state.cache.capacity()))
-      return (step < n_max) & ~jnp.all(state.done) & ~(refill & finished) & ~full
+      return (step < jnp.minimum(n_max, limit)) & ~jnp.all(state.done) & ~(
+          refill & finished) & ~full
 
     _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
     return state.replace(cache=state.cache.replace(table=full_table))
@@ -355,8 +357,8 @@ class Engine:
       state = self._abstract_state(layout)
       fn = self._jit(self._decode_impl, static_argnames=("mode", "stochastic", "stream", "view"))
       self.programs[key] = fn.lower(self.params, state, jax.ShapeDtypeStruct((), bool),
-                                    mode=layout.mode, stochastic=stochastic, stream=stream,
-                                    view=view).compile()
+                                    jax.ShapeDtypeStruct((), jnp.int32), mode=layout.mode,
+                                    stochastic=stochastic, stream=stream, view=view).compile()
     return self.programs[key]
 
   def views(self, layout: Layout) -> list[int]:
@@ -441,10 +443,12 @@ class Engine:
 
   def serve(self, requests: Iterable, *, slots: int = 8, kv_blocks: int | None = None,
             mode: str | None = None, max_new_bound: int | None = None,
+            round_steps: int | None = None,
             progress: Callable[[Generation], None] | None = None) -> Iterator[Generation]:
     """Continuous batching: yields each request's result as it finishes (see serving.py)."""
     return serving.serve(self, requests, slots=slots, kv_blocks=kv_blocks, mode=mode,
-                         max_new_bound=max_new_bound, progress=progress)
+                         max_new_bound=max_new_bound, round_steps=round_steps,
+                         progress=progress)
 
   def _requests(self, prompts: Sequence, max_new_tokens: int, sampling: SamplingParams,
                 confidence: float | Sequence[float], seed: int, check: bool = True) -> list:

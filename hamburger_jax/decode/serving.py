@@ -4,7 +4,9 @@ A fixed number of slots and a queue of requests. A request is admitted into a fr
 the pool has blocks for its prompt (plus one entry); it is prefilled alone (chunked when long)
 while the other slots keep their state. The decode program then runs macro steps until a slot
 finishes (its slot takes the next request), a live slot fills its last block (it gets one
-more), or everything is done. When the pool has no block for a slot that needs one, the
+more), or everything is done. (`round_steps=K` instead runs rounds of K macro steps, finished
+slots idling until the round ends: fewer host round trips, idle slots; `infer.bench --mode serve
+--round-steps` measures both.) When the pool has no block for a slot that needs one, the
 youngest live request is preempted: its blocks are freed and it goes back to the front of the
 queue, to be recomputed from its prompt later (its greedy output is unchanged: a request's
 tokens depend only on its own prompt, settings and seed).
@@ -60,14 +62,21 @@ class _Live:
 
 def serve(engine, requests: Iterable[Request], *, slots: int = 8,
           kv_blocks: int | None = None, mode: str | None = None, stream: bool = False,
-          max_new_bound: int | None = None,
+          max_new_bound: int | None = None, round_steps: int | None = None,
           progress: Callable[[Generation], None] | None = None) -> Iterator[Generation]:
   """Serves `requests` with `slots` concurrent rows and a pool of `kv_blocks` KV blocks (default:
   enough for every slot's longest request). Yields a Generation per request as it finishes; a
-  request that cannot be served yields one with `error` set, and the others go on."""
+  request that cannot be served yields one with `error` set, and the others go on.
+  `round_steps`: None refills a slot as soon as it finishes; K returns to the host every K macro
+  steps (the same tokens either way)."""
   mode = engine.check_mode(mode)
   if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
     raise GenerationError(f"slots={slots!r} must be an integer >= 1")
+  if round_steps is not None and (isinstance(round_steps, bool) or not isinstance(
+      round_steps, int) or round_steps < 1):
+    raise GenerationError(f"round_steps={round_steps!r} must be None (refill when a slot "
+                          "finishes) or an integer >= 1")
+  limit = np.int32(round_steps if round_steps is not None else np.iinfo(np.int32).max)
   arrival = time.perf_counter()
   queue: collections.deque[Request] = collections.deque()
   failed: list[Generation] = []
@@ -167,7 +176,8 @@ def serve(engine, requests: Iterable[Request], *, slots: int = 8,
     view = engine.view_for(layout, max(len(lv.blocks) for lv in live.values()))
     stats.views.append(view)
     decode = engine._decode_program(layout, stochastic, stream, view)  # pylint: disable=W0212
-    state = decode(engine.params, state, engine.put(np.bool_(bool(queue))))
+    refill = np.bool_(bool(queue) and round_steps is None)
+    state = decode(engine.params, state, engine.put(refill), engine.put(limit))
     done, n_tokens, length = jax.device_get((state.done, state.n_tokens, state.cache.length))
     lengths[:] = length
     finished = [s for s in sorted(live) if done[s]]
