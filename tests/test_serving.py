@@ -82,6 +82,22 @@ def test_bounded_rounds_give_the_same_tokens(engine, alone):
     list(engine.serve(requests(), round_steps=0))
 
 
+@pytest.mark.parametrize("mode", ["base", "hamburger"])
+def test_programs_update_the_pool_in_place(engine, mode):
+  """Neither the decode nor the prefill program copies the KV pool: a copy per macro step cost
+  the 16-slot base decode ~40% of its throughput (XLA copies buffers routed through a cond)."""
+  layout = engine.layout(mode, 4, 32, 20)
+  engine.compile_programs(layout, [20], stochastic=False)
+  pool = engine._abstract_state(layout).cache.k  # pylint: disable=protected-access
+  shape = f"f32[{','.join(map(str, pool.shape))}]"
+  programs = [p for k, p in engine.programs.items() if k[1] == layout]
+  assert {k[0] for k in engine.programs if k[1] == layout} == {"prefill", "decode"}
+  for program in programs:
+    copies = [line for line in program.as_text().splitlines()
+              if shape in line and " copy(" in line]
+    assert not copies, copies[:2]
+
+
 def test_small_pool_queues_and_preempts_without_corruption(engine, alone):
   # 13 usable blocks of 4 entries: the longest request (40 + 9 entries) alone needs all 13 in
   # the worst case; together the requests need far more, so they wait in the queue and live

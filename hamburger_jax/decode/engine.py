@@ -202,7 +202,11 @@ class Engine:
           n_tokens=zero(state.n_tokens), groups=zero(state.groups), n_steps=zero(state.n_steps),
           done=at(state.done, False), **{k: at(getattr(state, k), v) for k, v in request.items()})
 
-    return jax.lax.cond(last, insert, lambda s: s, state)
+    # The pool stays out of the cond, which would copy it (see _decode_impl).
+    k, v = state.cache.k, state.cache.v
+    small = state.replace(cache=state.cache.replace(k=None, v=None))
+    small = jax.lax.cond(last, insert, lambda s: s, small)
+    return small.replace(cache=small.cache.replace(k=k, v=v))
 
   def _sample(self, logits_bv, state: DecodeState, micro: int, stochastic: bool) -> jax.Array:
     # A token's key depends only on its request, macro step and micro index: never on the slot,
@@ -307,8 +311,11 @@ class Engine:
         cache = cache.replace(length=cache.length + (~state.done).astype(jnp.int32))
         return state.replace(cache=cache, features=feats[:, 0])
 
-      state = jax.lax.cond(jnp.all(state.done), lambda s: s, advance, state)
-      return step + 1, state
+      # Unconditional: a cond here would copy the whole KV pool every step (XLA cannot update a
+      # buffer in place through a conditional). When every slot is done this one forward is
+      # wasted (done slots write only their own unused entries or the trash block), and the
+      # loop ends.
+      return step + 1, advance(state)
 
     def cond(carry):
       step, state = carry
