@@ -149,6 +149,23 @@ def test_long_prompts_are_prefilled_in_chunks(engine, alone, monkeypatch):
   assert {k[2] for k in chunked.programs if k[0] == "prefill"} == {8}
 
 
+def test_prefill_chunks_cover_the_prompt_with_little_padding():
+  buckets, cost = engine_lib.PREFILL_BUCKETS, engine_lib.PREFILL_CHUNK_COST
+  assert engine_lib.prefill_chunks(130) == [(0, 128, 128), (128, 2, 16)]  # not padded to 256
+  assert engine_lib.prefill_chunks(100) == [(0, 100, 128)]  # one chunk beats 64 + 32 + 16
+  assert engine_lib.prefill_chunks(1100) == [(0, 512, 512), (512, 512, 512), (1024, 64, 64),
+                                            (1088, 12, 16)]
+  for n in range(1, 1300):
+    chunks = engine_lib.prefill_chunks(n)
+    starts = [0] + [start + valid for start, valid, _ in chunks]
+    assert [c[0] for c in chunks] == starts[:-1] and starts[-1] == n  # contiguous, all of n
+    assert all(0 < valid <= size and size in buckets for _, valid, size in chunks)
+    padded = sum(size + cost for _, _, size in chunks)
+    # Never worse than the smallest bucket holding the prompt (or chunks of the largest).
+    whole = sum(engine_lib.bucket(min(512, n - s), buckets) + cost for s in range(0, n, 512))
+    assert padded <= whole
+
+
 def test_fifty_requests_compile_one_program_per_prompt_bucket(engine):
   rng = np.random.default_rng(0)
   lengths = rng.integers(1, 60, size=50)
@@ -158,7 +175,7 @@ def test_fifty_requests_compile_one_program_per_prompt_bucket(engine):
   fresh = Engine(engine.model, None, stop_ids=[DECODE_STOP])
   out = list(fresh.serve(reqs, slots=8, mode="hamburger"))
   assert len(out) == 50 and all(g.error is None for g in out)
-  buckets = {engine_lib.bucket(int(n), engine_lib.PREFILL_BUCKETS) for n in lengths}
+  buckets = {size for n in lengths for _, _, size in engine_lib.prefill_chunks(int(n))}
   kinds = [k[0] for k in fresh.programs]
   assert kinds.count("prefill") == len(buckets) == 3  # 16, 32, 64
   # One decode program per view of the pool (here one: every slot's view fits 128 entries).

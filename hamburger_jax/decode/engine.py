@@ -13,6 +13,7 @@ serving with one slot per prompt.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -33,9 +34,12 @@ from hamburger_jax.decode.sampling import SamplingParams, sample_rows
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import Llama
 
-# Prompts are prefilled in chunks of at most the last bucket; a prompt runs in the smallest
-# bucket that holds it, a longer one in several chunks of the largest (one program per bucket).
+# Prompts are prefilled in chunks, each padded to one of these sizes (one program per size).
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+# What one prefill chunk costs beyond its tokens, in token-equivalents: a chunk reads every weight
+# once (SmolLM2-135M on 2 CPU cores: ~30 tokens' worth of compute). prefill_chunks weighs it
+# against padding: a 130-token prompt runs as 128 + 16 rather than padded to 256.
+PREFILL_CHUNK_COST = 32
 # Static sizes of the decode program: max_new_tokens in powers of two, and each slot's view of
 # the KV pool (longest prompt + max_new_tokens) rounded up to a multiple of VIEW_STEP entries;
 # decode programs read views of VIEW_STEP x 2^i entries of it (Engine.views).
@@ -81,13 +85,24 @@ def bucket(n: int, buckets: Sequence[int]) -> int:
 
 
 def prefill_chunks(n: int) -> list[tuple[int, int, int]]:
-  """(start, valid tokens, bucket) of each prefill chunk of an n-token prompt."""
-  largest = PREFILL_BUCKETS[-1]
-  out = []
-  for start in range(0, n, largest):
-    valid = min(largest, n - start)
-    out.append((start, valid, bucket(valid, PREFILL_BUCKETS)))
+  """(start, valid tokens, bucket) of each prefill chunk of an n-token prompt: the chunk sizes
+  with the least padded tokens + PREFILL_CHUNK_COST per chunk, largest first."""
+  sizes = _chunk_sizes(n, PREFILL_BUCKETS, PREFILL_CHUNK_COST)
+  out, start = [], 0
+  for size in sizes:
+    valid = min(size, n - start)
+    out.append((start, valid, size))
+    start += valid
   return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_sizes(n: int, buckets: tuple[int, ...], chunk_cost: int) -> tuple[int, ...]:
+  best = [(0, ())] + [None] * n  # best[r]: (cost, sizes) for the first r tokens
+  for r in range(1, n + 1):
+    best[r] = min((best[max(r - b, 0)][0] + b + chunk_cost, best[max(r - b, 0)][1] + (b,))
+                  for b in buckets)
+  return tuple(sorted(best[n][1], reverse=True))
 
 
 def generate_slots(n: int) -> int:
