@@ -67,6 +67,8 @@ def vocab_size(checkpoint: str | None = None, base_source: str | None = None) ->
   """The vocabulary of the model that load_hamburger(checkpoint, base_source) (checkpoint None:
   load_llama(base_source)) would build, from metadata only: for argument checks that must not
   wait for the weights."""
+  if checkpoint == UNTRAINED:
+    checkpoint = None  # fresh modules on the base: the base's vocabulary
   if checkpoint is not None and base_source is None:
     meta = read_meta(checkpoint)
     try:

@@ -108,8 +108,8 @@ def check_top_k(sampling, checkpoint: str | None, base: str | None) -> None:
   from hamburger_jax.decode.sampling import SamplingError  # pylint: disable=import-outside-toplevel
   try:
     sampling.check_vocab(pretrained.vocab_size(checkpoint, base))
-  except (SamplingError, WeightsError, FileNotFoundError, ValueError) as e:
-    raise SystemExit(f"error: {e}") from None
+  except (SamplingError, WeightsError, FileNotFoundError, ValueError, RuntimeError) as e:
+    raise SystemExit(f"error: {e}") from None  # RuntimeError: assets.AssetError (not installed)
 
 
 def coloured(tokenizer, token_ids: list[int], groups: list[int], colour: bool) -> str:

@@ -97,6 +97,8 @@ def test_serve_json_lines(graft_checkpoint, tmp_path):
 
 def test_top_k_beyond_the_vocabulary_fails_before_loading(graft_checkpoint):
   """The vocabulary comes from metadata (the checkpoint's, or the GGUF header in base mode)."""
+  assert pretrained.vocab_size(graft_checkpoint) == pretrained.vocab_size(pretrained.UNTRAINED) \
+      == 49152
   for run, mode_args in ((_run, ["--mode", "base"]),
                          (_serve, ["--mode", "hamburger", "--checkpoint", graft_checkpoint])):
     extra = [] if run is _run else ["--prompts-file", __file__]

@@ -89,7 +89,8 @@ def test_programs_update_the_pool_in_place(engine, mode):
   layout = engine.layout(mode, 4, 32, 20)
   engine.compile_programs(layout, [20], stochastic=False)
   pool = engine._abstract_state(layout).cache.k  # pylint: disable=protected-access
-  shape = f"f32[{','.join(map(str, pool.shape))}]"
+  dtype = {"float32": "f32", "bfloat16": "bf16"}[pool.dtype.name]
+  shape = f"{dtype}[{','.join(map(str, pool.shape))}]"
   programs = [p for k, p in engine.programs.items() if k[1] == layout]
   assert {k[0] for k in engine.programs if k[1] == layout} == {"prefill", "decode"}
   for program in programs:
