@@ -86,7 +86,8 @@ def distill(conversations: Iterable[Conversation], engine, tokenizer, *, max_new
       raise ValueError(f"{conv.id}: {g.error}")
     yield dataclasses.replace(conv, response=tokenizer.decode(g.token_ids,
                                                               skip_special_tokens=True),
-                              prompt_ids=tuple(reqs[g.id].ids), response_ids=tuple(g.token_ids))
+                              prompt_ids=tuple(int(i) for i in reqs[g.id].prompt),
+                              response_ids=tuple(g.token_ids))
     if progress is not None:
       progress(1)
 
