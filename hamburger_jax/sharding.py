@@ -72,9 +72,5 @@ def state_shardings(state: Any, mesh: jax.sharding.Mesh,
   return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def batch_sharding(mesh: jax.sharding.Mesh, ndim: int) -> NamedSharding:
-  return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
-
-
 def batch_divisor(mesh: jax.sharding.Mesh) -> int:
   return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
