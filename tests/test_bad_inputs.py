@@ -98,6 +98,8 @@ def test_train_main_refuses_before_loading_anything(tmp_path: Path) -> None:
       "steps": (base + ["--set", "train.steps=0"], "train.steps=0 must be >= 1"),
       "max_steps": (base + ["--max-steps", "-3"], "--max-steps=-3 must be a positive number"),
       "max_minutes": (base + ["--max-minutes", "-1"], "--max-minutes=-1.0 must be >= 0"),
+      "max_cpu_minutes": (base + ["--max-cpu-minutes", "-2"],
+                          "--max-cpu-minutes=-2.0 must be >= 0"),
       "keep": (base + ["--set", "checkpoint.keep=0"], "checkpoint.keep=0 must be >= 1"),
       "every": (base + ["--set", "checkpoint.every=0"], "checkpoint.every=0 must be >= 1"),
       "log_every": (base + ["--set", "train.log_every=0"], "train.log_every=0 must be >= 1"),

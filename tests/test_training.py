@@ -728,12 +728,34 @@ def test_max_minutes_saves_and_stops_after_a_step(staged, tmp_path: Path, no_ggu
     trainer.run(cfg, max_steps=-3, progress=False)
 
 
+def test_max_cpu_minutes_counts_the_steps_cpu_time(staged, tmp_path: Path, no_gguf_tokenizer):
+  config = _staged_config(tmp_path / "cpu.yaml", str(load_run_config(
+      staged.config, stage="micro").data.dir), tmp_path / "cpu")
+  cfg = load_run_config(config, ["train.eval_every=0", "train.log_every=1"], stage="micro")
+  said = []
+  out = trainer.run(cfg, max_cpu_minutes=0, progress=False, log=said.append)
+  assert (out.steps_done, out.final_step, out.export_dir) == (1, 1, None)
+  assert any("CPU min of training: saving step 1" in s for s in said), said
+  logged = _metrics(tmp_path / "cpu" / "micro")
+  assert logged[0]["step_cpu_s"] > 0
+  # A budget no step reaches trains to the end.
+  assert trainer.run(cfg, max_cpu_minutes=1e6, progress=False, log=said.append).final_step == (
+      cfg.train.steps)
+  with pytest.raises(ConfigError, match="max_cpu_minutes=-1 must be >= 0"):
+    trainer.run(cfg, max_cpu_minutes=-1, progress=False)
+
+
 def test_recipe_comparison_plot(staged, tmp_path: Path, capsys):
   from train import curves  # pylint: disable=import-outside-toplevel
   # Stages chain on one minutes axis: stage 2's steps come after stage 1's minutes.
   one = [{"step": s, "step_s": 60.0, "val_agree_s2": 0.1 * s} for s in (1, 2)]
   two = [{"step": s, "step_s": 30.0, "val_agree_merged": 0.2} for s in (1, 2, 3, 4)]
   assert [m for m, _ in curves.minutes_axis([one, two])] == [1.0, 2.0, 2.5, 3.0, 3.5, 4.0]
+  # CPU seconds are the axis when every run logged them (comparable on a shared machine).
+  assert curves.time_key([[one, two]]) == "step_s"
+  cpu = [dict(r, step_cpu_s=2 * r["step_s"]) for r in one]
+  assert curves.time_key([[cpu]]) == "step_cpu_s"
+  assert [m for m, _ in curves.minutes_axis([cpu], "step_cpu_s")] == [2.0, 4.0]
   out = tmp_path / "cmp.png"
   stages = f"{staged.run / 'micro'},{staged.run / 'merger'}"
   assert curves.main(["--compare", f"distill={stages}", f"again={stages}", "--out",

@@ -93,14 +93,22 @@ COMPARED = (("val_agree_unmerged", "token 0 after an unmerged entry"),
             ("val_agree_s2", "micro step 2"), ("val_agree_s3", "micro step 3"))
 
 
-def minutes_axis(stages: Sequence[Sequence[dict[str, Any]]]) -> list[tuple[float, dict]]:
+def time_key(recipes: Sequence[Sequence[Sequence[dict[str, Any]]]]) -> str:
+  """The step time every run logged: CPU seconds (all cores; comparable on a shared machine)
+  where all have them, else wall seconds."""
+  rows = [r for stages in recipes for stage in stages for r in stage]
+  return "step_cpu_s" if rows and all("step_cpu_s" in r for r in rows if "step_s" in r) else "step_s"
+
+
+def minutes_axis(stages: Sequence[Sequence[dict[str, Any]]],
+                 key: str = "step_s") -> list[tuple[float, dict]]:
   """(training minutes, row) for the rows of consecutive stages of one recipe: each stage's
-  steps at its median logged step time, after the minutes of the stages before it."""
+  steps at its median logged step time (`key`), after the minutes of the stages before it."""
   out, offset = [], 0.0
   for rows in stages:
-    step_s = sorted(r["step_s"] for r in rows if "step_s" in r)
+    step_s = sorted(r[key] for r in rows if key in r)
     if not step_s:
-      raise ValueError("a run has no step_s in its metrics: not a train.main run")
+      raise ValueError(f"a run has no {key} in its metrics: not a train.main run")
     per_step = step_s[len(step_s) // 2] / 60
     out += [(offset + r["step"] * per_step, r) for r in rows]
     offset += max(r["step"] for r in rows) * per_step
@@ -113,14 +121,15 @@ def plot_comparison(recipes: dict[str, list[list[dict[str, Any]]]], path: str) -
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
 
+  clock = time_key(list(recipes.values()))
+  xlabel = "CPU minutes (all cores)" if clock == "step_cpu_s" else "training minutes (wall)"
   fig, axes = plt.subplots(1, len(COMPARED), figsize=(4.5 * len(COMPARED), 3.8))
   for ax, (key, title) in zip(axes, COMPARED):
     for i, (name, stages) in enumerate(recipes.items()):
-      pts = [(m, r[key]) for m, r in minutes_axis(stages) if key in r]
+      pts = [(m, r[key]) for m, r in minutes_axis(stages, clock) if key in r]
       if pts:
         ax.plot(*zip(*pts), "o-", color=f"C{i}", label=name)
-    ax.set(title=f"agreement with the base:\n{title}", xlabel="training minutes (CPU)",
-           ylim=(0, 1))
+    ax.set(title=f"agreement with the base:\n{title}", xlabel=xlabel, ylim=(0, 1))
     ax.legend()
   fig.tight_layout()
   tmp = path + ".tmp.png"

@@ -26,6 +26,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="stop after this many steps in this invocation (resume later)")
   p.add_argument("--max-minutes", type=float, default=None,
                  help="stop (and save) after the first step that ends past this many minutes")
+  p.add_argument("--max-cpu-minutes", type=float, default=None,
+                 help="stop (and save) after the first step that brings this process's CPU time "
+                 "in training steps past this many minutes (all cores counted: comparable runs "
+                 "on a shared CPU)")
   p.add_argument("--num-processes", type=int, default=None)
   p.add_argument("--process-id", type=int, default=None)
   p.add_argument("--coordinator", default=None, help="host:port of process 0")
@@ -38,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             "train to train.steps)")
   if args.max_minutes is not None and not args.max_minutes >= 0:
     p.error(f"--max-minutes={args.max_minutes} must be >= 0 (0: stop after one step)")
+  if args.max_cpu_minutes is not None and not args.max_cpu_minutes >= 0:
+    p.error(f"--max-cpu-minutes={args.max_cpu_minutes} must be >= 0 (0: stop after one step)")
   return args
 
 
@@ -75,6 +81,7 @@ def main(argv=None) -> int:
   from train import trainer  # pylint: disable=import-outside-toplevel
   try:
     result = trainer.run(cfg, max_steps=args.max_steps, max_minutes=args.max_minutes,
+                         max_cpu_minutes=args.max_cpu_minutes,
                          progress=not args.no_progress)
   except (ConfigError, FileNotFoundError) as e:
     raise SystemExit(f"error: {e}") from None

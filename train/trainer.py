@@ -392,13 +392,20 @@ def resume_latest(trainer: Trainer, mngr: ocp.CheckpointManager, iterator, cfg: 
 
 
 def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | None = None,
-        progress: bool = True, log: Callable[[str], None] = print) -> RunResult:
+        max_cpu_minutes: float | None = None, progress: bool = True,
+        log: Callable[[str], None] = print) -> RunResult:
   """Trains until cfg.train.steps (or `max_steps` more steps, or the first step ending after
-  `max_minutes` of training), resuming from the latest checkpoint; saves where it stops."""
+  `max_minutes` of wall time or `max_cpu_minutes` of this process's CPU time spent in training
+  steps), resuming from the latest checkpoint; saves where it stops.
+
+  The CPU-time budget is what makes two runs on a shared or paused machine comparable (the
+  recipe comparison gives each recipe the same CPU minutes): a step's CPU time does not grow when
+  another job takes the cores, and evaluation is not charged to it."""
   if max_steps is not None and max_steps < 1:
     raise ConfigError(f"max_steps={max_steps} must be >= 1")
-  if max_minutes is not None and max_minutes < 0:
-    raise ConfigError(f"max_minutes={max_minutes} must be >= 0")
+  for name, value in (("max_minutes", max_minutes), ("max_cpu_minutes", max_cpu_minutes)):
+    if value is not None and not value >= 0:
+      raise ConfigError(f"{name}={value} must be >= 0")
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   meta = pipeline.dataset_metadata(cfg.data.dir)  # data problems fail before the model loads
   check_data(cfg, meta)
@@ -435,15 +442,19 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
   last: dict[str, float] = {}
   bar = tqdm(total=end, initial=start, unit="step", disable=not progress or trainer.process_index)
   deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
+  cpu_used = 0.0
   try:
     for step in range(start, end):
-      t0 = time.perf_counter()
+      t0, c0 = time.perf_counter(), time.process_time()
       m = trainer.step([next(iterator) for _ in range(d.accum)])
-      dt = time.perf_counter() - t0
-      m.update(step_s=dt, tokens_per_s=m["tokens"] / dt,
+      dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+      cpu_used += cpu
+      m.update(step_s=dt, step_cpu_s=cpu, tokens_per_s=m["tokens"] / dt,
                mean_group_size=m["tokens"] / max(m["groups"], 1.0))
       done = step + 1
-      timed_out = deadline is not None and time.monotonic() >= deadline and done < end
+      timed_out = done < end and (
+          (deadline is not None and time.monotonic() >= deadline)
+          or (max_cpu_minutes is not None and cpu_used >= 60 * max_cpu_minutes))
       last_step = done == end or timed_out  # a time-boxed stop evaluates and logs like an end
       if t.eval_every and (done % t.eval_every == 0 or last_step):
         m.update(trainer.evaluate(pipeline.validation_batches(
@@ -476,8 +487,9 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
         save(done)
         break
       if timed_out:
-        log(f"{max_minutes} min of training: saving step {done} and stopping (run again to "
-            "resume)")
+        spent = (f"{cpu_used / 60:.1f} CPU min" if max_cpu_minutes is not None
+                 and cpu_used >= 60 * max_cpu_minutes else f"{max_minutes} min")
+        log(f"{spent} of training: saving step {done} and stopping (run again to resume)")
         save(done)
         break
   except KeyboardInterrupt:
