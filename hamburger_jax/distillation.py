@@ -42,6 +42,26 @@ def feature_error(student: jax.Array, teacher: jax.Array) -> jax.Array:
   return jnp.sum((s - t) ** 2, axis=-1) / (jnp.sum(t * t, axis=-1) + 1e-6)
 
 
+# Confidences at which validation reports teacher-forced acceptance (see `acceptance`).
+TRACKED_CONFIDENCES = (0.5, 0.8)
+
+
+def acceptance(stop_nk: jax.Array, agree_nk: jax.Array, size_n: jax.Array,
+               confidence: float) -> dict[str, jax.Array]:
+  """What decoding at `confidence` would do on teacher-forced windows, without generating: after
+  token i a row goes on to token i + 1 while P(continue) >= confidence at every step so far
+  (and the window has token i + 1). Returns the groups counted, the tokens they would emit
+  (token 0 plus every accepted micro step) and how many accepted micro-step tokens are the
+  teacher's greedy token: the compression / fidelity trade-off that the stop target decides."""
+  k = stop_nk.shape[1]
+  goes = (jax.nn.sigmoid(-stop_nk[:, :k - 1]) >= confidence) & (
+      jnp.arange(1, k)[None, :] < size_n[:, None])
+  accepted = jnp.cumprod(goes.astype(jnp.int32), axis=1).astype(bool)  # token i + 1 emitted
+  live = size_n > 0
+  return {"groups": live.sum(), "emitted": jnp.sum(jnp.where(live, 1 + accepted.sum(1), 0)),
+          "accepted": accepted.sum(), "accepted_agree": jnp.sum(accepted & agree_nk[:, 1:])}
+
+
 def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str, jax.Array],
                       cfg: DistillConfig, ce_chunk: int, group_end_n: jax.Array | None = None
                       ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
@@ -82,6 +102,11 @@ def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str
              "groups": (size > 0).sum(),
              "stop_acc": stop_mean((stop > 0) == stop_target),
              "continue_rate": stop_mean(stop < 0)}  # steps where P(continue) > 0.5
+  for c in TRACKED_CONFIDENCES:
+    acc = acceptance(stop, agree, size, c)
+    tag = f"c{round(100 * c)}"
+    metrics[f"tf_tokens_per_step_{tag}"] = acc["emitted"] / jnp.maximum(acc["groups"], 1)
+    metrics[f"tf_accepted_agree_{tag}"] = acc["accepted_agree"] / jnp.maximum(acc["accepted"], 1)
   for i in range(k):
     denom = jnp.maximum(valid[:, i].sum(), 1)
     metrics[f"agree_s{i + 1}"] = jnp.sum(valid[:, i] & agree[:, i]) / denom

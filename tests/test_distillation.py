@@ -15,7 +15,7 @@ from flax import nnx
 
 from hamburger_jax import layout
 from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig
-from hamburger_jax.distillation import distill_loss, micro_distill_loss
+from hamburger_jax.distillation import acceptance, distill_loss, micro_distill_loss
 from hamburger_jax.model import lora
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import causal_segment_mask
@@ -156,3 +156,31 @@ def test_kl_is_zero_when_the_student_is_the_teacher(model, batch):
   got = micro_distill_loss(model, own, DistillConfig())[1]
   assert abs(float(got["kl"])) < 1e-5
   assert float(got["agree_s2"]) == 1.0
+
+
+def test_acceptance_follows_decoding_at_a_confidence():
+  """Against a loop that decodes each teacher-forced window as the engine would: continue from
+  token i to i + 1 while P(continue) = sigmoid(-stop) >= c and the window has token i + 1."""
+  rng = np.random.default_rng(3)
+  n, k = 64, K
+  stop = rng.normal(0, 2, (n, k)).astype(np.float32)
+  agree = rng.random((n, k)) < 0.6
+  size = rng.integers(0, k + 1, n)
+  for c in (0.0, 0.5, 0.8, 1.0 - 1e-6):
+    got = {name: int(v) for name, v in acceptance(jnp.asarray(stop), jnp.asarray(agree),
+                                                  jnp.asarray(size), c).items()}
+    want = dict(groups=0, emitted=0, accepted=0, accepted_agree=0)
+    for row in range(n):
+      if size[row] == 0:
+        continue
+      want["groups"] += 1
+      want["emitted"] += 1
+      for i in range(k - 1):
+        if not (1 / (1 + np.exp(stop[row, i])) >= c and i + 1 < size[row]):
+          break
+        want["emitted"] += 1
+        want["accepted"] += 1
+        want["accepted_agree"] += int(agree[row, i + 1])
+    assert got == want, c
+  assert got["accepted"] < int(acceptance(jnp.asarray(stop), jnp.asarray(agree),
+                                          jnp.asarray(size), 0.0)["accepted"])

@@ -90,7 +90,9 @@ def plot_curves(rows: Sequence[dict[str, Any]], path: str, smooth: int = 5) -> s
 
 COMPARED = (("val_agree_unmerged", "token 0 after an unmerged entry"),
             ("val_agree_merged", "token 0 after a merged entry"),
-            ("val_agree_s2", "micro step 2"), ("val_agree_s3", "micro step 3"))
+            ("val_agree_s2", "micro step 2"), ("val_agree_s3", "micro step 3"),
+            ("val_tf_tokens_per_step_c80", "tokens per step at confidence 0.8\n(teacher-forced)"),
+            ("val_tf_accepted_agree_c80", "accepted micro tokens that are the\nbase's, at 0.8"))
 
 
 def time_key(recipes: Sequence[Sequence[Sequence[dict[str, Any]]]]) -> str:
@@ -123,13 +125,16 @@ def plot_comparison(recipes: dict[str, list[list[dict[str, Any]]]], path: str) -
 
   clock = time_key(list(recipes.values()))
   xlabel = "CPU minutes (all cores)" if clock == "step_cpu_s" else "training minutes (wall)"
-  fig, axes = plt.subplots(1, len(COMPARED), figsize=(4.5 * len(COMPARED), 3.8))
-  for ax, (key, title) in zip(axes, COMPARED):
+  cols = 3
+  fig, axes = plt.subplots(-(-len(COMPARED) // cols), cols, figsize=(4.5 * cols, 3.8 * 2))
+  for ax, (key, title) in zip(axes.ravel(), COMPARED):
     for i, (name, stages) in enumerate(recipes.items()):
       pts = [(m, r[key]) for m, r in minutes_axis(stages, clock) if key in r]
       if pts:
         ax.plot(*zip(*pts), "o-", color=f"C{i}", label=name)
-    ax.set(title=f"agreement with the base:\n{title}", xlabel=xlabel, ylim=(0, 1))
+    per_step = "tokens_per_step" in key
+    ax.set(title=title if per_step else f"agreement with the base:\n{title}", xlabel=xlabel,
+           ylim=(1, 4) if per_step else (0, 1))
     ax.legend()
   fig.tight_layout()
   tmp = path + ".tmp.png"

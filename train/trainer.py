@@ -246,10 +246,11 @@ class Trainer:
     _, metrics = self._loss(params, frozen, batch)
     if "teacher_features" in batch and "agree_merged" not in metrics:
       # One yardstick for every recipe and stage: HAMburger's teacher-forced agreement with the
-      # base's greedy tokens, after merged and after unmerged entries, and per micro step.
+      # base's greedy tokens, after merged and after unmerged entries, and per micro step; and
+      # what decoding at a few confidences would accept (distillation.acceptance).
       _, full = distill_loss(self._merge(params, frozen), batch, self.cfg.distill,
                              self.cfg.train.ce_chunk)
-      metrics.update({k: v for k, v in full.items() if k.startswith("agree_")})
+      metrics.update({k: v for k, v in full.items() if k.startswith(("agree_", "tf_"))})
     return metrics
 
   # ---------------------------------------------------------------- host side
