@@ -235,6 +235,28 @@ def test_sampled_request_does_not_depend_on_batch_mates(engine):
   assert other_seed.token_ids != alone.token_ids
 
 
+def test_micro_batches_hold_the_continuing_rows():
+  assert [engine_lib.micro_batch_sizes(n) for n in (1, 2, 3, 8, 16, 32)] == [
+      (), (1,), (1,), (1, 2), (1, 4), (1, 8)]
+  got = [int(engine_lib.micro_branch(n, 16)) for n in range(17)]
+  assert got == [0, 1, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3]  # none, 1 row, 4 rows, all
+  assert [int(engine_lib.micro_branch(n, 1)) for n in (0, 1)] == [0, 1]
+
+
+def test_few_continuing_rows_emit_what_they_emit_alone(engine):
+  """8 slots where one or two rows continue past token 0 (confidence 0) and the rest never do
+  (1.0): their micro steps run gathered into a 1- or 2-row micro batch and scattered back."""
+  confidences = [0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+  reqs = [Request(PROMPTS[i], max_new_tokens=MAX_NEW[i], confidence=c, id=i)
+          for i, c in enumerate(confidences)]
+  got = {g.id: g for g in engine.serve(reqs, slots=8, mode="hamburger")}
+  for i, c in enumerate(confidences):
+    want = engine.generate([PROMPTS[i]], max_new_tokens=MAX_NEW[i], mode="hamburger",
+                           confidence=c)[0]
+    assert (got[i].token_ids, got[i].groups) == (want.token_ids, want.groups), f"request {i}"
+  assert max(got[0].groups) >= 2 and max(got[1].groups) == 1
+
+
 SHARDED = """
 import json, os
 import jax

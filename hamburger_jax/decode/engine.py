@@ -46,6 +46,9 @@ PREFILL_CHUNK_COST = 32
 LENGTH_BUCKETS = tuple(2 ** i for i in range(4, 18))
 VIEW_STEP = 128
 DEFAULT_BLOCK_SIZE = 16
+# A macro step whose continuing rows fit in slots / MICRO_BATCH_DIVISOR runs its micro steps on
+# those rows only (micro_batch_sizes).
+MICRO_BATCH_DIVISOR = 4
 
 
 @flax.struct.dataclass
@@ -109,6 +112,21 @@ def generate_slots(n: int) -> int:
   """`generate`'s slots for n prompts: a power of two (the spare slots stay empty), so batches of
   similar size share their compiled programs."""
   return 1 << (n - 1).bit_length()
+
+
+def micro_batch_sizes(slots: int) -> tuple[int, ...]:
+  """The micro batches (below `slots`) a macro step may gather its continuing rows into: one
+  row, and a quarter of the slots. Each is one more traced copy of the micro steps; the LM head
+  they run costs less for fewer rows (SmolLM2 on 2 CPU cores: 1 row ~3 ms, 4 rows ~8 ms, 16 rows
+  ~17 ms), which is what a macro step pays when only a few rows continue."""
+  return tuple(sorted({n for n in (1, slots // MICRO_BATCH_DIVISOR) if 1 <= n < slots}))
+
+
+def micro_branch(n_continuing: jax.Array, slots: int) -> jax.Array:
+  """Which micro batch a macro step runs: 0 none (no row continues), i the i-th of
+  micro_batch_sizes(slots) (the smallest that holds the continuing rows), last every slot."""
+  sizes = jnp.asarray((*micro_batch_sizes(slots), slots), jnp.int32)
+  return jnp.where(n_continuing == 0, 0, 1 + jnp.searchsorted(sizes, n_continuing))
 
 
 def _continues(stop_logit: jax.Array, confidence: jax.Array) -> jax.Array:
@@ -247,21 +265,27 @@ class Engine:
     cont = (~state.done & _continues(model.stop_logits(h0), state.confidence)
             & ~jnp.isin(t0, stop_ids) & (remaining > 1))
 
-    def micro_step(i, x_btd, cache, tokens, count, cont):
-      """Runs inputs ending with e(t_{i-1}) and emits t_i where `cont`."""
-      h, cache = model.micro_step(i, x_btd, cache)
-      ti = self._sample(base.logits(h), state, i, stochastic)
-      tokens = jax.lax.dynamic_update_slice_in_dim(tokens, jnp.where(cont, ti, 0)[:, None], i, 1)
-      count = count + cont
-      cont = cont & _continues(model.stop_logits(h), state.confidence) & ~jnp.isin(
-          ti, stop_ids) & (remaining > i + 1)
-      return cache, tokens, count, cont
+    rows_state = state.replace(cache=None)  # the per-row fields (never the KV pool)
 
-    def run_micro(operands):
-      tokens, count, cont = operands
+    def micro_loop(rs: DecodeState, tokens, count, cont):
+      """Micro steps 1..K-1 for the rows of `rs` (a slice of the state's rows)."""
+      left = rs.max_new - rs.n_tokens
+
+      def micro_step(i, x_btd, cache, tokens, count, cont):
+        """Runs inputs ending with e(t_{i-1}) and emits t_i where `cont`."""
+        h, cache = model.micro_step(i, x_btd, cache)
+        ti = self._sample(base.logits(h), rs, i, stochastic)
+        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, jnp.where(cont, ti, 0)[:, None], i,
+                                                     1)
+        count = count + cont
+        cont = cont & _continues(model.stop_logits(h), rs.confidence) & ~jnp.isin(
+            ti, stop_ids) & (left > i + 1)
+        return cache, tokens, count, cont
+
       # Micro step 1 reads the F features and e(t0) in one pass (one read of the weights).
-      x = jnp.concatenate([state.features, base.embed(tokens[:, :1])], axis=1)
-      carry = (jnp.int32(2), *micro_step(1, x, model.micro_cache(b), tokens, count, cont))
+      x = jnp.concatenate([rs.features, base.embed(tokens[:, :1])], axis=1)
+      carry = (jnp.int32(2), *micro_step(1, x, model.micro_cache(tokens.shape[0]), tokens, count,
+                                         cont))
 
       def body(carry):
         i, cache, tokens, count, cont = carry
@@ -272,8 +296,27 @@ class Engine:
           lambda c: (c[0] < k) & jnp.any(c[4]), body, carry)
       return tokens, count
 
-    # Rows whose stop head fired after token 0 need no micro decoder work at all.
-    return jax.lax.cond(jnp.any(cont), run_micro, lambda o: o[:2], (tokens, count, cont))
+    def full(operands):
+      return micro_loop(rows_state, *operands)
+
+    def compact(size: int):
+      def run(operands):
+        """Only the rows that continue, gathered into a micro batch of `size` rows: a micro
+        step's LM head then reads `size` rows, not every slot (padding rows emit nothing)."""
+        tokens, count, cont = operands
+        idx = jnp.nonzero(cont, size=size, fill_value=b)[0]  # b: a padding row
+        take = lambda x: x[jnp.minimum(idx, b - 1)]
+        sub_tokens, sub_count = micro_loop(jax.tree.map(take, rows_state), take(tokens),
+                                           take(count), idx < b)
+        return (tokens.at[idx].set(sub_tokens, mode="drop"),
+                count.at[idx].set(sub_count, mode="drop"))
+      return run
+
+    # Rows whose stop head fired after token 0 need no micro decoder work at all; when few rows
+    # go on, the smallest micro batch that holds them runs the micro steps.
+    return jax.lax.switch(micro_branch(jnp.sum(cont), b),
+                          [lambda o: o[:2], *(compact(n) for n in micro_batch_sizes(b)), full],
+                          (tokens, count, cont))
 
   def _decode_impl(self, params, state: DecodeState, refill, limit, *, mode: str,
                    stochastic: bool, stream: bool, view: int) -> DecodeState:
