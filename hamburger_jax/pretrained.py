@@ -13,7 +13,6 @@ import json
 import os
 from typing import Any
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx

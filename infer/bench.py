@@ -116,8 +116,8 @@ def bench_base(args) -> None:
     hf_tps = b * args.new_tokens / hf_s
     same = sum(g.token_ids == h for g, h in zip(gens, hf_out))
     rows.append((b, ours_tps, hf_tps, compile_s, same))
-  print(f"\n| batch | ours tok/s | transformers tok/s | ratio | identical greedy rows | "
-        f"compile s |")
+  print("\n| batch | ours tok/s | transformers tok/s | ratio | identical greedy rows | "
+        "compile s |")
   print("|---|---|---|---|---|---|")
   for b, o, h, c, same in rows:
     print(f"| {b} | {o:.1f} | {h:.1f} | {o / h:.2f}x | {same}/{b} | {c:.1f} |")

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-from flax import nnx
 
 from hamburger_jax import assets, pretrained
 

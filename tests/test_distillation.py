@@ -5,7 +5,6 @@ exactly, bad inputs are named)."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
