@@ -37,6 +37,7 @@ def test_run_serve_reports_the_serving_figures():
   assert base["kv_per_token"] == pytest.approx(30 / 34)
   assert forced["kv_per_token"] < 0.5
   assert max(engine.last_serve.in_flight) == 2 and forced["rounds"] >= 2
+  assert 0 < forced["queued_in_flight"] <= 2  # 4 requests, 2 slots: some waited
   assert base["tok_s"] > 0 and base["p95"] >= base["p50"] > 0
   # Rounds of 3 macro steps: more host round trips than refilling at each finish (34 tokens
   # over 2 slots take at least 17 base steps: 6 rounds), the same tokens.

@@ -111,6 +111,9 @@ def test_small_pool_queues_and_preempts_without_corruption(engine, alone):
   assert max(stats.blocks_used) <= 13 and stats.free_blocks_at_end == 13
   assert stats.preemptions > 0 and sum(g.preemptions for g in got.values()) == stats.preemptions
   assert max(stats.in_flight) < 6  # the pool, not the slots, bounded the batch
+  assert len(stats.queued) == len(stats.round_s) == stats.rounds and stats.queued[0] > 0
+  waited = [n for n, q in zip(stats.in_flight, stats.queued) if q > 0]
+  assert min(waited) <= stats.in_flight_while_queued <= max(waited)
 
 
 def test_pool_too_small_for_one_request_fails_it_alone(engine):

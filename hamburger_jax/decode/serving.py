@@ -35,12 +35,23 @@ class ServeStats:
   in_flight: list[int] = dataclasses.field(default_factory=list)  # live requests, per round
   blocks_used: list[int] = dataclasses.field(default_factory=list)  # blocks held, per round
   views: list[int] = dataclasses.field(default_factory=list)  # decode view (blocks), per round
+  queued: list[int] = dataclasses.field(default_factory=list)  # requests waiting, per round
+  round_s: list[float] = dataclasses.field(default_factory=list)  # decode seconds, per round
   preemptions: int = 0
   free_blocks_at_end: int = 0
 
   @property
   def mean_in_flight(self) -> float:
     return float(np.mean(self.in_flight)) if self.in_flight else 0.0
+
+  @property
+  def in_flight_while_queued(self) -> float:
+    """Live requests, averaged over the decode time of the rounds that ran while requests
+    waited: what the slots and the pool held when demand exceeded them (the stream's tail,
+    when the queue is empty and rows finish one by one, left out)."""
+    pairs = [(n, t) for n, q, t in zip(self.in_flight, self.queued, self.round_s) if q > 0]
+    total = sum(t for _, t in pairs)
+    return sum(n * t for n, t in pairs) / total if total > 0 else 0.0
 
 
 def check_tables(table: np.ndarray, live_slots) -> None:
@@ -172,13 +183,16 @@ def serve(engine, requests: Iterable[Request], *, slots: int = 8,
       continue
     stats.rounds += 1
     stats.in_flight.append(len(live))
+    stats.queued.append(len(queue))
     stats.blocks_used.append(pool.usable - pool.free)
     view = engine.view_for(layout, max(len(lv.blocks) for lv in live.values()))
     stats.views.append(view)
     decode = engine._decode_program(layout, stochastic, stream, view)  # pylint: disable=W0212
     refill = np.bool_(bool(queue) and round_steps is None)
+    t_round = time.perf_counter()
     state = decode(engine.params, state, engine.put(refill), engine.put(limit))
     done, n_tokens, length = jax.device_get((state.done, state.n_tokens, state.cache.length))
+    stats.round_s.append(time.perf_counter() - t_round)
     lengths[:] = length
     finished = [s for s in sorted(live) if done[s]]
     if finished:
