@@ -43,7 +43,7 @@ def feature_error(student: jax.Array, teacher: jax.Array) -> jax.Array:
 
 
 # Confidences at which validation reports teacher-forced acceptance (see `acceptance`).
-TRACKED_CONFIDENCES = (0.5, 0.8)
+TRACKED_CONFIDENCES = (0.3, 0.5, 0.7, 0.8, 0.9)
 
 
 def acceptance(stop_nk: jax.Array, agree_nk: jax.Array, size_n: jax.Array,

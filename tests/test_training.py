@@ -761,6 +761,18 @@ def test_recipe_comparison_plot(staged, tmp_path: Path, capsys):
   assert curves.main(["--compare", f"distill={stages}", f"again={stages}", "--out",
                       str(out)]) == 0
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  # The stop head's trade-off, from the last validation of each run.
+  rows = [{"step": 1, "val_tf_tokens_per_step_c80": 9.0, "val_tf_accepted_agree_c80": 0.0},
+          {"step": 2, "val_tf_tokens_per_step_c80": 1.2, "val_tf_accepted_agree_c80": 0.9,
+           "val_tf_tokens_per_step_c50": 1.6, "val_tf_accepted_agree_c50": 0.7}]
+  assert curves.tradeoff_points(rows) == [(0.5, 1.6, 0.7), (0.8, 1.2, 0.9)]
+  with pytest.raises(ValueError, match="no val_tf_"):
+    curves.tradeoff_points([{"step": 1}])
+  run = tmp_path / "tf"
+  run.mkdir()
+  (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  assert curves.main(["--tradeoff", f"a={run}", f"b={run}", "--out", str(out)]) == 0
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   with pytest.raises(SystemExit):  # --compare without --out
     curves.main(["--compare", f"distill={stages}"])
   assert curves.main(["--compare", "distill", "--out", str(out)]) == 2

@@ -2,6 +2,7 @@
 
   python -m train.curves runs/smollm2-hamburger [--out curves.png]
   python -m train.curves --compare paper=runs/p distill=runs/d/micro,runs/d/merger --out cmp.png
+  python -m train.curves --tradeoff teacher=runs/t/micro segments=runs/s/micro --out stop.png
 
 Panels: loss (train and validation), token accuracy per micro step (acc_s1..acc_s4: the
 group's tokens 1..4; s1 comes from the base's own last hidden state, s2..s4 from the micro-step
@@ -144,6 +145,45 @@ def plot_comparison(recipes: dict[str, list[list[dict[str, Any]]]], path: str) -
   return path
 
 
+def tradeoff_points(rows: Sequence[dict[str, Any]]) -> list[tuple[float, float, float]]:
+  """(confidence, tokens per step, accepted micro tokens that are the base's) from a run's last
+  validation, for every confidence it tracked (distillation.acceptance)."""
+  last = next((r for r in reversed(rows) if "val_tf_tokens_per_step_c80" in r), None)
+  if last is None:
+    raise ValueError("a run has no val_tf_* metrics: validate it with teacher data")
+  out = []
+  for key in last:
+    if key.startswith("val_tf_tokens_per_step_c"):
+      tag = key.rsplit("_", 1)[1]
+      out.append((int(tag[1:]) / 100, last[key], last[f"val_tf_accepted_agree_{tag}"]))
+  return sorted(out)
+
+
+def plot_tradeoff(runs: dict[str, list[dict[str, Any]]], path: str) -> str:
+  """Tokens per macro step against the share of accepted micro tokens that are the base's,
+  across confidences, per run (teacher-forced, validation): the stop head's trade-off."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  fig, ax = plt.subplots(figsize=(6, 4.5))
+  for i, (name, rows) in enumerate(runs.items()):
+    pts = tradeoff_points(rows)
+    ax.plot([p[1] for p in pts], [p[2] for p in pts], "o-", color=f"C{i}", label=name)
+    for c, x, y in pts:
+      ax.annotate(f"{c:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+  ax.set(xlabel="tokens per macro step (teacher-forced)",
+         ylabel="accepted micro tokens = the base's greedy token", ylim=(0, 1),
+         title="stop head trade-off across confidences")
+  ax.legend()
+  fig.tight_layout()
+  tmp = path + ".tmp.png"
+  fig.savefig(tmp, dpi=110)
+  plt.close(fig)
+  os.replace(tmp, path)
+  return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m train.curves", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -151,13 +191,25 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--compare", nargs="+", metavar="NAME=DIR[,DIR...]",
                  help="instead of one run: recipes to compare, each its stages' run dirs in "
                  "order, e.g. paper=runs/p distill=runs/d/micro,runs/d/merger (needs --out)")
+  p.add_argument("--tradeoff", nargs="+", metavar="NAME=DIR",
+                 help="instead: each run's tokens per step vs agreement with the base across "
+                 "the tracked confidences, from its last validation (needs --out)")
   p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png)")
   p.add_argument("--smooth", type=int, default=5, help="moving-average window for train series")
   args = p.parse_args(argv)
-  if bool(args.run_dir) == bool(args.compare) or (args.compare and not args.out):
-    p.error("give a RUN_DIR, or --compare NAME=DIR... with --out")
+  if (bool(args.run_dir) + bool(args.compare) + bool(args.tradeoff) != 1
+      or ((args.compare or args.tradeoff) and not args.out)):
+    p.error("give a RUN_DIR, or --compare NAME=DIR... or --tradeoff NAME=DIR... with --out")
   try:
-    if args.compare:
+    if args.tradeoff:
+      runs = {}
+      for spec in args.tradeoff:
+        name, eq, run_dir = spec.partition("=")
+        if not eq or not name or not run_dir:
+          raise ValueError(f"--tradeoff {spec!r}: use NAME=DIR")
+        runs[name] = read_metrics(run_dir)
+      path = plot_tradeoff(runs, args.out)
+    elif args.compare:
       recipes = {}
       for spec in args.compare:
         name, eq, dirs = spec.partition("=")
