@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from hamburger_jax import layout
 from hamburger_jax.losses import bce_with_logits, chunked_token_stats
-from hamburger_jax.model.hamburger import Hamburger
+from hamburger_jax.model.hamburger import Hamburger, continues
 from hamburger_jax.model.llama import causal_segment_mask
 from hamburger_jax.run_config import DistillConfig
 
@@ -49,17 +49,29 @@ TRACKED_CONFIDENCES = (0.3, 0.5, 0.7, 0.8, 0.9)
 def acceptance(stop_nk: jax.Array, agree_nk: jax.Array, size_n: jax.Array,
                confidence: float) -> dict[str, jax.Array]:
   """What decoding at `confidence` would do on teacher-forced windows, without generating: after
-  token i a row goes on to token i + 1 while P(continue) >= confidence at every step so far
-  (and the window has token i + 1). Returns the groups counted, the tokens they would emit
-  (token 0 plus every accepted micro step) and how many accepted micro-step tokens are the
-  teacher's greedy token: the compression / fidelity trade-off that the stop target decides."""
+  token i a row goes on to token i + 1 while the engine's rule (`continues`) holds at every step
+  so far and the window has token i + 1. Returns counts: the groups, the tokens they would emit
+  (token 0 plus every accepted micro step), the accepted micro steps, and how many of those are
+  the teacher's greedy token: the compression / fidelity trade-off that the stop target decides."""
   k = stop_nk.shape[1]
-  goes = (jax.nn.sigmoid(-stop_nk[:, :k - 1]) >= confidence) & (
+  goes = continues(stop_nk[:, :k - 1], confidence) & (
       jnp.arange(1, k)[None, :] < size_n[:, None])
   accepted = jnp.cumprod(goes.astype(jnp.int32), axis=1).astype(bool)  # token i + 1 emitted
   live = size_n > 0
   return {"groups": live.sum(), "emitted": jnp.sum(jnp.where(live, 1 + accepted.sum(1), 0)),
           "accepted": accepted.sum(), "accepted_agree": jnp.sum(accepted & agree_nk[:, 1:])}
+
+
+def acceptance_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+  """tf_tokens_per_step_cXX and tf_accepted_agree_cXX from the summed counts (n_tf_*) of one
+  batch or of many: ratios of sums, so a validation over batches weighs every group alike."""
+  out = {}
+  for c in TRACKED_CONFIDENCES:
+    tag = f"c{round(100 * c)}"
+    n = lambda name: metrics[f"n_tf_{name}_{tag}"]
+    out[f"tf_tokens_per_step_{tag}"] = n("emitted") / jnp.maximum(n("groups"), 1)
+    out[f"tf_accepted_agree_{tag}"] = n("accepted_agree") / jnp.maximum(n("accepted"), 1)
+  return out
 
 
 def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str, jax.Array],
@@ -103,10 +115,10 @@ def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str
              "stop_acc": stop_mean((stop > 0) == stop_target),
              "continue_rate": stop_mean(stop < 0)}  # steps where P(continue) > 0.5
   for c in TRACKED_CONFIDENCES:
-    acc = acceptance(stop, agree, size, c)
     tag = f"c{round(100 * c)}"
-    metrics[f"tf_tokens_per_step_{tag}"] = acc["emitted"] / jnp.maximum(acc["groups"], 1)
-    metrics[f"tf_accepted_agree_{tag}"] = acc["accepted_agree"] / jnp.maximum(acc["accepted"], 1)
+    counts = acceptance(stop, agree, size, c)
+    metrics.update({f"n_tf_{name}_{tag}": v for name, v in counts.items()})
+  metrics.update(acceptance_metrics(metrics))
   for i in range(k):
     denom = jnp.maximum(valid[:, i].sum(), 1)
     metrics[f"agree_s{i + 1}"] = jnp.sum(valid[:, i] & agree[:, i]) / denom

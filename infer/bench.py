@@ -303,6 +303,11 @@ def serve_slots(args, engine, workload, variants) -> None:
     print(f"\nplot: {args.plot}")
 
 
+def ratio(x: float, base: float) -> str:
+  """x / base as a table cell; "-" where the base is 0 (e.g. no request ever waited)."""
+  return f"{x / base:.2f}x" if base > 0 else "-"
+
+
 def serve_fixed_pool(args, engine, workload, variants) -> None:
   pool_slots = max(args.slots)
   print(f"\n(b) one fixed KV pool of {args.kv_blocks} blocks x {engine.block_size} entries, "
@@ -316,7 +321,8 @@ def serve_fixed_pool(args, engine, workload, variants) -> None:
     base = base or r
     print(f"| {name} | {r['in_flight']:.1f} | {r['in_flight'] / base['in_flight']:.2f}x | "
           f"{r['queued_in_flight']:.1f} | "
-          f"{r['queued_in_flight'] / base['queued_in_flight']:.2f}x | {r['peak_blocks']} | "
+          f"{ratio(r['queued_in_flight'], base['queued_in_flight'])} | "
+          f"{r['peak_blocks']} | "
           f"{r['preemptions']} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x |",
           flush=True)
 

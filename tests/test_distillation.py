@@ -14,7 +14,8 @@ from flax import nnx
 
 from hamburger_jax import layout
 from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig
-from hamburger_jax.distillation import acceptance, distill_loss, micro_distill_loss
+from hamburger_jax.distillation import (TRACKED_CONFIDENCES, acceptance, acceptance_metrics,
+                                        distill_loss, micro_distill_loss)
 from hamburger_jax.model import lora
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import causal_segment_mask
@@ -165,7 +166,8 @@ def test_acceptance_follows_decoding_at_a_confidence():
   stop = rng.normal(0, 2, (n, k)).astype(np.float32)
   agree = rng.random((n, k)) < 0.6
   size = rng.integers(0, k + 1, n)
-  for c in (0.0, 0.5, 0.8, 1.0 - 1e-6):
+  stop[0, 0] = -40.0  # sigmoid(40) == 1.0 in float32: only confidence 1.0 itself stops there
+  for c in (0.0, 0.5, 0.8, 1.0 - 1e-6, 1.0):
     got = {name: int(v) for name, v in acceptance(jnp.asarray(stop), jnp.asarray(agree),
                                                   jnp.asarray(size), c).items()}
     want = dict(groups=0, emitted=0, accepted=0, accepted_agree=0)
@@ -175,11 +177,18 @@ def test_acceptance_follows_decoding_at_a_confidence():
       want["groups"] += 1
       want["emitted"] += 1
       for i in range(k - 1):
-        if not (1 / (1 + np.exp(stop[row, i])) >= c and i + 1 < size[row]):
+        p_continue = np.float32(1) / (np.float32(1) + np.exp(np.float32(stop[row, i])))
+        if not (c < 1.0 and p_continue >= c and i + 1 < size[row]):
           break
         want["emitted"] += 1
         want["accepted"] += 1
         want["accepted_agree"] += int(agree[row, i + 1])
     assert got == want, c
+  assert got["accepted"] == 0  # confidence 1.0: never a micro step, like the engine
+  ratios = acceptance_metrics({f"n_tf_{k}_c{round(100 * c)}": v for c in TRACKED_CONFIDENCES
+                               for k, v in dict(groups=4, emitted=6, accepted=2,
+                                                accepted_agree=1).items()})
+  assert float(ratios["tf_tokens_per_step_c80"]) == 1.5
+  assert float(ratios["tf_accepted_agree_c80"]) == 0.5
   assert got["accepted"] < int(acceptance(jnp.asarray(stop), jnp.asarray(agree),
                                           jnp.asarray(size), 0.0)["accepted"])

@@ -19,7 +19,7 @@ from hamburger_jax.decode.engine import Engine, GenerationError
 from hamburger_jax.decode.paged_kv import TRASH_BLOCK, BlockAllocator
 from hamburger_jax.decode.sampling import SamplingParams
 from hamburger_jax.decode.requests import Request
-from hamburger_jax.decode.serving import check_tables
+from hamburger_jax.decode.serving import ServeStats, check_tables
 from hamburger_jax.testing import DECODE_STOP, tiny_decode_model
 
 # Mixed lengths: 1 to 40 prompt tokens (prompt buckets 16, 32 and 64), 3 to 20 new tokens.
@@ -112,8 +112,13 @@ def test_small_pool_queues_and_preempts_without_corruption(engine, alone):
   assert stats.preemptions > 0 and sum(g.preemptions for g in got.values()) == stats.preemptions
   assert max(stats.in_flight) < 6  # the pool, not the slots, bounded the batch
   assert len(stats.queued) == len(stats.round_s) == stats.rounds and stats.queued[0] > 0
-  waited = [n for n, q in zip(stats.in_flight, stats.queued) if q > 0]
-  assert min(waited) <= stats.in_flight_while_queued <= max(waited)
+
+
+def test_in_flight_while_queued_weighs_rounds_by_their_decode_time():
+  stats = ServeStats(in_flight=[4, 2, 1], queued=[3, 0, 1], round_s=[1.0, 5.0, 3.0])
+  # The round with no request waiting is left out; the others weigh by their seconds.
+  assert stats.in_flight_while_queued == (4 * 1.0 + 1 * 3.0) / 4.0
+  assert ServeStats(in_flight=[2], queued=[0], round_s=[1.0]).in_flight_while_queued == 0.0
 
 
 def test_pool_too_small_for_one_request_fails_it_alone(engine):

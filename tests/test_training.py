@@ -724,6 +724,11 @@ def test_max_minutes_saves_and_stops_after_a_step(staged, tmp_path: Path, no_ggu
   assert _checkpoint_steps(tmp_path / "boxed" / "micro" / "checkpoints") == [1]
   logged = _metrics(tmp_path / "boxed" / "micro")  # the stop is evaluated and logged
   assert [m["step"] for m in logged] == [1] and "val_loss" in logged[0]
+  # Acceptance ratios of the validation are ratios of its summed counts.
+  v = logged[0]
+  assert v["val_tf_tokens_per_step_c50"] == pytest.approx(
+      v["val_n_tf_emitted_c50"] / v["val_n_tf_groups_c50"])
+  assert 1.0 <= v["val_tf_tokens_per_step_c30"] and v["val_n_tf_groups_c30"] > 0
   with pytest.raises(ConfigError, match="max_steps=-3 must be >= 1"):
     trainer.run(cfg, max_steps=-3, progress=False)
 

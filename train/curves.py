@@ -100,7 +100,8 @@ def time_key(recipes: Sequence[Sequence[Sequence[dict[str, Any]]]]) -> str:
   """The step time every run logged: CPU seconds (all cores; comparable on a shared machine)
   where all have them, else wall seconds."""
   rows = [r for stages in recipes for stage in stages for r in stage]
-  return "step_cpu_s" if rows and all("step_cpu_s" in r for r in rows if "step_s" in r) else "step_s"
+  timed = [r for r in rows if "step_s" in r]
+  return "step_cpu_s" if timed and all("step_cpu_s" in r for r in timed) else "step_s"
 
 
 def minutes_axis(stages: Sequence[Sequence[dict[str, Any]]],
@@ -127,15 +128,19 @@ def plot_comparison(recipes: dict[str, list[list[dict[str, Any]]]], path: str) -
   clock = time_key(list(recipes.values()))
   xlabel = "CPU minutes (all cores)" if clock == "step_cpu_s" else "training minutes (wall)"
   cols = 3
-  fig, axes = plt.subplots(-(-len(COMPARED) // cols), cols, figsize=(4.5 * cols, 3.8 * 2))
+  rows = -(-len(COMPARED) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.8 * rows))
   for ax, (key, title) in zip(axes.ravel(), COMPARED):
     for i, (name, stages) in enumerate(recipes.items()):
       pts = [(m, r[key]) for m, r in minutes_axis(stages, clock) if key in r]
       if pts:
         ax.plot(*zip(*pts), "o-", color=f"C{i}", label=name)
     per_step = "tokens_per_step" in key
-    ax.set(title=title if per_step else f"agreement with the base:\n{title}", xlabel=xlabel,
-           ylim=(1, 4) if per_step else (0, 1))
+    ax.set(title=title if per_step else f"agreement with the base:\n{title}", xlabel=xlabel)
+    if per_step:
+      ax.set_ylim(bottom=1)
+    else:
+      ax.set_ylim(0, 1)
     ax.legend()
   fig.tight_layout()
   tmp = path + ".tmp.png"
@@ -148,7 +153,8 @@ def plot_comparison(recipes: dict[str, list[list[dict[str, Any]]]], path: str) -
 def tradeoff_points(rows: Sequence[dict[str, Any]]) -> list[tuple[float, float, float]]:
   """(confidence, tokens per step, accepted micro tokens that are the base's) from a run's last
   validation, for every confidence it tracked (distillation.acceptance)."""
-  last = next((r for r in reversed(rows) if "val_tf_tokens_per_step_c80" in r), None)
+  last = next((r for r in reversed(rows)
+               if any(k.startswith("val_tf_tokens_per_step_c") for k in r)), None)
   if last is None:
     raise ValueError("a run has no val_tf_* metrics: validate it with teacher data")
   out = []

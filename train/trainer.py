@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hamburger_jax import pretrained, sharding
 from hamburger_jax.config import ConfigError
 from hamburger_jax.data import pipeline
-from hamburger_jax.distillation import distill_loss, micro_distill_loss
+from hamburger_jax.distillation import acceptance_metrics, distill_loss, micro_distill_loss
 from hamburger_jax.losses import hamburger_loss
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import GraftParam
@@ -250,7 +250,7 @@ class Trainer:
       # what decoding at a few confidences would accept (distillation.acceptance).
       _, full = distill_loss(self._merge(params, frozen), batch, self.cfg.distill,
                              self.cfg.train.ce_chunk)
-      metrics.update({k: v for k, v in full.items() if k.startswith(("agree_", "tf_"))})
+      metrics.update({k: v for k, v in full.items() if k.startswith(("agree_", "tf_", "n_tf_"))})
     return metrics
 
   # ---------------------------------------------------------------- host side
@@ -273,6 +273,7 @@ class Trainer:
   def evaluate(self, batches: Iterator[dict[str, np.ndarray]], max_batches: int) -> dict[str, float]:
     """Token-weighted validation metrics over up to `max_batches` batches."""
     totals: dict[str, float] = {}
+    counts: dict[str, float] = {}
     weight = 0.0
     for i, b in enumerate(batches):
       if i >= max_batches:
@@ -281,10 +282,16 @@ class Trainer:
       m = jax.device_get(self._eval_fn(self.state.params, self.frozen, batch))
       w = float(m["tokens"])
       for k, v in m.items():
-        if k not in ("tokens", "groups"):
+        if k.startswith("n_"):  # counts: summed, their ratios taken once at the end
+          counts[k] = counts.get(k, 0.0) + float(v)
+        elif k not in ("tokens", "groups"):
           totals[k] = totals.get(k, 0.0) + float(v) * w
       weight += w
-    return {f"val_{k}": v / max(weight, 1.0) for k, v in totals.items()}
+    out = {k: v / max(weight, 1.0) for k, v in totals.items()}
+    if counts:
+      out.update(counts)
+      out.update({k: float(v) for k, v in acceptance_metrics(counts).items()})
+    return {f"val_{k}": v for k, v in out.items()}
 
   def current_model(self) -> Hamburger:
     """The model with the current params (host-gathered when the run spans processes)."""
@@ -399,9 +406,11 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
   `max_minutes` of wall time or `max_cpu_minutes` of this process's CPU time spent in training
   steps), resuming from the latest checkpoint; saves where it stops.
 
-  The CPU-time budget is what makes two runs on a shared or paused machine comparable (the
-  recipe comparison gives each recipe the same CPU minutes): a step's CPU time does not grow when
-  another job takes the cores, and evaluation is not charged to it."""
+  The CPU-time budget is what keeps two runs on a shared or paused machine comparable (the
+  recipe comparison gives each recipe the same CPU minutes): a step's CPU time grows little when
+  another job takes the cores (wall time grows a lot), and evaluation is not charged to it. It
+  counts per invocation (a resumed run starts a new budget) and charges the first step's
+  compilation and the process's background threads (checkpoint writes, data prefetch)."""
   if max_steps is not None and max_steps < 1:
     raise ConfigError(f"max_steps={max_steps} must be >= 1")
   for name, value in (("max_minutes", max_minutes), ("max_cpu_minutes", max_cpu_minutes)):

@@ -31,7 +31,7 @@ from hamburger_jax.decode import serving
 from hamburger_jax.decode.paged_kv import PagedKVCache, blocks_for
 from hamburger_jax.decode.requests import Generation, GenerationError, Request
 from hamburger_jax.decode.sampling import SamplingParams, sample_rows
-from hamburger_jax.model.hamburger import Hamburger
+from hamburger_jax.model.hamburger import Hamburger, continues
 from hamburger_jax.model.llama import Llama
 
 # Prompts are prefilled in chunks, each padded to one of these sizes (one program per size).
@@ -127,11 +127,6 @@ def micro_branch(n_continuing: jax.Array, slots: int) -> jax.Array:
   micro_batch_sizes(slots) (the smallest that holds the continuing rows), last every slot."""
   sizes = jnp.asarray((*micro_batch_sizes(slots), slots), jnp.int32)
   return jnp.where(n_continuing == 0, 0, 1 + jnp.searchsorted(sizes, n_continuing))
-
-
-def _continues(stop_logit: jax.Array, confidence: jax.Array) -> jax.Array:
-  """P(continue) = 1 - sigmoid(stop) >= c; c = 1 always stops after one token (exactly)."""
-  return (confidence < 1.0) & (jax.nn.sigmoid(-stop_logit) >= confidence)
 
 
 def base_of(model: Llama | Hamburger) -> Llama:
@@ -262,7 +257,7 @@ class Engine:
     k = model.max_group
     b = t0.shape[0]
     tokens = jnp.zeros((b, k), jnp.int32).at[:, 0].set(t0)
-    cont = (~state.done & _continues(model.stop_logits(h0), state.confidence)
+    cont = (~state.done & continues(model.stop_logits(h0), state.confidence)
             & ~jnp.isin(t0, stop_ids) & (remaining > 1))
 
     rows_state = state.replace(cache=None)  # the per-row fields (never the KV pool)
@@ -278,7 +273,7 @@ class Engine:
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, jnp.where(cont, ti, 0)[:, None], i,
                                                      1)
         count = count + cont
-        cont = cont & _continues(model.stop_logits(h), rs.confidence) & ~jnp.isin(
+        cont = cont & continues(model.stop_logits(h), rs.confidence) & ~jnp.isin(
             ti, stop_ids) & (left > i + 1)
         return cache, tokens, count, cont
 

@@ -16,6 +16,13 @@ from hamburger_jax.model.llama import Linear, Llama, causal_segment_mask, dtype_
 from hamburger_jax.model.micro_step_decoder import MicroStepDecoder
 
 
+def continues(stop_logit: jax.Array, confidence: jax.Array | float) -> jax.Array:
+  """The decoding rule: go on to the next micro step while P(continue) = 1 - sigmoid(stop) >=
+  the confidence c; c = 1 always stops after one token (exactly the base)."""
+  confidence = jnp.asarray(confidence)
+  return (confidence < 1.0) & (jax.nn.sigmoid(-stop_logit) >= confidence)
+
+
 class Hamburger(nnx.Module):
 
   def __init__(self, cfg: HamburgerConfig, *, rngs: nnx.Rngs, base: Llama | None = None):
