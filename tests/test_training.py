@@ -736,7 +736,9 @@ def test_max_minutes_saves_and_stops_after_a_step(staged, tmp_path: Path, no_ggu
 def test_max_cpu_minutes_counts_the_steps_cpu_time(staged, tmp_path: Path, no_gguf_tokenizer):
   config = _staged_config(tmp_path / "cpu.yaml", str(load_run_config(
       staged.config, stage="micro").data.dir), tmp_path / "cpu")
-  cfg = load_run_config(config, ["train.eval_every=0", "train.log_every=1"], stage="micro")
+  # The stop falls on a checkpoint step (every=1): saved once, not refused as a duplicate.
+  cfg = load_run_config(config, ["train.eval_every=0", "train.log_every=1", "checkpoint.every=1"],
+                        stage="micro")
   said = []
   out = trainer.run(cfg, max_cpu_minutes=0, progress=False, log=said.append)
   assert (out.steps_done, out.final_step, out.export_dir) == (1, 1, None)

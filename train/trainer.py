@@ -440,11 +440,18 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
   end = t.steps if max_steps is None else min(t.steps, start + max_steps)
   metrics_log = MetricsLog(cfg.checkpoint.dir, trainer.process_index == 0)
 
+  saved = set(mngr.all_steps())
+
   def save(step: int) -> None:
+    # A stop (time budget, SIGTERM, Ctrl-C) can fall on a step that was just saved or that the
+    # run resumed from: orbax refuses to write a step twice, and the state is the same.
+    if step in saved:
+      return
     snapshot = IteratorSnapshot(iterator.get_state())
     mngr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(trainer.state), data=grain.checkpoint.CheckpointSave(snapshot),
         config=ocp.args.JsonSave(config_dict)), force=True)
+    saved.add(step)
 
   interrupted = []
   previous = signal.signal(signal.SIGTERM, lambda *_: interrupted.append("SIGTERM"))
