@@ -137,6 +137,8 @@ def plot_comparison(recipes: dict[str, list[list[dict[str, Any]]]], path: str) -
         ax.plot(*zip(*pts), "o-", color=f"C{i}", label=name)
     per_step = "tokens_per_step" in key
     ax.set(title=title if per_step else f"agreement with the base:\n{title}", xlabel=xlabel)
+    if not ax.lines:  # no run logged this metric
+      continue
     if per_step:
       ax.set_ylim(bottom=1)
     else:
