@@ -439,7 +439,7 @@ def eval_nll(model, data_dir: str, split: str, limit: int | None, batch: int) ->
   from flax import nnx
   from tqdm import tqdm
   from hamburger_jax.data import pipeline
-  from hamburger_jax.distillation import distill_loss
+  from hamburger_jax.distillation import acceptance_metrics, distill_loss
   from hamburger_jax.losses import chunked_cross_entropy, hamburger_loss
   from hamburger_jax.model.llama import causal_segment_mask
   from hamburger_jax.run_config import DistillConfig
@@ -483,6 +483,7 @@ def eval_nll(model, data_dir: str, split: str, limit: int | None, batch: int) ->
   weights: dict[str, float] = collections.defaultdict(float)
   agree_sums: dict[str, float] = collections.defaultdict(float)
   agree_groups: dict[str, int] = collections.defaultdict(int)
+  accept_counts: dict[str, float] = collections.defaultdict(float)
   n_batches = -(-len(records) // batch)
   bar = tqdm(total=2 * n_batches, desc="nll", unit="batch", file=sys.stderr)
   for b in nll_batches(records, k, batch, model.cfg.graft.position_offset):
@@ -492,6 +493,9 @@ def eval_nll(model, data_dir: str, split: str, limit: int | None, batch: int) ->
       for name, n in teacher_agreement_weights(b, k).items():
         agree_sums[name] += float(t[f"agree_{name}"]) * n
         agree_groups[name] += n
+      for name, v in t.items():
+        if name.startswith("n_tf_"):
+          accept_counts[name] += float(v)
     sizes = np.minimum(b["target_size"], k)
     for name, value in m.items():
       if name in ("tokens", "groups"):
@@ -532,6 +536,8 @@ def eval_nll(model, data_dir: str, split: str, limit: int | None, batch: int) ->
     result["teacher_agreement"] = {
         **{name: agree_sums[name] / n if n else None for name, n in agree_groups.items()},
         "groups": dict(agree_groups)}
+    result["teacher_acceptance"] = {
+        name: float(v) for name, v in acceptance_metrics(accept_counts).items()}
   return result
 
 
@@ -668,6 +674,18 @@ def markdown(results: dict[str, Any]) -> str:
                 "", "| " + " | ".join(names) + " |", "|" + "---|" * len(names),
                 "| " + " | ".join(f"{fmt(agree[n])} ({agree['groups'][n]})" for n in names) +
                 " |"]
+    accept = r.get("teacher_acceptance")
+    if accept:
+      tags = sorted({n.rsplit("_", 1)[1] for n in accept}, key=lambda t: int(t[1:]))
+      lines += ["", "Teacher-forced acceptance: what decoding at each confidence would do on "
+                "these windows, without generating (tokens per macro step; share of the "
+                "accepted micro-step tokens that are the teacher's greedy token).", "",
+                "| confidence | " + " | ".join(f"{int(t[1:]) / 100:g}" for t in tags) + " |",
+                "|---|" + "---|" * len(tags),
+                "| tokens per step | " + " | ".join(
+                    fmt(accept[f"tf_tokens_per_step_{t}"]) for t in tags) + " |",
+                "| accepted tokens that are the base's | " + " | ".join(
+                    fmt(accept[f"tf_accepted_agree_{t}"]) for t in tags) + " |"]
   return "\n".join(lines) + "\n"
 
 

@@ -23,7 +23,7 @@ import pytest
 
 from hamburger_jax import pretrained
 from hamburger_jax.data import pipeline
-from hamburger_jax.distillation import micro_step_losses
+from hamburger_jax.distillation import TRACKED_CONFIDENCES, micro_step_losses
 from hamburger_jax.model.llama import causal_segment_mask
 from hamburger_jax.run_config import DistillConfig, load_run_config
 from hamburger_jax.testing import build_synthetic_teacher_dataset
@@ -303,6 +303,59 @@ def test_teacher_agreement_is_pooled_over_each_metrics_groups(teacher_nll: Simpl
   assert len(batch_means["s1"]) > 1
   assert any(abs(np.mean(means) - hits[name] / counts[name]) > 1e-3
              for name, means in batch_means.items())
+
+
+def test_teacher_acceptance_replays_the_decoding_rule(teacher_nll: SimpleNamespace):
+  """tokens per step and accepted agreement at each confidence, recomputed in NumPy from the
+  stop logits and per-step agreement of the same batches, with the engine's rule written out:
+  token i + 1 is emitted while 1 - sigmoid(stop_j) >= c held at every step j <= i (c < 1) and
+  the window has it."""
+  model = teacher_nll.model
+  k = model.max_group
+
+  @jax.jit
+  def stop_and_agree(batch):
+    ids, size = batch["input_ids"], batch["input_size"]
+    feats, _ = model.base_features(model.smash(ids, size), batch["positions"],
+                                   causal_segment_mask(batch["segment_ids"]), merged_bt=size >= 2)
+    feats = feats[np.arange(ids.shape[0])[:, None], batch["pred_index"]]
+    b, g, f, d = feats.shape
+    feats = feats.reshape(b * g, f, d)
+    agree = micro_step_losses(model, feats, batch, DistillConfig(), 1024,
+                              batch["target_size"].reshape(-1))[2]
+    h = model.micro_hidden(feats, batch["window_ids"].reshape(-1, k))
+    return jax.nn.sigmoid(-model.stop_logits(h)), agree
+
+  source = pipeline.open_split(teacher_nll.data, "validation", k)
+  records = [source[i] for i in range(len(source))]
+  groups, emitted, accepted, accepted_agree = (collections.Counter() for _ in range(4))
+  for batch in ev.nll_batches(records, k, TEACHER_BATCH):
+    p_continue, agree = (np.asarray(x) for x in stop_and_agree(batch))
+    size = batch["window_size"].reshape(-1)
+    for c in TRACKED_CONFIDENCES:
+      for n in np.flatnonzero(size > 0):
+        groups[c] += 1
+        emitted[c] += 1
+        for i in range(k - 1):
+          if not (c < 1.0 and p_continue[n, i] >= c and i + 1 < size[n]):
+            break
+          emitted[c] += 1
+          accepted[c] += 1
+          accepted_agree[c] += int(agree[n, i + 1])
+  result = teacher_nll.result["teacher_acceptance"]
+  for c in TRACKED_CONFIDENCES:
+    tag = f"c{round(100 * c)}"
+    assert result[f"tf_tokens_per_step_{tag}"] == pytest.approx(emitted[c] / groups[c], abs=1e-6)
+    assert result[f"tf_accepted_agree_{tag}"] == pytest.approx(
+        accepted_agree[c] / max(accepted[c], 1), abs=1e-6)
+  # The random graft continues about half the time: the confidences give different answers.
+  lo, hi = TRACKED_CONFIDENCES[0], TRACKED_CONFIDENCES[-1]
+  assert emitted[lo] / groups[lo] > emitted[hi] / groups[hi]
+  md = ev.markdown({"config": {"confidence": [0.5], "batch": TEACHER_BATCH}, "created": "now",
+                    "model": {"base": "random", "checkpoint": None},
+                    "command": "python -m infer.eval", "tasks": {"nll": teacher_nll.result}})
+  assert "| tokens per step | " + " | ".join(
+      f"{emitted[c] / groups[c]:.3f}" for c in TRACKED_CONFIDENCES) + " |" in md
 
 
 def test_teacher_agreement_in_results_md(teacher_nll: SimpleNamespace):
