@@ -784,3 +784,10 @@ def test_recipe_comparison_plot(staged, tmp_path: Path, capsys):
     curves.main(["--compare", f"distill={stages}"])
   assert curves.main(["--compare", "distill", "--out", str(out)]) == 2
   assert "use NAME=DIR" in capsys.readouterr().err
+  # The acceptance panels follow --confidence; an untracked one is refused.
+  assert curves.compared_panels(0.5)[-2][0] == "val_tf_tokens_per_step_c50"
+  assert curves.main(["--compare", f"distill={stages}", "--confidence", "0.5", "--out",
+                      str(out)]) == 0
+  assert curves.main(["--compare", f"distill={stages}", "--confidence", "0.55", "--out",
+                      str(out)]) == 2
+  assert "validation tracks only 0.3, 0.5" in capsys.readouterr().err

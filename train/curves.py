@@ -89,11 +89,20 @@ def plot_curves(rows: Sequence[dict[str, Any]], path: str, smooth: int = 5) -> s
   return path
 
 
-COMPARED = (("val_agree_unmerged", "token 0 after an unmerged entry"),
-            ("val_agree_merged", "token 0 after a merged entry"),
-            ("val_agree_s2", "micro step 2"), ("val_agree_s3", "micro step 3"),
-            ("val_tf_tokens_per_step_c80", "tokens per step at confidence 0.8\n(teacher-forced)"),
-            ("val_tf_accepted_agree_c80", "accepted micro tokens that are the\nbase's, at 0.8"))
+def compared_panels(confidence: float = 0.8) -> list[tuple[str, str]]:
+  """(metric, title) of the comparison's panels; the last two at one tracked confidence."""
+  from hamburger_jax.distillation import TRACKED_CONFIDENCES  # pylint: disable=import-outside-toplevel
+  if confidence not in TRACKED_CONFIDENCES:
+    raise ValueError(f"--confidence {confidence:g}: validation tracks only "
+                     f"{', '.join(f'{c:g}' for c in TRACKED_CONFIDENCES)}")
+  tag = f"c{round(100 * confidence)}"
+  return [("val_agree_unmerged", "token 0 after an unmerged entry"),
+          ("val_agree_merged", "token 0 after a merged entry"),
+          ("val_agree_s2", "micro step 2"), ("val_agree_s3", "micro step 3"),
+          (f"val_tf_tokens_per_step_{tag}",
+           f"tokens per step at confidence {confidence:g}\n(teacher-forced)"),
+          (f"val_tf_accepted_agree_{tag}",
+           f"accepted micro tokens that are the\nbase's, at {confidence:g}")]
 
 
 def time_key(recipes: Sequence[Sequence[Sequence[dict[str, Any]]]]) -> str:
@@ -119,18 +128,21 @@ def minutes_axis(stages: Sequence[Sequence[dict[str, Any]]],
   return out
 
 
-def plot_comparison(recipes: dict[str, list[list[dict[str, Any]]]], path: str) -> str:
-  """Teacher-forced agreement with the base (validation) against training minutes, per recipe."""
+def plot_comparison(recipes: dict[str, list[list[dict[str, Any]]]], path: str,
+                    confidence: float = 0.8) -> str:
+  """Teacher-forced agreement with the base (validation) against training minutes, per recipe;
+  the acceptance panels at `confidence`."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
 
   clock = time_key(list(recipes.values()))
   xlabel = "CPU minutes (all cores)" if clock == "step_cpu_s" else "training minutes (wall)"
+  panels = compared_panels(confidence)
   cols = 3
-  rows = -(-len(COMPARED) // cols)
+  rows = -(-len(panels) // cols)
   fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.8 * rows))
-  for ax, (key, title) in zip(axes.ravel(), COMPARED):
+  for ax, (key, title) in zip(axes.ravel(), panels):
     for i, (name, stages) in enumerate(recipes.items()):
       pts = [(m, r[key]) for m, r in minutes_axis(stages, clock) if key in r]
       if pts:
@@ -203,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                  help="instead: each run's tokens per step vs agreement with the base across "
                  "the tracked confidences, from its last validation (needs --out)")
   p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png)")
+  p.add_argument("--confidence", type=float, default=0.8,
+                 help="--compare: the tracked confidence of the acceptance panels (default 0.8)")
   p.add_argument("--smooth", type=int, default=5, help="moving-average window for train series")
   args = p.parse_args(argv)
   if (bool(args.run_dir) + bool(args.compare) + bool(args.tradeoff) != 1
@@ -224,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not eq or not name or not dirs:
           raise ValueError(f"--compare {spec!r}: use NAME=DIR[,DIR...]")
         recipes[name] = [read_metrics(d) for d in dirs.split(",")]
-      path = plot_comparison(recipes, args.out)
+      path = plot_comparison(recipes, args.out, args.confidence)
     else:
       rows = read_metrics(args.run_dir)
       path = plot_curves(rows, args.out or os.path.join(args.run_dir, "curves.png"), args.smooth)
