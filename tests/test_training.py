@@ -773,6 +773,9 @@ def test_recipe_comparison_plot(staged, tmp_path: Path, capsys):
           {"step": 2, "val_tf_tokens_per_step_c80": 1.2, "val_tf_accepted_agree_c80": 0.9,
            "val_tf_tokens_per_step_c50": 1.6, "val_tf_accepted_agree_c50": 0.7}]
   assert curves.tradeoff_points(rows) == [(0.5, 1.6, 0.7), (0.8, 1.2, 0.9)]
+  # Nothing accepted (1.0 token per step): the share is undefined, not 0.
+  idle = [dict(rows[1], val_tf_tokens_per_step_c80=1.0, val_tf_accepted_agree_c80=0.0)]
+  assert curves.tradeoff_points(idle) == [(0.5, 1.6, 0.7), (0.8, 1.0, None)]
   with pytest.raises(ValueError, match="no val_tf_"):
     curves.tradeoff_points([{"step": 1}])
   run = tmp_path / "tf"

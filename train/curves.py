@@ -105,6 +105,14 @@ def compared_panels(confidence: float = 0.8) -> list[tuple[str, str]]:
            f"accepted micro tokens that are the\nbase's, at {confidence:g}")]
 
 
+def accepted_any(row: dict[str, Any], key: str) -> bool:
+  """False for an accepted-agreement metric of a validation where nothing was accepted (1.0
+  tokens per step): the share is then undefined (logged as 0), not a point to plot."""
+  if not key.startswith("val_tf_accepted_agree_"):
+    return True
+  return row.get(key.replace("accepted_agree", "tokens_per_step"), 0.0) > 1.0
+
+
 def time_key(recipes: Sequence[Sequence[Sequence[dict[str, Any]]]]) -> str:
   """The step time every run logged: CPU seconds (all cores; comparable on a shared machine)
   where all have them, else wall seconds."""
@@ -144,7 +152,8 @@ def plot_comparison(recipes: dict[str, list[list[dict[str, Any]]]], path: str,
   fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.8 * rows))
   for ax, (key, title) in zip(axes.ravel(), panels):
     for i, (name, stages) in enumerate(recipes.items()):
-      pts = [(m, r[key]) for m, r in minutes_axis(stages, clock) if key in r]
+      pts = [(m, r[key]) for m, r in minutes_axis(stages, clock)
+             if key in r and accepted_any(r, key)]
       if pts:
         ax.plot(*zip(*pts), "o-", color=f"C{i}", label=name)
     per_step = "tokens_per_step" in key
@@ -166,7 +175,8 @@ def plot_comparison(recipes: dict[str, list[list[dict[str, Any]]]], path: str,
 
 def tradeoff_points(rows: Sequence[dict[str, Any]]) -> list[tuple[float, float, float]]:
   """(confidence, tokens per step, accepted micro tokens that are the base's) from a run's last
-  validation, for every confidence it tracked (distillation.acceptance)."""
+  validation, for every confidence it tracked (distillation.acceptance); the share is None
+  where nothing was accepted."""
   last = next((r for r in reversed(rows)
                if any(k.startswith("val_tf_tokens_per_step_c") for k in r)), None)
   if last is None:
@@ -175,7 +185,9 @@ def tradeoff_points(rows: Sequence[dict[str, Any]]) -> list[tuple[float, float, 
   for key in last:
     if key.startswith("val_tf_tokens_per_step_c"):
       tag = key.rsplit("_", 1)[1]
-      out.append((int(tag[1:]) / 100, last[key], last[f"val_tf_accepted_agree_{tag}"]))
+      agree = f"val_tf_accepted_agree_{tag}"
+      out.append((int(tag[1:]) / 100, last[key],
+                  last[agree] if accepted_any(last, agree) else None))
   return sorted(out)
 
 
@@ -188,7 +200,7 @@ def plot_tradeoff(runs: dict[str, list[dict[str, Any]]], path: str) -> str:
 
   fig, ax = plt.subplots(figsize=(6, 4.5))
   for i, (name, rows) in enumerate(runs.items()):
-    pts = tradeoff_points(rows)
+    pts = [p for p in tradeoff_points(rows) if p[2] is not None]
     ax.plot([p[1] for p in pts], [p[2] for p in pts], "o-", color=f"C{i}", label=name)
     for c, x, y in pts:
       ax.annotate(f"{c:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
