@@ -536,8 +536,11 @@ def eval_nll(model, data_dir: str, split: str, limit: int | None, batch: int) ->
     result["teacher_agreement"] = {
         **{name: agree_sums[name] / n if n else None for name, n in agree_groups.items()},
         "groups": dict(agree_groups)}
+    # None where nothing was accepted at a confidence: the share is undefined, not 0.
     result["teacher_acceptance"] = {
-        name: float(v) for name, v in acceptance_metrics(accept_counts).items()}
+        name: None if name.startswith("tf_accepted_agree_")
+        and not accept_counts["n_tf_accepted_" + name.rsplit("_", 1)[1]] else float(v)
+        for name, v in acceptance_metrics(accept_counts).items()}
   return result
 
 

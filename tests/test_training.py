@@ -658,6 +658,22 @@ def test_stage_2_starts_from_stage_1_trains_the_merger_only_and_learns(staged):
   assert "feature_loss" in _metrics(staged.run / "merger")[-1]
 
 
+def test_accumulated_acceptance_counts_are_sums(staged, tmp_path: Path, no_gguf_tokenizer):
+  """accum=2 x R/2 rows logs the same acceptance counts (n_tf_*) and ratios (tf_*) as accum=1 x
+  R rows on the same rows: counts add up across micro-batches, ratios are taken of the sums."""
+  one = load_run_config(staged.config, [f"checkpoint.dir={tmp_path / 'one'}"], stage="micro")
+  rows = one.data.rows
+  two = load_run_config(staged.config, [f"checkpoint.dir={tmp_path / 'two'}",
+                                        f"data.rows={rows // 2}", "data.accum=2"], stage="micro")
+  halves = _batches(one, rows // 2, 2)
+  m1 = trainer.Trainer(one).step([_concat(*halves)])
+  m2 = trainer.Trainer(two).step(halves)
+  keys = [k for k in m1 if k.startswith(("n_tf_", "tf_"))]
+  assert any(k.startswith("n_tf_groups_") for k in keys) and m1["n_tf_groups_c80"] > 0
+  for k in keys:
+    assert m2[k] == pytest.approx(m1[k], rel=1e-6), k
+
+
 def test_stage_and_distill_data_errors(staged, teacher_data_dir: str, tiny_data_dir: str,
                                        tmp_path: Path, no_gguf_tokenizer):
   fresh = _staged_config(tmp_path / "fresh.yaml", teacher_data_dir, tmp_path / "fresh")
@@ -776,6 +792,9 @@ def test_recipe_comparison_plot(staged, tmp_path: Path, capsys):
   # Nothing accepted (1.0 token per step): the share is undefined, not 0.
   idle = [dict(rows[1], val_tf_tokens_per_step_c80=1.0, val_tf_accepted_agree_c80=0.0)]
   assert curves.tradeoff_points(idle) == [(0.5, 1.6, 0.7), (0.8, 1.0, None)]
+  # The logged count decides where there is one (a ratio may round to 1.0).
+  counted = [dict(rows[1], val_tf_tokens_per_step_c80=1.0, val_n_tf_accepted_c80=1.0)]
+  assert curves.tradeoff_points(counted)[1] == (0.8, 1.0, 0.9)
   with pytest.raises(ValueError, match="no val_tf_"):
     curves.tradeoff_points([{"step": 1}])
   run = tmp_path / "tf"

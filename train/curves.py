@@ -106,10 +106,14 @@ def compared_panels(confidence: float = 0.8) -> list[tuple[str, str]]:
 
 
 def accepted_any(row: dict[str, Any], key: str) -> bool:
-  """False for an accepted-agreement metric of a validation where nothing was accepted (1.0
-  tokens per step): the share is then undefined (logged as 0), not a point to plot."""
+  """False for an accepted-agreement metric of a validation where nothing was accepted: the
+  share is then undefined (logged as 0), not a point to plot. From the logged count where
+  there is one, else from 1.0 tokens per step."""
   if not key.startswith("val_tf_accepted_agree_"):
     return True
+  count = key.replace("val_tf_accepted_agree_", "val_n_tf_accepted_")
+  if count in row:
+    return row[count] > 0
   return row.get(key.replace("accepted_agree", "tokens_per_step"), 0.0) > 1.0
 
 

@@ -220,12 +220,14 @@ class Trainer:
     grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
     skip = ("tokens", "groups")  # counts, summed over the step below instead
+    # The acceptance counts (n_tf_*) are summed as they are; their ratios are taken after.
+    weight = lambda m, v, w: v if m.startswith("n_tf_") else v * w
 
     def micro(acc, xs):
       mb, w = xs
       (_, metrics), grads = grad_fn(state.params, frozen, mb)
       scaled = (jax.tree.map(lambda g: g * w, grads),
-                {m: v * w for m, v in metrics.items() if m not in skip})
+                {m: weight(m, v, w) for m, v in metrics.items() if m not in skip})
       return jax.tree.map(jnp.add, acc, scaled), None
 
     names = jax.eval_shape(lambda: self._loss(state.params, frozen,
@@ -233,6 +235,8 @@ class Trainer:
     init = (jax.tree.map(jnp.zeros_like, state.params),
             {m: jnp.zeros((), jnp.float32) for m in names if m not in skip})
     (grads, metrics), _ = jax.lax.scan(micro, init, (batch, weights))
+    if any(m.startswith("n_tf_") for m in metrics):
+      metrics.update(acceptance_metrics(metrics))
     metrics["tokens"] = tokens.sum()
     metrics["groups"] = jnp.sum(batch["target_size"] > 0).astype(jnp.float32)
     metrics["grad_norm"] = optax.tree.norm(grads)
