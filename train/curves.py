@@ -177,7 +177,7 @@ def plot_comparison(recipes: dict[str, list[list[dict[str, Any]]]], path: str,
   return path
 
 
-def tradeoff_points(rows: Sequence[dict[str, Any]]) -> list[tuple[float, float, float]]:
+def tradeoff_points(rows: Sequence[dict[str, Any]]) -> list[tuple[float, float, float | None]]:
   """(confidence, tokens per step, accepted micro tokens that are the base's) from a run's last
   validation, for every confidence it tracked (distillation.acceptance); the share is None
   where nothing was accepted."""
