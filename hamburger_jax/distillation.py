@@ -46,6 +46,11 @@ def feature_error(student: jax.Array, teacher: jax.Array) -> jax.Array:
 TRACKED_CONFIDENCES = (0.3, 0.5, 0.7, 0.8, 0.9)
 
 
+def confidence_tag(confidence: float) -> str:
+  """The suffix of a confidence's acceptance metrics: 0.8 -> "c80"."""
+  return f"c{round(100 * confidence)}"
+
+
 def acceptance(stop_nk: jax.Array, agree_nk: jax.Array, size_n: jax.Array,
                confidence: float) -> dict[str, jax.Array]:
   """What decoding at `confidence` would do on teacher-forced windows, without generating: after
@@ -67,7 +72,7 @@ def acceptance_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
   batch or of many: ratios of sums, so a validation over batches weighs every group alike."""
   out = {}
   for c in TRACKED_CONFIDENCES:
-    tag = f"c{round(100 * c)}"
+    tag = confidence_tag(c)
     n = lambda name: metrics[f"n_tf_{name}_{tag}"]
     out[f"tf_tokens_per_step_{tag}"] = n("emitted") / jnp.maximum(n("groups"), 1)
     out[f"tf_accepted_agree_{tag}"] = n("accepted_agree") / jnp.maximum(n("accepted"), 1)
@@ -115,7 +120,7 @@ def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str
              "stop_acc": stop_mean((stop > 0) == stop_target),
              "continue_rate": stop_mean(stop < 0)}  # steps where P(continue) > 0.5
   for c in TRACKED_CONFIDENCES:
-    tag = f"c{round(100 * c)}"
+    tag = confidence_tag(c)
     counts = acceptance(stop, agree, size, c)
     metrics.update({f"n_tf_{name}_{tag}": v for name, v in counts.items()})
   metrics.update(acceptance_metrics(metrics))

@@ -91,11 +91,12 @@ def plot_curves(rows: Sequence[dict[str, Any]], path: str, smooth: int = 5) -> s
 
 def compared_panels(confidence: float = 0.8) -> list[tuple[str, str]]:
   """(metric, title) of the comparison's panels; the last two at one tracked confidence."""
-  from hamburger_jax.distillation import TRACKED_CONFIDENCES  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.distillation import (  # pylint: disable=import-outside-toplevel
+      TRACKED_CONFIDENCES, confidence_tag)
   if confidence not in TRACKED_CONFIDENCES:
     raise ValueError(f"--confidence {confidence:g}: validation tracks only "
                      f"{', '.join(f'{c:g}' for c in TRACKED_CONFIDENCES)}")
-  tag = f"c{round(100 * confidence)}"
+  tag = confidence_tag(confidence)
   return [("val_agree_unmerged", "token 0 after an unmerged entry"),
           ("val_agree_merged", "token 0 after a merged entry"),
           ("val_agree_s2", "micro step 2"), ("val_agree_s3", "micro step 3"),
