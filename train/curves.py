@@ -52,6 +52,20 @@ def _line(ax, rows: Sequence[dict[str, Any]], key: str, style: str, smooth: int,
     ax.plot(x, y if periodic else _smooth(y, smooth), style, label=key, **kw)
 
 
+def save_figure(fig, path: str) -> str:
+  """Writes `fig` to `path` through a temporary file (never a half-written PNG under the final
+  name) and closes it, also when writing fails."""
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  tmp = path + ".tmp.png"
+  try:
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=110)
+  finally:
+    plt.close(fig)
+  os.replace(tmp, path)
+  return path
+
+
 def plot_curves(rows: Sequence[dict[str, Any]], path: str, smooth: int = 5) -> str:
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
@@ -81,12 +95,7 @@ def plot_curves(rows: Sequence[dict[str, Any]], path: str, smooth: int = 5) -> s
   _line(ax, rows, "gen_tokens_per_step", "o-", smooth)
   ax.set(title="tokens per group / per macro step", xlabel="step")
   ax.legend()
-  fig.tight_layout()
-  tmp = path + ".tmp.png"
-  fig.savefig(tmp, dpi=110)
-  plt.close(fig)
-  os.replace(tmp, path)  # never a half-written PNG under the final name
-  return path
+  return save_figure(fig, path)
 
 
 def compared_panels(confidence: float = 0.8) -> list[tuple[str, str]]:
@@ -170,12 +179,7 @@ def plot_comparison(recipes: dict[str, list[list[dict[str, Any]]]], path: str,
     else:
       ax.set_ylim(0, 1)
     ax.legend()
-  fig.tight_layout()
-  tmp = path + ".tmp.png"
-  fig.savefig(tmp, dpi=110)
-  plt.close(fig)
-  os.replace(tmp, path)
-  return path
+  return save_figure(fig, path)
 
 
 def tradeoff_points(rows: Sequence[dict[str, Any]]) -> list[tuple[float, float, float | None]]:
@@ -213,12 +217,17 @@ def plot_tradeoff(runs: dict[str, list[dict[str, Any]]], path: str) -> str:
          ylabel="accepted micro tokens = the base's greedy token", ylim=(0, 1),
          title="stop head trade-off across confidences")
   ax.legend()
-  fig.tight_layout()
-  tmp = path + ".tmp.png"
-  fig.savefig(tmp, dpi=110)
-  plt.close(fig)
-  os.replace(tmp, path)
-  return path
+  return save_figure(fig, path)
+
+
+def named(flag: str, usage: str):
+  """A parser of one NAME=VALUE argument of `flag` into (name, value)."""
+  def parse(spec: str) -> tuple[str, str]:
+    name, eq, value = spec.partition("=")
+    if not eq or not name or not value:
+      raise ValueError(f"{flag} {spec!r}: use {usage}")
+    return name, value
+  return parse
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -241,20 +250,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.error("give a RUN_DIR, or --compare NAME=DIR... or --tradeoff NAME=DIR... with --out")
   try:
     if args.tradeoff:
-      runs = {}
-      for spec in args.tradeoff:
-        name, eq, run_dir = spec.partition("=")
-        if not eq or not name or not run_dir:
-          raise ValueError(f"--tradeoff {spec!r}: use NAME=DIR")
-        runs[name] = read_metrics(run_dir)
+      runs = {name: read_metrics(run_dir)
+              for name, run_dir in map(named("--tradeoff", "NAME=DIR"), args.tradeoff)}
       path = plot_tradeoff(runs, args.out)
     elif args.compare:
-      recipes = {}
-      for spec in args.compare:
-        name, eq, dirs = spec.partition("=")
-        if not eq or not name or not dirs:
-          raise ValueError(f"--compare {spec!r}: use NAME=DIR[,DIR...]")
-        recipes[name] = [read_metrics(d) for d in dirs.split(",")]
+      recipes = {name: [read_metrics(d) for d in dirs.split(",")]
+                 for name, dirs in map(named("--compare", "NAME=DIR[,DIR...]"), args.compare)}
       path = plot_comparison(recipes, args.out, args.confidence)
     else:
       rows = read_metrics(args.run_dir)
