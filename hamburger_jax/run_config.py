@@ -71,7 +71,9 @@ class TrainConfig:
   ce_chunk: int = 1024
   log_every: int = 10
   eval_every: int = 100
-  generate_every: int = 0  # 0: off; else tokens per macro step on held-out prompts
+  # 0: off; else every N steps, free generation on held-out prompts: tokens per macro step and,
+  # with the base frozen, agreement with the base's greedy answers (gen_prefix_agreement)
+  generate_every: int = 0
   generate_prompts: int = 8
   generate_tokens: int = 64
   generate_confidence: float = DEFAULT_CONFIDENCE

@@ -45,6 +45,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from hamburger_jax.evaluation import tasks as eval_tasks
+from hamburger_jax.evaluation.agreement import token_agreement
 
 TEXT_TASKS = ("gsm_symbolic", "basic_arithmetic", "chain_sum", "letter_counting", "gcd", "lcm",
               "humaneval", "mt_bench", "sharegpt_heldout")
@@ -184,25 +185,6 @@ def paired_bootstrap_ci(a: Sequence[float], b: Sequence[float],
   if a.shape != b.shape:
     raise ValueError(f"paired scores need one pair per example, got {a.shape} and {b.shape}")
   return bootstrap_ci(a - b, n_resamples, seed, level)
-
-
-def token_agreement(base: Sequence[Sequence[int]],
-                    ham: Sequence[Sequence[int]]) -> dict[str, float]:
-  """HAMburger's greedy tokens against the base's, example by example: `identical`, the fraction
-  of examples with exactly the base's tokens, and `prefix_agreement`, the mean of (common prefix
-  length / the base's length), i.e. how much of the base's answer HAMburger reproduces before it
-  first departs (1 for identical outputs, so that two empty answers agree)."""
-  if len(base) != len(ham):
-    raise ValueError(f"{len(base)} base and {len(ham)} HAMburger generations: compare the same "
-                     "examples")
-  identical, prefix = [], []
-  for b, h in zip(base, ham):
-    b, h = list(b), list(h)
-    common = next((i for i, (x, y) in enumerate(zip(b, h)) if x != y), min(len(b), len(h)))
-    identical.append(float(b == h))
-    prefix.append(1.0 if b == h else common / max(len(b), 1))
-  mean = lambda xs: float(np.mean(xs)) if xs else float("nan")
-  return {"identical": mean(identical), "prefix_agreement": mean(prefix)}
 
 
 # ----------------------------------------------------------------------------- model

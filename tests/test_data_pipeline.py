@@ -513,3 +513,19 @@ def test_a_split_over_the_tfds_spill_limit_builds_without_tensorflow(tmp_path, m
   assert [list(data[i]["input_ids"]) for i in range(len(data))] == [
       list(r["input_ids"]) for r in records]
   assert shuffle.MAX_MEM_BUFFER_SIZE == 1000  # restored
+
+
+def test_self_distill_mix_is_interleaved_and_checked():
+  """A self-distillation run stopped early still holds every source of its mix in proportion."""
+  from train.self_distill import interleave, parse_mix  # pylint: disable=import-outside-toplevel
+  sources = [[f"a{i}" for i in range(60)], [f"b{i}" for i in range(30)], [f"c{i}" for i in range(10)]]
+  out = interleave(sources)
+  assert sorted(out) == sorted(sum(sources, []))  # every prompt once
+  for k in range(1, len(out) + 1):  # any prefix: each source within two prompts of its share
+    for src in sources:
+      assert abs(sum(x in src for x in out[:k]) - len(src) * k / len(out)) <= 2, (k, out)
+  for src in sources:  # each source keeps its own order
+    assert [x for x in out if x in src] == src
+  assert parse_mix("gcd:3,sharegpt:2") == [("gcd", 3), ("sharegpt", 2)]
+  with pytest.raises(SystemExit, match="NAME:COUNT"):
+    parse_mix("gsm8k:3")

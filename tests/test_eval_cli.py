@@ -231,6 +231,8 @@ def test_paired_bootstrap_ci_resamples_pairs_together():
 
 
 def test_token_agreement():
+  from hamburger_jax.evaluation.agreement import token_agreement  # pylint: disable=import-outside-toplevel
+  assert ev.token_agreement is token_agreement  # infer.eval reports the library's measure
   base = [[1, 2, 3, 4], [5, 6], [7], [], [1, 2]]
   ham = [[1, 2, 3, 4], [5, 9, 9], [8], [], [1, 2, 3]]
   # identical: examples 0 and 3; prefixes 4/4, 1/2, 0/1, (both empty) 1, 2/2 (ham runs on).

@@ -658,6 +658,26 @@ def test_stage_2_starts_from_stage_1_trains_the_merger_only_and_learns(staged):
   assert "feature_loss" in _metrics(staged.run / "merger")[-1]
 
 
+@pytest.mark.parametrize("confidence", [1.0, 0.0])
+def test_generation_check_measures_agreement_with_the_base(staged, tmp_path: Path, confidence,
+                                                            no_gguf_tokenizer):
+  """train.generate_every generates freely on held-out prompts and compares with the frozen
+  base's greedy answers: at confidence 1.0 HAMburger is the base (agreement 1); a graft forced
+  to continue every step (confidence 0) merges and leaves the base's path."""
+  cfg = load_run_config(staged.config, [
+      f"checkpoint.dir={tmp_path / 'gen'}", "train.steps=2", "train.generate_every=2",
+      "train.generate_prompts=4", "train.generate_tokens=12",
+      f"train.generate_confidence={confidence}"], stage="micro")
+  trainer.run(cfg, progress=False, log=lambda *_: None)
+  last = _metrics(tmp_path / "gen" / "micro")[-1]
+  if confidence == 1.0:
+    assert last["gen_tokens_per_step"] == 1.0
+    assert last["gen_identical"] == last["gen_prefix_agreement"] == 1.0
+  else:
+    assert last["gen_tokens_per_step"] > 1.0
+    assert last["gen_identical"] < 1.0 and last["gen_prefix_agreement"] < 1.0
+
+
 def test_accumulated_acceptance_counts_are_sums(staged, tmp_path: Path, no_gguf_tokenizer):
   """accum=2 x R/2 rows logs the same acceptance counts (n_tf_*) and ratios (tf_*) as accum=1 x
   R rows on the same rows: counts add up across micro-batches, ratios are taken of the sums."""

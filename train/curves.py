@@ -88,7 +88,8 @@ def plot_curves(rows: Sequence[dict[str, Any]], path: str, smooth: int = 5) -> s
   ax = axes[2]
   _line(ax, rows, "stop_acc", "-", smooth)
   _line(ax, rows, "val_stop_acc", "o-", smooth)
-  ax.set(title="stop head accuracy", xlabel="step", ylim=(0, 1))
+  _line(ax, rows, "gen_prefix_agreement", "s-", smooth)  # free generation vs the base's answers
+  ax.set(title="stop head accuracy / free-generation agreement", xlabel="step", ylim=(0, 1))
   ax.legend()
   ax = axes[3]
   _line(ax, rows, "mean_group_size", "-", smooth)

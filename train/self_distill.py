@@ -21,8 +21,9 @@ from typing import Iterable, Iterator
 from hamburger_jax.data.sources import Conversation, sharegpt_conversations
 from hamburger_jax.evaluation import tasks as eval_tasks
 
-REASONING = {"gsm_symbolic": eval_tasks.GSM_SYMBOLIC, "basic_arithmetic": eval_tasks.BASIC_ARITHMETIC,
-             "chain_sum": eval_tasks.CHAIN_SUM}
+REASONING = {t.name: t for t in (eval_tasks.GSM_SYMBOLIC, eval_tasks.BASIC_ARITHMETIC,
+                                 eval_tasks.CHAIN_SUM, eval_tasks.LETTER_COUNTING, eval_tasks.GCD,
+                                 eval_tasks.LCM)}
 MIX_SOURCES = ("sharegpt", *REASONING)
 
 
@@ -52,6 +53,17 @@ def parse_mix(spec: str) -> list[tuple[str, int]]:
     if name not in MIX_SOURCES or not n.isdigit():
       raise SystemExit(f"error: --mix item {part!r}: use NAME:COUNT with NAME in {MIX_SOURCES}")
     out.append((name, int(n)))
+  return out
+
+
+def interleave(sources: list[list[Conversation]]) -> list[Conversation]:
+  """Round-robin over the mix's sources, so that a run stopped early (it resumes, but may never
+  finish on a small machine) still holds every source in proportion."""
+  out, n = [], max((len(s) for s in sources), default=0)
+  for i in range(n):
+    for s in sources:
+      if i * len(s) // n < (i + 1) * len(s) // n:  # spread the shorter sources evenly
+        out.append(s[i * len(s) // n])
   return out
 
 
@@ -110,10 +122,9 @@ def main(argv=None) -> int:
 
   cache.enable_compilation_cache()
   model, tok = pretrained.load_llama(args.base)
-  convs: list[Conversation] = []
-  for name, n in parse_mix(args.mix):
-    convs += list(sharegpt_prompts(n, tok, args.max_prompt_tokens) if name == "sharegpt"
-                  else reasoning_prompts(name, n, args.seed))
+  convs = interleave([list(sharegpt_prompts(n, tok, args.max_prompt_tokens) if name == "sharegpt"
+                           else reasoning_prompts(name, n, args.seed))
+                      for name, n in parse_mix(args.mix)])
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   done = read_done(args.out)
   todo = [c for c in convs if c.id not in done]

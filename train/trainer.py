@@ -29,6 +29,7 @@ from hamburger_jax import pretrained, sharding
 from hamburger_jax.config import ConfigError
 from hamburger_jax.data import pipeline
 from hamburger_jax.distillation import acceptance_metrics, distill_loss, micro_distill_loss
+from hamburger_jax.evaluation.agreement import token_agreement
 from hamburger_jax.losses import hamburger_loss
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import GraftParam
@@ -459,7 +460,7 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
 
   interrupted = []
   previous = signal.signal(signal.SIGTERM, lambda *_: interrupted.append("SIGTERM"))
-  engine = prompts = None
+  engine = prompts = reference = None
   last: dict[str, float] = {}
   bar = tqdm(total=end, initial=start, unit="step", disable=not progress or trainer.process_index)
   deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
@@ -489,12 +490,20 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
           prompts = held_out_prompts(d.dir, t.generate_prompts)
           engine = Engine(trainer.current_model(), trainer.tokenizer,
                           stop_ids=trainer.tokenizer.stop_ids if trainer.tokenizer else ())
+          # With the base frozen, base mode is the original base whatever the graft: its greedy
+          # answers, generated once, are what free generation should reproduce.
+          if not trainer.trains_base:
+            reference = [g.token_ids for g in engine.generate(
+                prompts, max_new_tokens=t.generate_tokens, mode="base")]
         else:
           engine.set_model(trainer.current_model())
         gens = engine.generate(prompts, max_new_tokens=t.generate_tokens, mode="hamburger",
                                confidence=t.generate_confidence)
         m["gen_tokens_per_step"] = sum(g.new_tokens for g in gens) / max(
             sum(g.macro_steps for g in gens), 1)
+        if reference is not None:
+          agree = token_agreement(reference, [g.token_ids for g in gens])
+          m.update(gen_identical=agree["identical"], gen_prefix_agreement=agree["prefix_agreement"])
       last = m
       if done % t.log_every == 0 or last_step or any(k.startswith("val_") for k in m):
         metrics_log.write(done, m)
