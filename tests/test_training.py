@@ -661,15 +661,18 @@ def test_stage_2_starts_from_stage_1_trains_the_merger_only_and_learns(staged):
 @pytest.mark.parametrize("confidence", [1.0, 0.0])
 def test_generation_check_measures_agreement_with_the_base(staged, tmp_path: Path, confidence,
                                                             no_gguf_tokenizer):
-  """train.generate_every generates freely on held-out prompts and compares with the frozen
-  base's greedy answers: at confidence 1.0 HAMburger is the base (agreement 1); a graft forced
-  to continue every step (confidence 0) merges and leaves the base's path."""
+  """train.generate_every generates freely on held-out prompts (before the first step too) and
+  compares with the frozen base's greedy answers: at confidence 1.0 HAMburger is the base
+  (agreement 1); a graft forced to continue every step (confidence 0) merges and leaves the
+  base's path."""
   cfg = load_run_config(staged.config, [
       f"checkpoint.dir={tmp_path / 'gen'}", "train.steps=2", "train.generate_every=2",
       "train.generate_prompts=4", "train.generate_tokens=12",
       f"train.generate_confidence={confidence}"], stage="micro")
   trainer.run(cfg, progress=False, log=lambda *_: None)
-  last = _metrics(tmp_path / "gen" / "micro")[-1]
+  rows = _metrics(tmp_path / "gen" / "micro")
+  assert rows[0]["step"] == 0 and "loss" not in rows[0]  # the initial graft, before training
+  last = rows[-1]
   if confidence == 1.0:
     assert last["gen_tokens_per_step"] == 1.0
     assert last["gen_identical"] == last["gen_prefix_agreement"] == 1.0

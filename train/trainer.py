@@ -460,12 +460,39 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
 
   interrupted = []
   previous = signal.signal(signal.SIGTERM, lambda *_: interrupted.append("SIGTERM"))
-  engine = prompts = reference = None
+  checker = {}
+
+  def generation_check() -> dict[str, float]:
+    """Free generation on held-out prompts at train.generate_confidence: tokens per macro step
+    and, with the base frozen, agreement with the base's greedy answers."""
+    if not checker:
+      from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+      checker["prompts"] = held_out_prompts(d.dir, t.generate_prompts)
+      checker["engine"] = Engine(trainer.current_model(), trainer.tokenizer,
+                                 stop_ids=trainer.tokenizer.stop_ids if trainer.tokenizer else ())
+      # With the base frozen, base mode is the original base whatever the graft: its greedy
+      # answers, generated once, are what free generation should reproduce.
+      checker["reference"] = None if trainer.trains_base else [
+          g.token_ids for g in checker["engine"].generate(
+              checker["prompts"], max_new_tokens=t.generate_tokens, mode="base")]
+    else:
+      checker["engine"].set_model(trainer.current_model())
+    gens = checker["engine"].generate(checker["prompts"], max_new_tokens=t.generate_tokens,
+                                      mode="hamburger", confidence=t.generate_confidence)
+    out = {"gen_tokens_per_step": sum(g.new_tokens for g in gens) / max(
+        sum(g.macro_steps for g in gens), 1)}
+    if checker["reference"] is not None:
+      agree = token_agreement(checker["reference"], [g.token_ids for g in gens])
+      out.update(gen_identical=agree["identical"], gen_prefix_agreement=agree["prefix_agreement"])
+    return out
+
   last: dict[str, float] = {}
   bar = tqdm(total=end, initial=start, unit="step", disable=not progress or trainer.process_index)
   deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
   cpu_used = 0.0
   try:
+    if t.generate_every and start == 0 < end:  # where the curve starts: the initial graft
+      metrics_log.write(0, generation_check())
     for step in range(start, end):
       t0, c0 = time.perf_counter(), time.process_time()
       m = trainer.step([next(iterator) for _ in range(d.accum)])
@@ -485,25 +512,7 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
             shard_count=trainer.process_count, position_offset=cfg.graft.position_offset),
             max(d.validation_rows // d.rows, 1)))
       if t.generate_every and (done % t.generate_every == 0 or last_step):
-        if engine is None:
-          from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
-          prompts = held_out_prompts(d.dir, t.generate_prompts)
-          engine = Engine(trainer.current_model(), trainer.tokenizer,
-                          stop_ids=trainer.tokenizer.stop_ids if trainer.tokenizer else ())
-          # With the base frozen, base mode is the original base whatever the graft: its greedy
-          # answers, generated once, are what free generation should reproduce.
-          if not trainer.trains_base:
-            reference = [g.token_ids for g in engine.generate(
-                prompts, max_new_tokens=t.generate_tokens, mode="base")]
-        else:
-          engine.set_model(trainer.current_model())
-        gens = engine.generate(prompts, max_new_tokens=t.generate_tokens, mode="hamburger",
-                               confidence=t.generate_confidence)
-        m["gen_tokens_per_step"] = sum(g.new_tokens for g in gens) / max(
-            sum(g.macro_steps for g in gens), 1)
-        if reference is not None:
-          agree = token_agreement(reference, [g.token_ids for g in gens])
-          m.update(gen_identical=agree["identical"], gen_prefix_agreement=agree["prefix_agreement"])
+        m.update(generation_check())
       last = m
       if done % t.log_every == 0 or last_step or any(k.startswith("val_") for k in m):
         metrics_log.write(done, m)
