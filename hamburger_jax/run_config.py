@@ -180,7 +180,8 @@ def load_run_config(path: str | None, overrides: list[str] = (),
 
   A config with `stages:` (a list of {name, <sections to override>}) is run one stage at a time:
   `stage` picks one. Stage S checkpoints to <checkpoint.dir>/S, exports to
-  <checkpoint.dir>/S/export (the last stage: to checkpoint.export) and starts from the previous
+  <checkpoint.dir>/S/export (the last stage, or any stage given checkpoint.export in
+  `overrides`: to checkpoint.export) and starts from the previous
   stage's export (train.init_from), unless the stage says otherwise. `shared_only` reads such a
   config without picking a stage (for tools that need only what every stage shares: model,
   graft, data).
@@ -235,7 +236,9 @@ def _select_stage(raw: dict[str, Any], stages: Any, stage: str | None,
   root = ckpt.get("dir", CheckpointConfig.dir)
   stage_export = lambda j: os.path.join(root, names[j], "export")
   ckpt["dir"] = os.path.join(root, stage)
-  if i < len(names) - 1 or not ckpt.get("export"):
+  # The last stage exports to checkpoint.export, the others where the next stage looks for them,
+  # unless the command line names another export (e.g. to keep an earlier step apart).
+  if not (ckpt.get("export") and (i == len(names) - 1 or "checkpoint.export" in fixed)):
     ckpt["export"] = stage_export(i)
   out["checkpoint"] = ckpt
   if i > 0 and "train.init_from" not in fixed:

@@ -108,6 +108,9 @@ def test_train_main_refuses_before_loading_anything(tmp_path: Path) -> None:
                   f"data.dir {tmp_path}/missing does not exist"),
       "not_data": (base, f"data.dir {data} is not a dataset written by train.prepare_data"),
       "yaml": (["--config", str(bad_yaml)], f"config file {bad_yaml} is not valid YAML"),
+      "export_step": (base + ["--export-step", "0"], "--export-step=0 must be a saved step"),
+      "export_no_run": (base + ["--export-step", "5"],
+                        f"{run_dir}/checkpoints does not exist: no run saved checkpoints"),
   }
   for name, (args, message) in cases.items():
     res = _train_main(*args)

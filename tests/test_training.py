@@ -681,6 +681,34 @@ def test_generation_check_measures_agreement_with_the_base(staged, tmp_path: Pat
     assert last["gen_identical"] < 1.0 and last["gen_prefix_agreement"] < 1.0
 
 
+def test_export_step_exports_an_earlier_checkpoint(staged, tmp_path: Path, no_gguf_tokenizer):
+  """--export-step exports a checkpoint that later ones followed: the same params as the run's
+  own export when it stood at that step (train.steps lowered to it), not the latest."""
+  quiet = lambda *_: None
+  sets = [f"checkpoint.dir={tmp_path / 'run'}", "train.steps=4", "checkpoint.every=2",
+          "checkpoint.keep=3"]
+  trainer.run(load_run_config(staged.config, sets, stage="micro"), max_steps=2, progress=False,
+              log=quiet)
+  stood = load_run_config(staged.config, [*sets[:1], "train.steps=2",
+                                          f"checkpoint.export={tmp_path / 'stood'}"], stage="micro")
+  assert trainer.run(stood, progress=False, log=quiet).export_dir == str(tmp_path / "stood")
+  cfg = load_run_config(staged.config, sets, stage="micro")
+  trainer.run(cfg, progress=False, log=quiet)  # on to step 4, exported to the run's export
+  picked = load_run_config(staged.config, [*sets, f"checkpoint.export={tmp_path / 'picked'}"],
+                           stage="micro")
+  assert trainer.export_step(picked, 2, log=quiet) == str(tmp_path / "picked")
+  at2, stood2 = _load_export(tmp_path / "picked"), _load_export(tmp_path / "stood")
+  at4 = _load_export(tmp_path / "run" / "micro" / "export")
+  assert at2.keys() == stood2.keys() == at4.keys()
+  for k in at2:
+    np.testing.assert_array_equal(at2[k], stood2[k], err_msg=k)
+  assert any(not np.array_equal(at2[k], at4[k]) for k in at2)
+  meta = json.loads((tmp_path / "picked" / pretrained.META_FILE).read_text())
+  assert meta["trained_steps"] == 2
+  with pytest.raises(ConfigError, match=r"no checkpoint at step 3 .* saved steps are \[2, 4\]"):
+    trainer.export_step(picked, 3, log=quiet)
+
+
 def test_accumulated_acceptance_counts_are_sums(staged, tmp_path: Path, no_gguf_tokenizer):
   """accum=2 x R/2 rows logs the same acceptance counts (n_tf_*) and ratios (tf_*) as accum=1 x
   R rows on the same rows: counts add up across micro-batches, ratios are taken of the sums."""

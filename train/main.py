@@ -36,12 +36,17 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--cpu-devices", type=int, default=None,
                  help="fake this many CPU devices per process (testing sharding on one machine)")
   p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--export-step", type=int, default=None, metavar="STEP",
+                 help="train nothing: export the checkpoint saved at STEP (e.g. the best by the "
+                 "generation check) to checkpoint.export, or checkpoint.dir/export")
   args = p.parse_args(argv)
   if args.max_steps is not None and args.max_steps < 1:
     p.error(f"--max-steps={args.max_steps} must be a positive number of steps (leave it out to "
             "train to train.steps)")
   if args.max_minutes is not None and not args.max_minutes >= 0:
     p.error(f"--max-minutes={args.max_minutes} must be >= 0 (0: stop after one step)")
+  if args.export_step is not None and args.export_step < 1:
+    p.error(f"--export-step={args.export_step} must be a saved step (>= 1)")
   if args.max_cpu_minutes is not None and not args.max_cpu_minutes >= 0:
     p.error(f"--max-cpu-minutes={args.max_cpu_minutes} must be >= 0 (0: stop after one step)")
   return args
@@ -72,13 +77,21 @@ def main(argv=None) -> int:
       check_training_inputs, load_run_config)
   try:
     cfg = load_run_config(args.config, args.set, stage=args.stage)
-    check_training_inputs(cfg)  # before jax starts and the model loads
+    if args.export_step is None:  # an export reads the run's checkpoints, not its data
+      check_training_inputs(cfg)  # before jax starts and the model loads
   except ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
   cache.enable_compilation_cache()
   init_distributed(args)
   from train import trainer  # pylint: disable=import-outside-toplevel
+  if args.export_step is not None:
+    try:
+      export_dir = trainer.export_step(cfg, args.export_step)
+    except (ConfigError, FileNotFoundError) as e:
+      raise SystemExit(f"error: {e}") from None
+    print(f"done: step {args.export_step} exported to {export_dir}")
+    return 0
   try:
     result = trainer.run(cfg, max_steps=args.max_steps, max_minutes=args.max_minutes,
                          max_cpu_minutes=args.max_cpu_minutes,

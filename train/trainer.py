@@ -388,20 +388,62 @@ def _close(iterator) -> None:
     iterator.close()
 
 
+def restore_step(trainer: Trainer, mngr: ocp.CheckpointManager, step: int, cfg: RunConfig,
+                 ckpt_dir: str, iterator=None) -> None:
+  """Restores the train state saved at `step` (and the data position, given the iterator)."""
+  saved_cfg = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+  check_resumable(saved_cfg["config"], cfg, ckpt_dir)
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          trainer.state, trainer.state_shardings)
+  items = {"state": ocp.args.StandardRestore(abstract)}
+  if iterator is not None:
+    items["data"] = grain.checkpoint.CheckpointRestore(iterator)
+  trainer.state = mngr.restore(step, args=ocp.args.Composite(**items))["state"]
+
+
 def resume_latest(trainer: Trainer, mngr: ocp.CheckpointManager, iterator, cfg: RunConfig,
                   ckpt_dir: str, log: Callable[[str], None]) -> None:
   """Restores state and data position from the latest checkpoint, if there is one."""
   latest = mngr.latest_step()
   if latest is None:
     return
-  saved_cfg = mngr.restore(latest, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-  check_resumable(saved_cfg["config"], cfg, ckpt_dir)
-  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          trainer.state, trainer.state_shardings)
-  restored = mngr.restore(latest, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(iterator)))
-  trainer.state = restored["state"]
+  restore_step(trainer, mngr, latest, cfg, ckpt_dir, iterator)
   log(f"resumed from step {latest} in {ckpt_dir}")
+
+
+def export_graft(trainer: Trainer, cfg: RunConfig, step: int,
+                 log: Callable[[str], None]) -> str:
+  """Writes the params-only export that `infer.generate --checkpoint` (and the next stage) reads."""
+  export_dir = cfg.checkpoint.export or os.path.join(cfg.checkpoint.dir, "export")
+  model = trainer.current_model()
+  if trainer.process_index == 0:
+    pretrained.save_graft(model, export_dir, cfg.model.base, dtype=cfg.checkpoint.export_dtype,
+                          include_base=trainer.trains_base,
+                          extra={"trained_steps": step, "run_dir": cfg.checkpoint.dir})
+    log(f"exported params to {export_dir}")
+  return export_dir
+
+
+def export_step(cfg: RunConfig, step: int, log: Callable[[str], None] = print) -> str:
+  """Exports the checkpoint saved at `step` (e.g. the one the generation check liked best, before
+  the run's end) without training; returns the export directory."""
+  ckpt_dir = os.path.join(cfg.checkpoint.dir, "checkpoints")
+  if not os.path.isdir(ckpt_dir):
+    raise FileNotFoundError(f"{ckpt_dir} does not exist: no run saved checkpoints in "
+                            f"checkpoint.dir={cfg.checkpoint.dir}")
+  mngr = checkpoint_manager(ckpt_dir, cfg)
+  try:
+    steps = sorted(mngr.all_steps())
+    if step not in steps:
+      raise ConfigError(f"no checkpoint at step {step} in {ckpt_dir}: saved steps are {steps} "
+                        "(checkpoint.every sets how often a run saves, checkpoint.keep how many "
+                        "it keeps)")
+    pretrained.check_init_from(cfg)
+    trainer = Trainer(cfg)
+    restore_step(trainer, mngr, step, cfg, ckpt_dir)
+    return export_graft(trainer, cfg, step, log)
+  finally:
+    mngr.close()
 
 
 def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | None = None,
@@ -543,14 +585,6 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
     metrics_log.close()
     _close(iterator)
   final = int(jax.device_get(trainer.state.step))
-  export_dir = None
-  if final >= t.steps:
-    export_dir = cfg.checkpoint.export or os.path.join(cfg.checkpoint.dir, "export")
-    model = trainer.current_model()
-    if trainer.process_index == 0:
-      pretrained.save_graft(model, export_dir, cfg.model.base, dtype=cfg.checkpoint.export_dtype,
-                            include_base=trainer.trains_base,
-                            extra={"trained_steps": final, "run_dir": cfg.checkpoint.dir})
-      log(f"exported params to {export_dir}")
+  export_dir = export_graft(trainer, cfg, final, log) if final >= t.steps else None
   mngr.close()
   return RunResult(final - start, final, last, export_dir)
