@@ -33,7 +33,7 @@ from hamburger_jax.evaluation.agreement import token_agreement
 from hamburger_jax.losses import hamburger_loss
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import GraftParam
-from hamburger_jax.run_config import RunConfig
+from hamburger_jax.run_config import RunConfig, TrainConfig
 
 # Config sections that must match to resume from a checkpoint (the rest may change between runs).
 RESUME_KEYS = ("model", "graft", "train.trainable", "train.recipe", "train.init_from")
@@ -383,6 +383,39 @@ def held_out_prompts(data_dir: str, n: int) -> list[list[int]]:
   return prompts
 
 
+class GenerationCheck:
+  """Free generation on held-out prompts at train.generate_confidence: tokens per macro step
+  and, with the base frozen, agreement with the base's greedy answers. The engine is built (and
+  the base's answers generated) at the first call; later calls only swap in the current params."""
+
+  def __init__(self, trainer: Trainer, data_dir: str, t: TrainConfig):
+    self.trainer, self.data_dir, self.t = trainer, data_dir, t
+    self.engine = self.prompts = self.reference = None
+
+  def __call__(self) -> dict[str, float]:
+    t, model = self.t, self.trainer.current_model()
+    if self.engine is None:
+      from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+      tok = self.trainer.tokenizer
+      self.prompts = held_out_prompts(self.data_dir, t.generate_prompts)
+      self.engine = Engine(model, tok, stop_ids=tok.stop_ids if tok else ())
+      # With the base frozen, base mode is the original base whatever the graft: its greedy
+      # answers, generated once, are what free generation should reproduce.
+      if not self.trainer.trains_base:
+        self.reference = [g.token_ids for g in self.engine.generate(
+            self.prompts, max_new_tokens=t.generate_tokens, mode="base")]
+    else:
+      self.engine.set_model(model)
+    gens = self.engine.generate(self.prompts, max_new_tokens=t.generate_tokens,
+                                mode="hamburger", confidence=t.generate_confidence)
+    out = {"gen_tokens_per_step": sum(g.new_tokens for g in gens) / max(
+        sum(g.macro_steps for g in gens), 1)}
+    if self.reference is not None:
+      agree = token_agreement(self.reference, [g.token_ids for g in gens])
+      out.update(gen_identical=agree["identical"], gen_prefix_agreement=agree["prefix_agreement"])
+    return out
+
+
 def _close(iterator) -> None:
   if hasattr(iterator, "close"):
     iterator.close()
@@ -502,32 +535,7 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
 
   interrupted = []
   previous = signal.signal(signal.SIGTERM, lambda *_: interrupted.append("SIGTERM"))
-  checker = {}
-
-  def generation_check() -> dict[str, float]:
-    """Free generation on held-out prompts at train.generate_confidence: tokens per macro step
-    and, with the base frozen, agreement with the base's greedy answers."""
-    if not checker:
-      from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
-      checker["prompts"] = held_out_prompts(d.dir, t.generate_prompts)
-      checker["engine"] = Engine(trainer.current_model(), trainer.tokenizer,
-                                 stop_ids=trainer.tokenizer.stop_ids if trainer.tokenizer else ())
-      # With the base frozen, base mode is the original base whatever the graft: its greedy
-      # answers, generated once, are what free generation should reproduce.
-      checker["reference"] = None if trainer.trains_base else [
-          g.token_ids for g in checker["engine"].generate(
-              checker["prompts"], max_new_tokens=t.generate_tokens, mode="base")]
-    else:
-      checker["engine"].set_model(trainer.current_model())
-    gens = checker["engine"].generate(checker["prompts"], max_new_tokens=t.generate_tokens,
-                                      mode="hamburger", confidence=t.generate_confidence)
-    out = {"gen_tokens_per_step": sum(g.new_tokens for g in gens) / max(
-        sum(g.macro_steps for g in gens), 1)}
-    if checker["reference"] is not None:
-      agree = token_agreement(checker["reference"], [g.token_ids for g in gens])
-      out.update(gen_identical=agree["identical"], gen_prefix_agreement=agree["prefix_agreement"])
-    return out
-
+  generation_check = GenerationCheck(trainer, d.dir, t)
   last: dict[str, float] = {}
   bar = tqdm(total=end, initial=start, unit="step", disable=not progress or trainer.process_index)
   deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
