@@ -364,6 +364,35 @@ def test_prepare_dataset_end_to_end_with_a_tiny_model(tmp_path):
     prepare.prepare_dataset(convs, model, _FakeTokenizer(), str(tmp_path / "ds"))
 
 
+def _split_ids(out):
+  data = tfds.builder_from_directory(str(out)).as_data_source()
+  return {split: {tuple(rec["input_ids"].tolist()) for rec in data[split]} for split in data}
+
+
+def test_a_grown_dataset_keeps_the_split_of_the_one_it_grows(tmp_path):
+  cfg = LlamaConfig(vocab_size=260, hidden_size=16, intermediate_size=32, num_layers=1,
+                    num_heads=2, num_kv_heads=1)
+  model = Llama(cfg, rngs=nnx.Rngs(0))
+  convs = [sources.Conversation([{"role": "user", "content": f"question {i}"}],
+                                "answer " * (i % 5 + 1), "test", str(i)) for i in range(60)]
+  kw = dict(strategy="fixed:3", max_len=80, val_fraction=0.2, seed=0)
+  prepare.prepare_dataset(convs[:30], model, _FakeTokenizer(), str(tmp_path / "old"), **kw)
+  old = _split_ids(tmp_path / "old")
+  # Without keep_split the same seed re-draws the split over 60 samples: old training samples
+  # land in the new validation split (what keep_split exists to prevent).
+  prepare.prepare_dataset(convs, model, _FakeTokenizer(), str(tmp_path / "redrawn"), **kw)
+  assert old["train"] & _split_ids(tmp_path / "redrawn")["validation"]
+  stats = prepare.prepare_dataset(convs, model, _FakeTokenizer(), str(tmp_path / "grown"),
+                                  keep_split=prepare.split_of_samples(str(tmp_path / "old")), **kw)
+  grown = _split_ids(tmp_path / "grown")
+  assert old["train"] <= grown["train"] and old["validation"] <= grown["validation"]
+  assert stats.kept_split == 30 and "30 kept their earlier split" in stats.summary()
+  new_val = grown["validation"] - old["validation"]
+  assert len(new_val) == 6  # 20% of the 30 new samples
+  with pytest.raises(ValueError, match="not a prepared dataset"):
+    prepare.split_of_samples(str(tmp_path / "nowhere"))
+
+
 def test_prepare_data_cli_refuses_bad_arguments_before_loading_a_model(tmp_path, capsys):
   cfg = tmp_path / "c.yaml"
   cfg.write_text("model: {base: /nonexistent.gguf}\ngraft: {max_group: 4}\n")
@@ -378,6 +407,9 @@ def test_prepare_data_cli_refuses_bad_arguments_before_loading_a_model(tmp_path,
   assert "valid sources" in capsys.readouterr().err
   assert prepare_data.main(base + ["--seed", "10000", "--out", str(tmp_path / "o")]) == 2
   assert "reserved for evaluation" in capsys.readouterr().err
+  assert prepare_data.main(base + ["--keep-split-of", str(tmp_path), "--out",
+                                   str(tmp_path / "o")]) == 2
+  assert "not a prepared dataset" in capsys.readouterr().err
 
 
 def _tiny_random_config(tmp_path) -> str:

@@ -49,6 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  help="store teacher signals for the distill recipe: the base's top-k "
                  "log-probabilities per response token and its features at each group's "
                  "predicting position (0: none, the paper recipe)")
+  p.add_argument("--keep-split-of", metavar="DIR",
+                 help="a dataset this one grows (same sources, more of them): its samples keep "
+                      "their split, new ones are split at --val-fraction, so a model trained on "
+                      "DIR meets none of its training samples in the new validation split")
   p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
   p.add_argument("--out", required=True, help="output dataset directory")
   return p.parse_args(argv)
@@ -65,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.teacher_top_k < 0:
       raise ValueError(f"--teacher-top-k={args.teacher_top_k} must be >= 0")
     conversations = sources.mixed_sources(args.source, args.limit, args.seed)
+    keep_split = prepare.split_of_samples(args.keep_split_of) if args.keep_split_of else None
   except (DatasetExistsError, ValueError) as e:
     return _fail(e)
   import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
           seed=args.seed, overwrite=args.overwrite, batch_tokens=args.batch_tokens,
           metadata={"source": ",".join(args.source), "config": args.config,
                     "base": cfg.model.base},
-          teacher=teacher, progress=bar.update)
+          teacher=teacher, keep_split=keep_split, progress=bar.update)
   except (sources.SourceError, LayoutError, DatasetExistsError) as e:  # bad data, named
     return _fail(e)
   print(stats.summary())

@@ -46,6 +46,7 @@ class PrepareStats:
   train_samples: int = 0
   validation_samples: int = 0
   dropped_too_long: int = 0
+  kept_split: int = 0  # samples whose split came from keep_split
   tokens: int = 0  # prompt + response tokens kept
   response_tokens: int = 0
   groups: int = 0
@@ -67,7 +68,7 @@ class PrepareStats:
     return "\n".join([
         f"conversations read   {self.conversations}",
         f"samples written      {self.samples} (train {self.train_samples}, validation "
-        f"{self.validation_samples})",
+        f"{self.validation_samples}; {self.kept_split} kept their earlier split)",
         f"dropped (too long)   {self.dropped_too_long}",
         f"tokens               {self.tokens} ({self.response_tokens} response)",
         f"groups               {self.groups}, mean size {self.mean_group_size:.3f}",
@@ -201,13 +202,17 @@ def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, to
                     overwrite: bool = False, chunk_size: int = 256, batch_tokens: int = 2048,
                     metadata: Mapping[str, Any] | None = None,
                     teacher: segmentation.TeacherSpec | None = None,
+                    keep_split: Mapping[bytes, str] | None = None,
                     progress: Callable[[int], None] | None = None) -> PrepareStats:
   """Tokenises, segments and writes `conversations` to `out_dir` (train + validation splits).
 
   Streams: conversations are read `chunk_size` at a time and segmented samples go to a temp
   JSONL beside `out_dir` (teacher arrays to .npy files there), so memory does not grow with the
   source. `teacher` stores the distillation recipe's teacher signals with every sample (see
-  `segment`). `progress(n)` is called as conversations are segmented or dropped.
+  `segment`). `keep_split` (`split_of_samples` of a dataset this one grows, e.g. a
+  self-distillation file rebuilt with more answers): a sample found there keeps its split, so a model trained on the
+  old training split meets none of it in the new validation split; only new samples are split at
+  `val_fraction`. `progress(n)` is called as conversations are segmented or dropped.
   """
   start = time.perf_counter()
   strategy_fn = segmentation.get_strategy(strategy)
@@ -217,12 +222,14 @@ def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, to
     raise ValueError(f"max_len={max_len} must be at least 2 (a prompt and a response token)")
   out = os.path.abspath(out_dir)
   check_output_dir(out, overwrite)  # before hours of work, not after
+  known = dict(keep_split or {})
   parent = os.path.dirname(out)
   os.makedirs(parent, exist_ok=True)
   eot = end_of_turn_id(tokenizer)
   # One row length for every entropy pass: a single compilation for the whole dataset.
   row_len = -(-max_len // _ROW_BUCKET) * _ROW_BUCKET
   stats = PrepareStats()
+  keys: list[bytes] = []  # each written sample's sample_key, for keep_split
 
   vocab = int(model.cfg.vocab_size)
 
@@ -255,6 +262,7 @@ def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, to
               "input_ids": np.concatenate([s.prompt_ids, s.response_ids]).tolist(),
               "prompt_len": len(s.prompt_ids), "groups": g.tolist(), "source": s.source,
               "id": s.id}) + "\n")
+          keys.append(sample_key(np.concatenate([s.prompt_ids, s.response_ids])))
           stats.samples += 1
           stats.tokens += len(s)
           stats.response_tokens += len(s.response_ids)
@@ -263,7 +271,10 @@ def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, to
     if stats.samples == 0:
       raise ValueError(f"no samples to write: {stats.conversations} conversations read, "
                        f"{stats.dropped_too_long} longer than max_len={max_len}")
-    val = validation_indices(stats.samples, val_fraction, seed)
+    new = [i for i, k in enumerate(keys) if k not in known]
+    val = {new[j] for j in validation_indices(len(new), val_fraction, seed)}
+    val |= {i for i, k in enumerate(keys) if known.get(k) == "validation"}
+    stats.kept_split = len(keys) - len(new)
     stats.validation_samples = len(val)
     stats.train_samples = stats.samples - len(val)
 
@@ -302,6 +313,24 @@ def base_fingerprint(model: nnx.Module) -> str:
   h.update(np.asarray(model.decoder.layers[-1].mlp.down_proj.kernel[...][:64],
                       np.float32).tobytes())
   return h.hexdigest()[:16]
+
+
+def sample_key(input_ids) -> bytes:
+  """Identifies a sample by its tokens (prompt + response): the same conversation tokenised
+  the same way has the same key in any dataset."""
+  return hashlib.sha256(np.asarray(input_ids, np.int32).tobytes()).digest()
+
+
+def split_of_samples(dataset_dir: str) -> dict[bytes, str]:
+  """{sample_key: split} of every sample in a prepared dataset."""
+  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  try:
+    source = tfds.builder_from_directory(dataset_dir).as_data_source()
+  except Exception as e:  # tfds raises several types for "not a dataset"
+    raise ValueError(f"{dataset_dir!r} is not a prepared dataset ({e}); pass the "
+                     f"directory train.prepare_data wrote") from None
+  return {sample_key(rec["input_ids"]): split for split in source
+          for rec in source[split]}
 
 
 def validation_indices(n: int, fraction: float, seed: int) -> set[int]:
