@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from hamburger_jax.config import DEFAULT_CONFIDENCE
+from hamburger_jax.decode.requests import pooled_tokens_per_step
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -251,7 +252,7 @@ def run_serve(engine, workload, mode: str, slots: int, confidence: float,
   lat = np.asarray([g.latency_s for g in out])
   stats = engine.last_serve
   return {"tok_s": tokens / wall, "p50": float(np.percentile(lat, 50)),
-          "p95": float(np.percentile(lat, 95)), "k": tokens / sum(g.macro_steps for g in out),
+          "p95": float(np.percentile(lat, 95)), "k": pooled_tokens_per_step(out),
           "in_flight": stats.mean_in_flight, "queued_in_flight": stats.in_flight_while_queued,
           "peak_blocks": max(stats.blocks_used),
           "preemptions": stats.preemptions, "wall": wall, "compile": compile_s,

@@ -44,6 +44,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from hamburger_jax.decode.requests import pooled_tokens_per_step
 from hamburger_jax.evaluation import tasks as eval_tasks
 from hamburger_jax.evaluation.agreement import token_agreement
 
@@ -233,7 +234,7 @@ class ModeRun:
     return {"score": float(np.mean(scores)) if scores else float("nan"),
             "ci95": list(bootstrap_ci(scores)),
             "tokens": self.tokens, "macro_steps": self.macro_steps,
-            "kv_compression": self.tokens / max(self.macro_steps, 1),
+            "kv_compression": pooled_tokens_per_step(self.gens),
             "decode_s": self.decode_s, "compile_s": self.compile_s,
             "tokens_per_s": self.tokens / self.decode_s if self.decode_s > 0 else float("nan"),
             "group_sizes": dict(sorted(collections.Counter(

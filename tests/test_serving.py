@@ -18,7 +18,7 @@ from hamburger_jax.decode import engine as engine_lib
 from hamburger_jax.decode.engine import Engine, GenerationError
 from hamburger_jax.decode.paged_kv import TRASH_BLOCK, BlockAllocator
 from hamburger_jax.decode.sampling import SamplingParams
-from hamburger_jax.decode.requests import Request
+from hamburger_jax.decode.requests import Generation, Request, pooled_tokens_per_step
 from hamburger_jax.decode.serving import ServeStats, check_tables
 from hamburger_jax.testing import DECODE_STOP, tiny_decode_model
 
@@ -119,6 +119,13 @@ def test_in_flight_while_queued_weighs_rounds_by_their_decode_time():
   # The round with no request waiting is left out; the others weigh by their seconds.
   assert stats.in_flight_while_queued == (4 * 1.0 + 1 * 3.0) / 4.0
   assert ServeStats(in_flight=[2], queued=[0], round_s=[1.0]).in_flight_while_queued == 0.0
+
+
+def test_pooled_tokens_per_step_weighs_requests_by_length():
+  gen = lambda groups: Generation(list(range(sum(groups))), "", groups, len(groups), 0, 1, 0, 0)
+  gens = [gen([4, 4, 4, 4]), gen([1])]  # 4.0 and 1.0 tokens per step alone
+  assert pooled_tokens_per_step(gens) == 17 / 5 != (4.0 + 1.0) / 2
+  assert pooled_tokens_per_step([]) == 0.0
 
 
 def test_pool_too_small_for_one_request_fails_it_alone(engine):

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hamburger_jax import pretrained, sharding
 from hamburger_jax.config import ConfigError
 from hamburger_jax.data import pipeline
+from hamburger_jax.decode.requests import pooled_tokens_per_step
 from hamburger_jax.distillation import acceptance_metrics, distill_loss, micro_distill_loss
 from hamburger_jax.evaluation.agreement import token_agreement
 from hamburger_jax.losses import hamburger_loss
@@ -408,8 +409,7 @@ class GenerationCheck:
       self.engine.set_model(model)
     gens = self.engine.generate(self.prompts, max_new_tokens=t.generate_tokens,
                                 mode="hamburger", confidence=t.generate_confidence)
-    out = {"gen_tokens_per_step": sum(g.new_tokens for g in gens) / max(
-        sum(g.macro_steps for g in gens), 1)}
+    out = {"gen_tokens_per_step": pooled_tokens_per_step(gens)}
     if self.reference is not None:
       agree = token_agreement(self.reference, [g.token_ids for g in gens])
       out.update(gen_identical=agree["identical"], gen_prefix_agreement=agree["prefix_agreement"])

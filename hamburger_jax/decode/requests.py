@@ -104,3 +104,9 @@ class Request:
     else:  # another id by a stable hash
       salt = zlib.crc32(repr(rid).encode()) & 0x7FFFFFFF
     return jax.random.fold_in(jax.random.key(self.seed), salt)
+
+
+def pooled_tokens_per_step(gens) -> float:
+  """Tokens per macro step over many generations (each weighted by its length, so it is also
+  their KV compression: tokens per decode entry)."""
+  return sum(g.new_tokens for g in gens) / max(sum(g.macro_steps for g in gens), 1)
