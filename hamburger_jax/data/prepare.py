@@ -210,9 +210,10 @@ def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, to
   JSONL beside `out_dir` (teacher arrays to .npy files there), so memory does not grow with the
   source. `teacher` stores the distillation recipe's teacher signals with every sample (see
   `segment`). `keep_split` (`split_of_samples` of a dataset this one grows, e.g. a
-  self-distillation file rebuilt with more answers): a sample found there keeps its split, so a model trained on the
-  old training split meets none of it in the new validation split; only new samples are split at
-  `val_fraction`. `progress(n)` is called as conversations are segmented or dropped.
+  self-distillation file rebuilt with more answers): a sample found there keeps its split, so a
+  model trained on the old training split meets none of it in the new validation split; only
+  new samples are split at `val_fraction`. `progress(n)` is called as conversations are
+  segmented or dropped.
   """
   start = time.perf_counter()
   strategy_fn = segmentation.get_strategy(strategy)
@@ -222,7 +223,7 @@ def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, to
     raise ValueError(f"max_len={max_len} must be at least 2 (a prompt and a response token)")
   out = os.path.abspath(out_dir)
   check_output_dir(out, overwrite)  # before hours of work, not after
-  known = dict(keep_split or {})
+  known = keep_split or {}
   parent = os.path.dirname(out)
   os.makedirs(parent, exist_ok=True)
   eot = end_of_turn_id(tokenizer)
@@ -258,11 +259,12 @@ def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, to
           if signals is not None:
             for name, value in signals.items():
               np.save(os.path.join(tmp, f"{stats.samples}.{name}.npy"), value)
+          ids = np.concatenate([s.prompt_ids, s.response_ids])
           f.write(json.dumps({
-              "input_ids": np.concatenate([s.prompt_ids, s.response_ids]).tolist(),
+              "input_ids": ids.tolist(),
               "prompt_len": len(s.prompt_ids), "groups": g.tolist(), "source": s.source,
               "id": s.id}) + "\n")
-          keys.append(sample_key(np.concatenate([s.prompt_ids, s.response_ids])))
+          keys.append(sample_key(ids))
           stats.samples += 1
           stats.tokens += len(s)
           stats.response_tokens += len(s.response_ids)
