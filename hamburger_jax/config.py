@@ -12,6 +12,9 @@ from typing import Any, Mapping
 # The inference rule's default: a group continues while the stop head's P(continue) >= this
 # (docs/method.md, section 3). The engine, the CLIs and training's generation probes use it.
 DEFAULT_CONFIDENCE = 0.8
+# The engine's prefix cache capacity, in KV entries (hamburger_jax/decode/prefix_cache.py;
+# SmolLM2 in fp32: 46 KB each, so ~94 MB): a hundred system turns, or a few long histories.
+DEFAULT_PREFIX_CACHE_TOKENS = 2048
 
 
 class ConfigError(ValueError):

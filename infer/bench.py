@@ -241,7 +241,7 @@ def run_serve(engine, workload, mode: str, slots: int, confidence: float,
                   for i, (ids, n) in enumerate(workload)]
   lengths = [len(ids) for ids, _ in workload]
   layout = engine.layout(mode, slots, max(n for _, n in workload), max(lengths), kv_blocks)
-  compile_s = engine.compile_programs(layout, lengths, stochastic=False)
+  compile_s = engine.compile_programs(layout, [ids for ids, _ in workload], stochastic=False)
   t = time.perf_counter()
   out = list(engine.serve(reqs(), slots=slots, kv_blocks=kv_blocks, mode=mode,
                           round_steps=round_steps))
@@ -257,6 +257,7 @@ def run_serve(engine, workload, mode: str, slots: int, confidence: float,
           "peak_blocks": max(stats.blocks_used),
           "preemptions": stats.preemptions, "wall": wall, "compile": compile_s,
           "rounds": stats.rounds, "prefill": sum(g.prefill_s for g in out),
+          "prefix_hits": stats.prefix_hits, "prefix_tokens": stats.prefix_tokens,
           "kv_per_token": sum(g.kv_entries - g.prompt_tokens for g in out) / tokens}
 
 
@@ -276,6 +277,8 @@ def bench_serve(args) -> None:
   variants = [("base", "base", 1.0), (f"HAMburger c={args.confidence}", "hamburger",
                                       args.confidence),
               ("HAMburger forced 4-token groups", "hamburger", 0.0)]
+  if "p" in args.parts:
+    serve_prefix_cache(args, engine, workload, variants)
   if "a" in args.parts:
     serve_slots(args, engine, workload, variants)
   if "b" in args.parts:
@@ -302,6 +305,27 @@ def serve_slots(args, engine, workload, variants) -> None:
   if args.plot:
     plot_serve(args.slots, curve, args.plot)
     print(f"\nplot: {args.plot}")
+
+
+def serve_prefix_cache(args, engine, workload, variants) -> None:
+  """The same stream with the prefix cache off and on (every chat prompt here starts with the
+  same system turn): prefill time and throughput."""
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  off = Engine(engine.model, engine.tokenizer, stop_ids=engine.stop_ids, prefix_cache_tokens=0)
+  print("\n(p) prefix cache off vs on, KV pool as in (a)\n")
+  print("| slots | variant | prefix cache | prompt tokens copied | prefill s | vs off | tok/s | "
+        "vs off |")
+  print("|---|---|---|---|---|---|---|---|")
+  for slots in args.slots:
+    for name, mode, c in (variants[0], variants[-1]):  # the base and forced 4-token groups
+      first = None
+      for label, eng in (("off", off), ("on", engine)):
+        eng.prefix_cache.clear()
+        r = run_serve(eng, workload, mode, slots, c)
+        first = first or r
+        print(f"| {slots} | {name} | {label} | {r['prefix_tokens']} | {r['prefill']:.1f} | "
+              f"{r['prefill'] / first['prefill']:.2f}x | {r['tok_s']:.1f} | "
+              f"{r['tok_s'] / first['tok_s']:.2f}x |", flush=True)
 
 
 def ratio(x: float, base: float) -> str:
@@ -381,12 +405,13 @@ def main(argv=None) -> int:
                  help="serve (b): the fixed KV pool, in blocks of 16 entries")
   p.add_argument("--plot", default=None, help="serve: write the throughput-vs-slots PNG here")
   p.add_argument("--parts", default="ab",
-                 help="serve: a (slots sweep), b (fixed pool) or both; c runs with --round-steps")
+                 help="serve: any of a (slots sweep), b (fixed pool), p (prefix cache off vs "
+                      "on); c runs with --round-steps")
   p.add_argument("--round-steps", type=lambda s: [int(x) for x in s.split(",")], default=[],
                  help="serve (c): refill every K macro steps, against refill at each finish")
   args = p.parse_args(argv)
-  if not set(args.parts) <= {"a", "b"}:
-    p.error(f"--parts={args.parts!r}: use a, b or ab")
+  if not args.parts or not set(args.parts) <= {"a", "b", "p"}:
+    p.error(f"--parts={args.parts!r}: use any of a, b and p (e.g. ab)")
   if any(k < 1 for k in args.round_steps):
     p.error(f"--round-steps {args.round_steps}: each K must be >= 1")
   args.batches = args.batches or ([1, 8] if args.mode == "base" else [1, 8, 32])

@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from hamburger_jax.config import DEFAULT_CONFIDENCE
+from hamburger_jax.config import DEFAULT_CONFIDENCE, DEFAULT_PREFIX_CACHE_TOKENS
 
 REQUEST_FIELDS = ("prompt", "max_new_tokens", "confidence", "temperature", "top_k", "top_p",
                   "seed", "id")
@@ -43,8 +43,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", action="store_true", help="one JSON object per finished request")
+  p.add_argument("--prefix-cache-tokens", type=int, default=DEFAULT_PREFIX_CACHE_TOKENS,
+                 help="KV entries of earlier turns kept for requests that repeat them "
+                      f"(default {DEFAULT_PREFIX_CACHE_TOKENS}; 0 turns prefix caching off)")
   p.add_argument("--no-compile-cache", action="store_true")
   args = p.parse_args(argv)
+  if args.prefix_cache_tokens < 0:
+    p.error("--prefix-cache-tokens must be >= 0 (0 turns prefix caching off)")
   for name in ("slots", "block_size", "max_new_tokens"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -126,7 +131,8 @@ def main(argv=None) -> int:
     model, tok = phase(f"loading weights ({mode})", load)
   except (ValueError, RuntimeError, FileNotFoundError) as e:
     raise SystemExit(f"error: {e}") from None
-  engine = Engine(model, tok, block_size=args.block_size)
+  engine = Engine(model, tok, block_size=args.block_size,
+                  prefix_cache_tokens=args.prefix_cache_tokens)
   requests, failed = [], []
   for i, raw in enumerate(raws):
     r = to_request(raw, i, args)
@@ -163,7 +169,9 @@ def main(argv=None) -> int:
     bar.close()
   elapsed = bar.format_dict["elapsed"]
   stats = engine.last_serve
-  in_flight = f", {stats.mean_in_flight:.1f} requests in flight on average" if stats else ""
+  in_flight = (f", {stats.mean_in_flight:.1f} requests in flight on average, "
+               f"{stats.prefix_tokens} prompt tokens copied from the prefix cache"
+               if stats else "")
   print(f"{len(raws) - errors} requests served ({errors} failed), {tokens} tokens in "
         f"{elapsed:.1f} s ({tokens / max(elapsed, 1e-9):.1f} tokens/s, "
         f"{tokens / max(steps, 1):.2f} tokens per macro step){in_flight}", file=sys.stderr)

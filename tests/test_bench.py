@@ -44,3 +44,21 @@ def test_run_serve_reports_the_serving_figures():
   rounds = run_serve(engine, workload, "base", 2, 1.0, round_steps=3)
   assert rounds["rounds"] >= 6 and rounds["rounds"] > base["rounds"]
   assert rounds["kv_per_token"] == base["kv_per_token"]
+
+
+def test_serve_prefix_cache_compares_off_and_on(capsys):
+  """Part p of the serve bench: the same stream with the prefix cache off, then on."""
+  import types  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.testing import DECODE_STOP, tiny_decode_model  # pylint: disable=C0415
+  from infer.bench import serve_prefix_cache  # pylint: disable=import-outside-toplevel
+  engine = Engine(tiny_decode_model(), None, stop_ids=(), turn_end_ids=[DECODE_STOP])
+  system = list(range(20, 36)) + [DECODE_STOP]
+  workload = [(system + [i, i + 1, DECODE_STOP, 1], 6) for i in range(1, 5)]
+  variants = [("base", "base", 1.0), ("forced", "hamburger", 0.0)]
+  serve_prefix_cache(types.SimpleNamespace(slots=[2]), engine, workload, variants)
+  rows = [r.split("|")[1:-1] for r in capsys.readouterr().out.splitlines() if r.startswith("| 2 ")]
+  assert [(r[1].strip(), r[2].strip()) for r in rows] == [
+      ("base", "off"), ("base", "on"), ("forced", "off"), ("forced", "on")]
+  # 4 requests share the system turn: computed once, copied for the other 3 (17 tokens each).
+  assert [int(r[3]) for r in rows] == [0, 51, 0, 51]

@@ -17,6 +17,7 @@ import pytest
 from hamburger_jax.decode import engine as engine_lib
 from hamburger_jax.decode.engine import Engine, GenerationError
 from hamburger_jax.decode.paged_kv import TRASH_BLOCK, BlockAllocator
+from hamburger_jax.decode.prefix_cache import CachedPrefix, PrefixCache, cacheable_prefix
 from hamburger_jax.decode.sampling import SamplingParams
 from hamburger_jax.decode.requests import Generation, Request, pooled_tokens_per_step
 from hamburger_jax.decode.serving import ServeStats, check_tables
@@ -42,6 +43,16 @@ def alone(engine):
     out[mode] = [engine.generate([p], max_new_tokens=n, mode=mode, confidence=c)[0]
                  for p, n, c in zip(PROMPTS, MAX_NEW, CONFIDENCES)]
   return out
+
+
+# Chat-like prompts (DECODE_STOP ends a turn): three share a 16-token system turn, the last
+# one is a later turn of the first conversation (its history, 25 tokens, is its own prefix).
+SYSTEM = list(range(20, 35)) + [DECODE_STOP]
+CHAT = [SYSTEM + [5, 6, 7, DECODE_STOP, 1], SYSTEM + [8, 9, DECODE_STOP, 1],
+        SYSTEM + list(range(40, 60)) + [DECODE_STOP, 1],
+        SYSTEM + [5, 6, 7, DECODE_STOP, 1, 11, 12, 13, DECODE_STOP, 1, 14, 15, DECODE_STOP, 1]]
+CHAT_NEW = [10, 14, 6, 12]
+CHAT_CONFIDENCE = [0.5, 0.3, 0.0, 0.6]
 
 
 def requests(order=None) -> list[Request]:
@@ -86,13 +97,14 @@ def test_bounded_rounds_give_the_same_tokens(engine, alone):
 def test_programs_update_the_pool_in_place(engine, mode):
   """Neither the decode nor the prefill program copies the KV pool: a copy per macro step cost
   the 16-slot base decode ~40% of its throughput (XLA copies buffers routed through a cond)."""
-  layout = engine.layout(mode, 4, 32, 20)
-  engine.compile_programs(layout, [20], stochastic=False)
+  layout = engine.layout(mode, 4, 32, len(CHAT[0]))
+  engine.compile_programs(layout, [CHAT[0]], stochastic=False)
   pool = engine._abstract_state(layout).cache.k  # pylint: disable=protected-access
   dtype = {"float32": "f32", "bfloat16": "bf16"}[pool.dtype.name]
   shape = f"{dtype}[{','.join(map(str, pool.shape))}]"
-  programs = [p for k, p in engine.programs.items() if k[1] == layout]
-  assert {k[0] for k in engine.programs if k[1] == layout} == {"prefill", "decode"}
+  programs = [p for k, ps in engine.programs.items() if k[1] == layout
+              for p in (ps if isinstance(ps, tuple) else (ps,))]
+  assert {k[0] for k in engine.programs if k[1] == layout} == {"prefill", "decode", "prefix"}
   for program in programs:
     copies = [line for line in program.as_text().splitlines()
               if shape in line and " copy(" in line]
@@ -309,3 +321,68 @@ def test_sharded_decode_equals_single_device():
   out = json.loads(res.stdout.strip().splitlines()[-1])
   assert out["devices"] == 8 and out["spec"] == ["None", "tensor"]
   assert out["same"] == [True] * 4 and out["merged"]
+
+
+def test_cacheable_prefix_is_the_turns_before_the_last():
+  stop = DECODE_STOP
+  assert cacheable_prefix(CHAT[0], [stop]) == 16  # the system turn
+  assert cacheable_prefix(CHAT[3], [stop]) == 25  # the whole history before the last user turn
+  assert cacheable_prefix(PROMPTS[4], [stop]) == 0  # no turns
+  assert cacheable_prefix([1, stop, 2, stop, 3], [stop]) == 0  # too short to be worth a copy
+  eng = Engine(tiny_decode_model(), None, stop_ids=[stop], prefix_cache_tokens=0)
+  assert eng.prompt_plan(CHAT[3]) == (0, engine_lib.prefill_chunks(len(CHAT[3])))
+  on = Engine(tiny_decode_model(), None, stop_ids=[stop])
+  p0, chunks = on.prompt_plan(CHAT[3])
+  assert p0 == 25 and chunks[-1][0] + chunks[-1][1] == len(CHAT[3])
+  assert [c for c in chunks if c[0] < p0] == engine_lib.prefill_chunks(p0)  # ends at the prefix
+  with pytest.raises(GenerationError, match="prefix cache capacity"):
+    Engine(tiny_decode_model(), None, stop_ids=[stop], prefix_cache_tokens=-1)
+
+
+def test_prefix_cache_evicts_the_least_recently_used():
+  kv = lambda n: np.zeros((2, n, 1, 4), np.float32)
+  cache = PrefixCache(64)
+  for i in range(3):
+    cache.put("base", [i], CachedPrefix(kv(32), kv(32), 20))
+  assert len(cache) == 2 and cache.get("base", [0]) is None  # the oldest went
+  assert cache.get("base", [1]) is not None and cache.get("hamburger", [1]) is None
+  cache.put("base", [3], CachedPrefix(kv(32), kv(32), 20))
+  assert cache.get("base", [2]) is None and cache.get("base", [1]) is not None  # 1 was used
+  assert (cache.hits, cache.misses, cache.tokens_reused) == (2, 3, 40)
+
+
+@pytest.mark.parametrize("mode", ["base", "hamburger"])
+def test_shared_turns_are_prefilled_once_and_change_no_token(mode):
+  """Requests that share earlier turns copy them from the prefix cache and emit exactly what
+  they emit alone, prefix not cached; a corrupted entry would change them (so it is read)."""
+  eng = Engine(tiny_decode_model(), None, stop_ids=[DECODE_STOP])
+  reqs = lambda order: [Request(CHAT[i], max_new_tokens=CHAT_NEW[i],
+                                confidence=CHAT_CONFIDENCE[i], id=i) for i in order]
+  alone = []
+  for r in reqs(range(len(CHAT))):
+    eng.prefix_cache.clear()
+    alone.append(next(eng.serve([r], slots=1, mode=mode)))
+    assert eng.last_serve.prefix_hits == 0
+  eng.prefix_cache.clear()
+  got = {g.id: g for g in eng.serve(reqs([2, 3, 0, 1]), slots=2, mode=mode)}
+  for i, want in enumerate(alone):
+    assert (got[i].token_ids, got[i].groups) == (want.token_ids, want.groups), f"request {i}"
+  # The system turn is computed for request 2 and copied for 0 and 1; 3 has its own history.
+  assert (eng.last_serve.prefix_hits, eng.last_serve.prefix_tokens) == (2, 32)
+  assert len(eng.prefix_cache) == 2
+  assert sorted(k[2] for k in eng.programs if k[0] == "prefix" and k[1].slots == 2) == [16, 32]
+  (key, entry), = [(k, e) for k, e in eng.prefix_cache._entries.items()  # pylint: disable=W0212
+                   if len(k[1]) == 16]
+  noise = np.random.default_rng(0).normal(size=entry.k.shape).astype(np.float32)
+  eng.prefix_cache.put(*key, CachedPrefix(entry.k + noise, entry.v - noise, entry.length))
+  corrupted = next(eng.serve(reqs([1]), slots=1, mode=mode))
+  assert eng.last_serve.prefix_hits == 1
+  assert corrupted.token_ids != alone[1].token_ids
+
+
+def test_new_weights_empty_the_prefix_cache():
+  eng = Engine(tiny_decode_model(), None, stop_ids=[DECODE_STOP])
+  eng.generate([CHAT[0]], max_new_tokens=4)
+  assert len(eng.prefix_cache) == 1
+  eng.set_model(eng.model)
+  assert len(eng.prefix_cache) == 0

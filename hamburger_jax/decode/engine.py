@@ -26,9 +26,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hamburger_jax import sharding
-from hamburger_jax.config import DEFAULT_CONFIDENCE
+from hamburger_jax.config import DEFAULT_CONFIDENCE, DEFAULT_PREFIX_CACHE_TOKENS
 from hamburger_jax.decode import serving
 from hamburger_jax.decode.paged_kv import PagedKVCache, blocks_for
+from hamburger_jax.decode.prefix_cache import CachedPrefix, PrefixCache, cacheable_prefix
 from hamburger_jax.decode.requests import Generation, GenerationError, Request
 from hamburger_jax.decode.sampling import SamplingParams, sample_rows
 from hamburger_jax.model.hamburger import Hamburger, continues
@@ -87,13 +88,13 @@ def bucket(n: int, buckets: Sequence[int]) -> int:
   raise GenerationError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def prefill_chunks(n: int) -> list[tuple[int, int, int]]:
-  """(start, valid tokens, bucket) of each prefill chunk of an n-token prompt: the chunk sizes
-  with the least padded tokens + PREFILL_CHUNK_COST per chunk, largest first."""
+def prefill_chunks(n: int, start: int = 0) -> list[tuple[int, int, int]]:
+  """(start, valid tokens, bucket) of each prefill chunk of n prompt tokens from `start`: the
+  chunk sizes with the least padded tokens + PREFILL_CHUNK_COST per chunk, largest first."""
   sizes = _chunk_sizes(n, PREFILL_BUCKETS, PREFILL_CHUNK_COST)
-  out, start = [], 0
+  out, end = [], start + n
   for size in sizes:
-    valid = min(size, n - start)
+    valid = min(size, end - start)
     out.append((start, valid, size))
     start += valid
   return out
@@ -144,7 +145,9 @@ class Engine:
 
   def __init__(self, model: Llama | Hamburger, tokenizer: Any = None, *,
                max_seq_len: int | None = None, stop_ids: Sequence[int] | None = None,
-               block_size: int = DEFAULT_BLOCK_SIZE, mesh: jax.sharding.Mesh | None = None):
+               block_size: int = DEFAULT_BLOCK_SIZE, mesh: jax.sharding.Mesh | None = None,
+               prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
+               turn_end_ids: Sequence[int] | None = None):
     self.tokenizer = tokenizer
     base = base_of(model)
     self.base_cfg = base.cfg
@@ -152,10 +155,19 @@ class Engine:
     if stop_ids is None:
       stop_ids = tokenizer.stop_ids if tokenizer is not None else ()
     self.stop_ids = tuple(int(i) for i in stop_ids)
+    # What ends a turn in a prompt (prefix caching), also where generation ignores it (benches
+    # that decode every request to its max_new_tokens pass stop_ids=()).
+    if turn_end_ids is None:
+      turn_end_ids = tokenizer.stop_ids if tokenizer is not None else self.stop_ids
+    self.turn_end_ids = tuple(int(i) for i in turn_end_ids)
     if block_size < 1:
       raise GenerationError(f"block_size={block_size} must be >= 1")
     self.block_size = block_size
     self.mesh = mesh
+    try:
+      self.prefix_cache = PrefixCache(prefix_cache_tokens)
+    except ValueError as e:
+      raise GenerationError(str(e)) from None
     self.set_model(model)
     # Compiled programs by (kind, layout, ...): compiled ahead of time so timings never include
     # compilation and reuse is observable.
@@ -411,6 +423,29 @@ class Engine:
           jax.ShapeDtypeStruct((), bool), request, mode=layout.mode).compile()
     return self.programs[key]
 
+  def _prefix_programs(self, layout: Layout, size: int):
+    """(read, write) of a `size`-entry prefix of one slot (prefix caching)."""
+    key = ("prefix", layout, size)
+    if key not in self.programs:
+      state = self._abstract_state(layout)
+      i32 = jax.ShapeDtypeStruct((), jnp.int32)
+      cache = state.cache
+      kv = jax.ShapeDtypeStruct((cache.k.shape[0], size, *cache.k.shape[3:]), cache.k.dtype)
+      # Not self._jit: reading must not donate the state, which goes on decoding.
+      read = jax.jit(lambda state, slot: state.cache.read_row(slot, size), **(
+          {} if self.mesh is None else {"out_shardings": NamedSharding(self.mesh, P())}))
+      write = self._jit(lambda state, slot, k, v, n: state.replace(
+          cache=state.cache.write_row(slot, k, v, n)))
+      self.programs[key] = (read.lower(state, i32).compile(),
+                            write.lower(state, i32, kv, kv, i32).compile())
+    return self.programs[key]
+
+  def prompt_plan(self, ids: Sequence[int]) -> tuple[int, list[tuple[int, int, int]]]:
+    """(cacheable prefix length, prefill chunks) of a prompt: with prefix caching on, the
+    prefix's chunks come first and end at its last token, whether it is cached or not."""
+    p0 = cacheable_prefix(ids, self.turn_end_ids) if self.prefix_cache.enabled else 0
+    return p0, (prefill_chunks(p0) if p0 else []) + prefill_chunks(len(ids) - p0, p0)
+
   def _decode_program(self, layout: Layout, stochastic: bool, stream: bool, view: int):
     key = ("decode", layout, stochastic, stream, view)
     if key not in self.programs:
@@ -441,24 +476,36 @@ class Engine:
         "max_new": np.int32(r.max_new_tokens), "confidence": np.float32(r.confidence),
         "temperature": np.float32(r.sampling.temperature), "top_k": np.int32(r.sampling.top_k),
         "top_p": np.float32(r.sampling.top_p), "key": r.key()})
-    chunks = prefill_chunks(len(r.ids))
+    p0, chunks = self.prompt_plan(r.ids)
+    prefix = self.prefix_cache.get(layout.mode, r.ids[:p0]) if p0 else None
+    read, write = self._prefix_programs(layout, bucket(p0, LENGTH_BUCKETS)) if p0 else (None,) * 2
+    if prefix is not None:
+      state = write(state, self.put(np.int32(slot)), prefix.k, prefix.v, self.put(np.int32(p0)))
     for j, (start, valid, size) in enumerate(chunks):
+      if start < p0 and prefix is not None:
+        continue
       ids = np.zeros((size,), np.int32)
       ids[:valid] = r.ids[start:start + valid]
       args = self.put((ids, np.int32(start), np.int32(valid), np.int32(slot),
                        np.bool_(j == len(chunks) - 1)))
       state = self._prefill_program(layout, size)(self.params, state, *args, request)
+      if start + valid == p0:  # a miss: the prefix's entries are all written now
+        k, v = read(state, self.put(np.int32(slot)))
+        self.prefix_cache.put(layout.mode, r.ids[:p0], CachedPrefix(k, v, p0))
     return state
 
-  def compile_programs(self, layout: Layout, prompt_lengths: Iterable[int], stochastic: bool,
+  def compile_programs(self, layout: Layout, prompts: Iterable[Sequence[int]], stochastic: bool,
                        stream: bool = False) -> float:
-    """Compiles what serving prompts of these lengths in `layout` runs; returns the seconds
+    """Compiles what serving these prompts (token ids) in `layout` runs; returns the seconds
     spent (0 when all were compiled already; a load from JAX's persistent compilation cache
     counts as compiling)."""
     t = time.perf_counter()
     before = len(self.programs)
-    for chunk in sorted({c for n in prompt_lengths for _, _, c in prefill_chunks(n)}):
+    plans = [self.prompt_plan(ids) for ids in prompts]
+    for chunk in sorted({c for _, chunks in plans for _, _, c in chunks}):
       self._prefill_program(layout, chunk)
+    for size in sorted({bucket(p0, LENGTH_BUCKETS) for p0, _ in plans if p0}):
+      self._prefix_programs(layout, size)
     for view in self.views(layout):
       self._decode_program(layout, stochastic, stream, view)
     return time.perf_counter() - t if len(self.programs) > before else 0.0
@@ -532,9 +579,9 @@ class Engine:
     seconds spent: 0 when they were compiled already."""
     mode = self.check_mode(mode)
     reqs = self._requests(prompts, max_new_tokens, sampling, DEFAULT_CONFIDENCE, 0)
-    lengths = [len(r.ids) for r in reqs]
-    layout = self.layout(mode, generate_slots(len(reqs)), max_new_tokens, max(lengths))
-    return self.compile_programs(layout, lengths, not sampling.greedy, stream)
+    layout = self.layout(mode, generate_slots(len(reqs)), max_new_tokens,
+                         max(len(r.ids) for r in reqs))
+    return self.compile_programs(layout, [r.ids for r in reqs], not sampling.greedy, stream)
 
   def generate(self, prompts: Sequence, *, max_new_tokens: int = 128, mode: str | None = None,
                sampling: SamplingParams = SamplingParams(),
@@ -573,3 +620,4 @@ class Engine:
                                                                sharding.INFER_RULES))
     self.model = model
     self.graphdef, self.params = graphdef, params
+    self.prefix_cache.clear()  # its entries were computed with the old weights

@@ -39,6 +39,8 @@ class ServeStats:
   round_s: list[float] = dataclasses.field(default_factory=list)  # decode seconds, per round
   preemptions: int = 0
   free_blocks_at_end: int = 0
+  prefix_hits: int = 0  # prefills that copied a cached prefix (prefix_cache.py)
+  prefix_tokens: int = 0  # prompt tokens copied from the prefix cache instead of prefilled
 
   @property
   def mean_in_flight(self) -> float:
@@ -127,7 +129,7 @@ def serve(engine, requests: Iterable[Request], *, slots: int = 8,
     return
 
   stochastic = any(not r.sampling.greedy for r in queue)
-  compile_s = engine.compile_programs(layout, [len(r.ids) for r in queue], stochastic, stream)
+  compile_s = engine.compile_programs(layout, [r.ids for r in queue], stochastic, stream)
   state = engine._init_state(layout)  # pylint: disable=protected-access
   table = np.full((layout.slots, layout.blocks_per_row), TRASH_BLOCK, np.int32)
   live: dict[int, _Live] = {}
@@ -155,8 +157,11 @@ def serve(engine, requests: Iterable[Request], *, slots: int = 8,
       table[slot] = row_table(blocks, layout.blocks_per_row)
       state = state.replace(cache=state.cache.replace(table=engine.put(table)))
       t = time.perf_counter()
+      hits, reused = engine.prefix_cache.hits, engine.prefix_cache.tokens_reused
       state = engine.prefill(layout, state, r, slot)
       jax.block_until_ready(state.done)
+      stats.prefix_hits += engine.prefix_cache.hits - hits
+      stats.prefix_tokens += engine.prefix_cache.tokens_reused - reused
       now = time.perf_counter()
       live[slot] = _Live(r, blocks, now, now - t, preempted[id(r)])
       lengths[slot] = len(r.ids)
