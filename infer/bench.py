@@ -310,22 +310,25 @@ def serve_slots(args, engine, workload, variants) -> None:
 def serve_prefix_cache(args, engine, workload, variants) -> None:
   """The same stream with the prefix cache off and on (every chat prompt here starts with the
   same system turn): prefill time and throughput."""
-  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
-  off = Engine(engine.model, engine.tokenizer, stop_ids=engine.stop_ids, prefix_cache_tokens=0)
+  from hamburger_jax.decode.prefix_cache import PrefixCache  # pylint: disable=C0415
   print("\n(p) prefix cache off vs on, KV pool as in (a)\n")
   print("| slots | variant | prefix cache | prompt tokens copied | prefill s | vs off | tok/s | "
         "vs off |")
   print("|---|---|---|---|---|---|---|---|")
+  on = engine.prefix_cache
   for slots in args.slots:
     for name, mode, c in (variants[0], variants[-1]):  # the base and forced 4-token groups
       first = None
-      for label, eng in (("off", off), ("on", engine)):
-        eng.prefix_cache.clear()
-        r = run_serve(eng, workload, mode, slots, c)
+      # One engine, its cache swapped: a second engine would compile every program again.
+      for label, cache in (("off", PrefixCache(0)), ("on", on)):
+        engine.prefix_cache = cache
+        cache.clear()
+        r = run_serve(engine, workload, mode, slots, c)
         first = first or r
         print(f"| {slots} | {name} | {label} | {r['prefix_tokens']} | {r['prefill']:.1f} | "
               f"{r['prefill'] / first['prefill']:.2f}x | {r['tok_s']:.1f} | "
               f"{r['tok_s'] / first['tok_s']:.2f}x |", flush=True)
+  engine.prefix_cache = on
 
 
 def ratio(x: float, base: float) -> str:
