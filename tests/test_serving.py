@@ -294,8 +294,10 @@ from hamburger_jax.testing import DECODE_STOP, tiny_decode_model
 m = tiny_decode_model()
 one = Engine(m, None, stop_ids=[DECODE_STOP])
 mesh = Engine(m, None, stop_ids=[DECODE_STOP], mesh=sharding.make_mesh(data=1, fsdp=1, tensor=8))
-prompts = [[1, 2, 3, 4, 5], [9, 8], list(range(10, 31)), [40, 41, 42], [7]]
-same = []
+system = list(range(20, 35)) + [DECODE_STOP]  # two chat prompts: the prefix cache is used too
+prompts = [[1, 2, 3, 4, 5], [9, 8], list(range(10, 31)), [40, 41, 42], [7],
+           system + [5, 6, DECODE_STOP, 1], system + [8, 9, DECODE_STOP, 1]]
+same, hits = [], []
 for mode in ("base", "hamburger"):
   a = one.generate(prompts, max_new_tokens=12, mode=mode, confidence=0.5)
   b = mesh.generate(prompts, max_new_tokens=12, mode=mode, confidence=0.5)
@@ -304,8 +306,9 @@ for mode in ("base", "hamburger"):
                                           for p in prompts], slots=2, mode=mode)}
   same.append([(g.token_ids, g.groups) for g in a]
               == [(served[i].token_ids, served[i].groups) for i in range(len(prompts))])
+  hits.append(mesh.last_serve.prefix_hits)
 kernel = mesh.params["base"]["decoder"]["layers"][0]["mlp"]["up_proj"]["kernel"].get_value()
-print(json.dumps({"devices": jax.device_count(), "same": same,
+print(json.dumps({"devices": jax.device_count(), "same": same, "hits": hits,
                   "spec": [str(s) for s in kernel.sharding.spec],
                   "merged": any(max(g.groups) > 1 for g in b)}))
 """
@@ -321,6 +324,8 @@ def test_sharded_decode_equals_single_device():
   out = json.loads(res.stdout.strip().splitlines()[-1])
   assert out["devices"] == 8 and out["spec"] == ["None", "tensor"]
   assert out["same"] == [True] * 4 and out["merged"]
+  # generate cached the system turn, so serving copies it into both chat prompts' slots.
+  assert out["hits"] == [2, 2]
 
 
 def test_cacheable_prefix_is_the_turns_before_the_last():
