@@ -380,3 +380,56 @@ def test_teacher_signals_of_another_base_are_not_compared(teacher_nll: SimpleNam
   # layers 1, 3
   other, _ = pretrained.build_run_model(load_run_config(TINY, ["graft.num_features=2"]))
   assert "stores the teacher's features of layers" in ev.teacher_mismatch(other, teacher_nll.data)
+
+
+# ----------------------------------------------------------------------------- merged-entry ablation
+
+def test_ablation_graft_variant_is_the_nll_tasks_agreement(teacher_nll: SimpleNamespace):
+  """infer.ablate_merged's "graft" row is eval_nll's teacher agreement; with the adapters at
+  zero (the fixture's fresh graft) "no_adapters" is the same model, and "last_token" is not."""
+  from hamburger_jax.model.compositional_embedder import CompositionalEmbedder  # pylint: disable=C0415
+  from infer import ablate_merged  # pylint: disable=import-outside-toplevel
+  original = CompositionalEmbedder.__call__
+  out = ablate_merged.run(teacher_nll.model, teacher_nll.data, "validation", None, TEACHER_BATCH)
+  assert CompositionalEmbedder.__call__ is original  # the forward is restored afterwards
+  want = teacher_nll.result["teacher_agreement"]
+  for m in ablate_merged.METRICS:
+    assert out["graft"][m] == pytest.approx(want[m], abs=1e-6)
+    assert out["no_adapters"][m] == pytest.approx(want[m], abs=1e-6)
+  assert out["graft"]["nll"] == pytest.approx(teacher_nll.result["hamburger"]["score"])
+  assert out["last_token"]["merged"] != pytest.approx(want["merged"], abs=1e-6)
+
+
+def test_ablation_variants_make_the_merged_entry_they_name():
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.model.compositional_embedder import CompositionalEmbedder  # pylint: disable=C0415
+  from hamburger_jax.model.lora import LoRA  # pylint: disable=import-outside-toplevel
+  from infer import ablate_merged  # pylint: disable=import-outside-toplevel
+  emb = CompositionalEmbedder(16, 4, 8, rngs=nnx.Rngs(0))
+  e = jnp.asarray(np.random.default_rng(0).normal(size=(3, 4, 16)), jnp.float32)
+  sizes = jnp.asarray([1, 3, 4])
+  lo = LoRA(16, 8, 2, 4.0, ("embed", "mlp"), rngs=nnx.Rngs(0))
+  lo.b[...] = jnp.ones_like(lo.b[...])
+  x = jnp.ones((2, 16))
+  with ablate_merged.merged_entry("last_token"):
+    np.testing.assert_array_equal(emb(e, sizes), e[jnp.arange(3), sizes - 1])
+    assert not np.any(np.asarray(lo(x)))
+  with ablate_merged.merged_entry("no_adapters"):
+    assert not np.any(np.asarray(lo(x)))
+    assert not np.allclose(emb(e, sizes)[1], e[1, 2])  # the embedder still merges
+  assert np.any(np.asarray(lo(x)))  # restored
+  with pytest.raises(ValueError, match="use one of"):
+    with ablate_merged.merged_entry("mean"):
+      pass
+
+
+def test_ablation_needs_teacher_signals(tiny_data_dir: str):
+  from infer import ablate_merged  # pylint: disable=import-outside-toplevel
+  cfg = load_run_config(TINY)
+  model, _ = pretrained.build_run_model(cfg)
+  with pytest.raises(ValueError, match="no usable teacher signals"):
+    ablate_merged.run(model, tiny_data_dir, "validation", 4, 2, variants=("graft",))
+  proc = subprocess.run([sys.executable, "-m", "infer.ablate_merged", "--data", "/no/such/dir"],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and "--data /no/such/dir does not exist" in proc.stderr

@@ -1,0 +1,107 @@
+"""What a merged entry carries: teacher-forced agreement with the base (infer.eval's nll task, on
+data with teacher signals) with every merged entry made three ways.
+
+  python -m infer.ablate_merged --data runs/data/smollm2-teacher3 --limit 48
+
+- graft: as the graft makes it (compositional embedder, then the base with its merged-entry
+  adapters on at that position);
+- no_adapters: the embedder's output through the exact base (adapters off);
+- last_token: the group's last token alone through the exact base, its other tokens dropped:
+  what one KV entry per group keeps with no learned merging (the entry keeps its position, the
+  last token's, as in docs/SPEC.md 1.2).
+Prints a markdown table (EVALUATION.md, seventh session); --json writes the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+
+VARIANTS = ("graft", "no_adapters", "last_token")
+METRICS = ("merged", "unmerged", "s2", "s3", "s4")
+
+
+@contextlib.contextmanager
+def merged_entry(kind: str):
+  """Within the block, every HAMburger forward (traced in it) makes merged entries as `kind`."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.model.compositional_embedder import CompositionalEmbedder  # pylint: disable=C0415
+  from hamburger_jax.model.lora import LoRA  # pylint: disable=import-outside-toplevel
+
+  def last_token(self, e_nkd, size_n):
+    idx = jnp.clip(size_n - 1, 0, e_nkd.shape[-2] - 1)
+    return jnp.take_along_axis(e_nkd, idx[..., None, None], axis=-2)[..., 0, :].astype(self.dtype)
+
+  def no_delta(self, x):
+    return jnp.zeros((*x.shape[:-1], self.b.shape[1]), self.dtype)
+
+  if kind not in VARIANTS:
+    raise ValueError(f"merged entry {kind!r}: use one of {', '.join(VARIANTS)}")
+  saved = CompositionalEmbedder.__call__, LoRA.__call__
+  try:
+    if kind == "last_token":
+      CompositionalEmbedder.__call__ = last_token
+    if kind != "graft":
+      LoRA.__call__ = no_delta
+    yield
+  finally:
+    CompositionalEmbedder.__call__, LoRA.__call__ = saved
+
+
+def run(model, data_dir: str, split: str, limit: int | None, batch: int,
+        variants=VARIANTS) -> dict[str, dict]:
+  """{variant: {"nll", "merged", "unmerged", "s2".., }} from infer.eval's eval_nll."""
+  from infer.eval import eval_nll  # pylint: disable=import-outside-toplevel
+  out = {}
+  for kind in variants:
+    with merged_entry(kind):
+      r = eval_nll(model, data_dir, split, limit, batch)
+    agreement = r.get("teacher_agreement")
+    if not agreement or "skipped" in agreement:
+      raise ValueError(f"{data_dir} has no usable teacher signals "
+                       f"({(agreement or {}).get('skipped', 'none stored')}): prepare it with "
+                       "train.prepare_data --teacher-top-k K")
+    out[kind] = {"nll": r["hamburger"]["score"], "n": r["n"],
+                 **{m: agreement.get(m) for m in METRICS}}
+  return out
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m infer.ablate_merged", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--data", required=True, help="a dataset with teacher signals (prepare_data "
+                 "--teacher-top-k)")
+  p.add_argument("--split", default="validation")
+  p.add_argument("--limit", type=int, default=48, help="records (default 48)")
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--checkpoint", default=None, help="graft export (default: the shipped one)")
+  p.add_argument("--json", default=None, help="also write the numbers to this file")
+  args = p.parse_args(argv)
+  if not os.path.isdir(args.data):
+    p.error(f"--data {args.data} does not exist")
+  if args.limit < 1 or args.batch < 1:
+    p.error("--limit and --batch must be >= 1")
+  if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
+    p.error(f"--checkpoint {args.checkpoint} does not exist")
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  model, _ = pretrained.load_hamburger(args.checkpoint)
+  try:
+    out = run(model, args.data, args.split, args.limit, args.batch)
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None
+  print("| merged entry | n | HAMburger NLL | " + " | ".join(f"agree {m}" for m in METRICS) + " |")
+  print("|---" * (3 + len(METRICS)) + "|")
+  for kind, r in out.items():
+    cells = " | ".join("-" if r[m] is None else f"{r[m]:.3f}" for m in METRICS)
+    print(f"| {kind} | {r['n']} | {r['nll']:.3f} | {cells} |")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(out, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
