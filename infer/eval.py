@@ -468,8 +468,10 @@ def eval_nll(model, data_dir: str, split: str, limit: int | None, batch: int) ->
   agree_groups: dict[str, int] = collections.defaultdict(int)
   accept_counts: dict[str, float] = collections.defaultdict(float)
   n_batches = -(-len(records) // batch)
-  bar = tqdm(total=2 * n_batches, desc="nll", unit="batch", file=sys.stderr)
-  for b in nll_batches(records, k, batch, model.cfg.graft.position_offset):
+  # Packing puts several records in a row, so HAMburger runs fewer batches than the base.
+  packed = list(nll_batches(records, k, batch, model.cfg.graft.position_offset))
+  bar = tqdm(total=len(packed) + n_batches, desc="nll", unit="batch", file=sys.stderr)
+  for b in packed:
     m, t = jax.device_get(ham_metrics(params, b))
     if teacher:
       # Each agree_* is a mean over its own groups (max(count, 1) of them): weight it back.
