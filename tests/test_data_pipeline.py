@@ -78,18 +78,18 @@ def test_gsm_symbolic_refuses_evaluation_seeds():
     sources.make_source("gsm_symbolic", seed=1)
 
 
-def test_gsm_symbolic_leaves_out_every_evaluation_question():
-  """Its templates repeat questions across seeds: training seeds 0..5999 give two of the 200
-  evaluation questions (items 2931 and 3913), which the source drops."""
+def test_gsm_symbolic_leaves_out_the_evaluation_questions():
+  """Its templates repeat questions across seeds: training seeds 0..3999 give two of the 200
+  evaluation questions (items 2931 and 3913); prepare_data passes them as `exclude`."""
   from hamburger_jax.evaluation import tasks  # pylint: disable=import-outside-toplevel
-  convs = list(sources.make_source("gsm_symbolic", limit=4000, seed=0))
-  assert len(convs) == 3998
-  assert "gsm_symbolic:0:2931" not in {c.id for c in convs}
-  evaluation = [it["question"] for it in tasks.GSM_SYMBOLIC.items(200, tasks.EVAL_SEED)]
+  evaluation = tasks.evaluation_questions("gsm_symbolic")
+  assert len(evaluation) == 200
+  raw = [c.prompt_messages[0]["content"] for c in sources.make_source("gsm_symbolic", limit=4000)]
+  with pytest.raises(ValueError, match="2 training question"):
+    tasks.assert_disjoint(raw, evaluation)
+  convs = list(sources.mixed_sources(["gsm_symbolic@4000"], exclude=evaluation))
+  assert len(convs) == 3998 and "gsm_symbolic:0:2931" not in {c.id for c in convs}
   tasks.assert_disjoint([c.prompt_messages[0]["content"] for c in convs], evaluation)
-  raw = tasks.GSM_SYMBOLIC.items(4000, 0)
-  with pytest.raises(ValueError, match="2 training question"):  # so the check can fail
-    tasks.assert_disjoint([it["question"] for it in raw], evaluation)
 
 
 def test_gsm_symbolic_responses_end_with_the_answer():

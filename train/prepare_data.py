@@ -17,6 +17,7 @@ import sys
 from hamburger_jax.assets import AssetError
 from hamburger_jax.data import prepare, sources
 from hamburger_jax.data.tfds_builder import DatasetExistsError, check_output_dir
+from hamburger_jax.evaluation import tasks as eval_tasks
 from hamburger_jax.layout import LayoutError
 from hamburger_jax.run_config import load_run_config
 from hamburger_jax.segmentation import get_strategy
@@ -68,7 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     max_group = cfg.graft.max_group
     if args.teacher_top_k < 0:
       raise ValueError(f"--teacher-top-k={args.teacher_top_k} must be >= 0")
-    conversations = sources.mixed_sources(args.source, args.limit, args.seed)
+    # reasoning-gym repeats questions across seeds: drop gsm_symbolic's evaluation questions.
+    conversations = sources.mixed_sources(
+        args.source, args.limit, args.seed,
+        exclude=eval_tasks.evaluation_questions("gsm_symbolic"))
     keep_split = prepare.split_of_samples(args.keep_split_of) if args.keep_split_of else None
   except (DatasetExistsError, ValueError) as e:
     return _fail(e)

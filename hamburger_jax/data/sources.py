@@ -10,7 +10,7 @@ import dataclasses
 import itertools
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from hamburger_jax.assets import AssetError, package_dir
 
@@ -93,29 +93,35 @@ def sharegpt_conversations(path: str | None = None) -> Iterator[Conversation]:
 # ----------------------------------------------------------------------------- gsm_symbolic
 
 
+# Evaluation draws gsm_symbolic problems with seeds >= this (evaluation.tasks.EVAL_SEED, which
+# imports this module); training must stay below it.
+GSM_EVAL_SEED_START = 10_000
+
+
 def check_training_seed(seed: int) -> None:
-  from hamburger_jax.evaluation.tasks import EVAL_SEED  # pylint: disable=C0415  # (a cycle)
-  if not 0 <= seed < EVAL_SEED:
+  if not 0 <= seed < GSM_EVAL_SEED_START:
     raise SourceError(
-        f"gsm_symbolic training seed {seed} is outside [0, {EVAL_SEED}): seeds >= "
-        f"{EVAL_SEED} are reserved for evaluation; pick a smaller --seed")
+        f"gsm_symbolic training seed {seed} is outside [0, {GSM_EVAL_SEED_START}): seeds >= "
+        f"{GSM_EVAL_SEED_START} are reserved for evaluation; pick a smaller --seed")
 
 
-def gsm_symbolic_conversations(size: int, seed: int) -> Iterator[Conversation]:
-  """GSM-style questions from seeds [seed, seed + size), minus any question of the evaluation
-  set (its templates repeat questions across seeds: 2 of the first 6,000 training seeds give one
-  of the 200 evaluation questions); the response is the chain of thought ending "#### N"."""
+def gsm_symbolic_conversations(size: int, seed: int,
+                               exclude: Iterable[str] = ()) -> Iterator[Conversation]:
+  """GSM-style questions from seeds [seed, seed + size), minus the questions in `exclude`
+  (pass the evaluation questions, `evaluation.tasks.evaluation_questions("gsm_symbolic")`:
+  the templates repeat questions across seeds, and 2 of the first 6,000 training seeds give
+  one of the 200 evaluation questions); the response is the chain of thought ending "#### N"."""
   check_training_seed(seed)
   if size < 1:
     raise SourceError(f"gsm_symbolic needs a positive number of samples, got {size}")
-  from hamburger_jax.evaluation import tasks  # pylint: disable=import-outside-toplevel
-  task = tasks.GSM_SYMBOLIC
-  evaluation = {tasks.normalize_question(it["question"])
-                for it in task.items(task.default_size, tasks.EVAL_SEED)}
-  for i, item in enumerate(task.items(size, seed)):
-    if tasks.normalize_question(item["question"]) not in evaluation:
-      yield Conversation([{"role": "user", "content": item["question"]}],
-                         item["metadata"]["answer_cot"], "gsm_symbolic", f"gsm_symbolic:{seed}:{i}")
+  import reasoning_gym  # pylint: disable=import-outside-toplevel
+  excluded = {" ".join(q.split()) for q in exclude}
+  ds = reasoning_gym.create_dataset("gsm_symbolic", size=size, seed=seed)
+  for i, example in enumerate(ds):
+    if " ".join(example["question"].split()) not in excluded:
+      yield Conversation([{"role": "user", "content": example["question"]}],
+                         example["metadata"]["answer_cot"], "gsm_symbolic",
+                         f"gsm_symbolic:{seed}:{i}")
 
 
 # ----------------------------------------------------------------------------- JSONL
@@ -195,10 +201,12 @@ def _parse_jsonl_record(record: Any, where: str) -> tuple[list[dict[str, str]], 
 # ----------------------------------------------------------------------------- dispatch
 
 
-def make_source(spec: str, limit: int | None = None, seed: int = 0) -> Iterator[Conversation]:
+def make_source(spec: str, limit: int | None = None, seed: int = 0,
+                exclude: Iterable[str] = ()) -> Iterator[Conversation]:
   """Conversations of `spec` (sharegpt, gsm_symbolic, jsonl:PATH), at most `limit` of them.
 
-  `seed` selects the gsm_symbolic problems; ShareGPT and JSONL keep their file order.
+  `seed` selects the gsm_symbolic problems and `exclude` drops those questions from them;
+  ShareGPT and JSONL keep their file order.
   """
   if limit is not None and limit < 1:
     raise SourceError(f"limit={limit} must be positive (or None for the whole source)")
@@ -208,7 +216,7 @@ def make_source(spec: str, limit: int | None = None, seed: int = 0) -> Iterator[
     if limit is None:
       raise SourceError("gsm_symbolic generates problems without end: pass a limit (--limit N)")
     check_training_seed(seed)  # here too: the generator below would only check when first read
-    it = gsm_symbolic_conversations(limit, seed)
+    it = gsm_symbolic_conversations(limit, seed, exclude)
   elif spec.startswith("jsonl:") and len(spec) > len("jsonl:"):
     path = spec[len("jsonl:"):]
     if not os.path.exists(path):
@@ -219,8 +227,8 @@ def make_source(spec: str, limit: int | None = None, seed: int = 0) -> Iterator[
   return _take(it, limit)
 
 
-def mixed_sources(specs: list[str], limit: int | None = None,
-                  seed: int = 0) -> Iterator[Conversation]:
+def mixed_sources(specs: list[str], limit: int | None = None, seed: int = 0,
+                  exclude: Iterable[str] = ()) -> Iterator[Conversation]:
   """Several sources read one after the other; "SPEC@N" takes at most N of SPEC (else `limit`).
   Every spec is checked before any is read."""
   parts = []
@@ -231,7 +239,7 @@ def mixed_sources(specs: list[str], limit: int | None = None,
       if not n.isdigit() or int(n) < 1:
         raise SourceError(f"source {spec!r}: the count after @ must be a positive integer")
       own = int(n)
-    parts.append(make_source(name, own, seed))
+    parts.append(make_source(name, own, seed, exclude))
   return itertools.chain.from_iterable(parts)
 
 

@@ -171,6 +171,13 @@ def normalize_question(question: str) -> str:
   return " ".join(question.split())
 
 
+def evaluation_questions(name: str) -> list[str]:
+  """The questions a reasoning-gym task evaluates on (its default size, from EVAL_SEED): what
+  training data made from the same generator must leave out."""
+  task = get_task(name)
+  return [it["question"] for it in task.items(task.default_size, EVAL_SEED)]
+
+
 def assert_disjoint(train_questions: Iterable[str], eval_questions: Iterable[str]) -> None:
   """Raises ValueError if any training question text (whitespace-normalised) is an eval question."""
   evals = {normalize_question(q) for q in eval_questions}
