@@ -98,6 +98,11 @@ def sharegpt_conversations(path: str | None = None) -> Iterator[Conversation]:
 GSM_EVAL_SEED_START = 10_000
 
 
+def normalize_question(question: str) -> str:
+  """A question as training and evaluation sets compare it: whitespace runs made one space."""
+  return " ".join(question.split())
+
+
 def check_training_seed(seed: int) -> None:
   if not 0 <= seed < GSM_EVAL_SEED_START:
     raise SourceError(
@@ -115,10 +120,10 @@ def gsm_symbolic_conversations(size: int, seed: int,
   if size < 1:
     raise SourceError(f"gsm_symbolic needs a positive number of samples, got {size}")
   import reasoning_gym  # pylint: disable=import-outside-toplevel
-  excluded = {" ".join(q.split()) for q in exclude}
+  excluded = {normalize_question(q) for q in exclude}
   ds = reasoning_gym.create_dataset("gsm_symbolic", size=size, seed=seed)
   for i, example in enumerate(ds):
-    if " ".join(example["question"].split()) not in excluded:
+    if normalize_question(example["question"]) not in excluded:
       yield Conversation([{"role": "user", "content": example["question"]}],
                          example["metadata"]["answer_cot"], "gsm_symbolic",
                          f"gsm_symbolic:{seed}:{i}")

@@ -143,8 +143,9 @@ class ReasoningGymTask:
       raise ValueError(
           f"training seeds [{seed}, {seed + size}) reach into the evaluation seeds (>= "
           f"{EVAL_SEED}): use seed + size <= {EVAL_SEED}, e.g. seed=0 with size <= {EVAL_SEED}")
-    excluded = {normalize_question(q) for q in exclude}
-    return [it for it in self.items(size, seed) if normalize_question(it["question"]) not in excluded]
+    excluded = {sources.normalize_question(q) for q in exclude}
+    return [it for it in self.items(size, seed)
+            if sources.normalize_question(it["question"]) not in excluded]
 
   def messages(self, question: str) -> list[dict[str, str]]:
     return _user(f"{question}\n{self.instruction}")
@@ -167,10 +168,6 @@ class ReasoningGymTask:
     return float(numbers_equal(extract_answer(text), str(example.reference["answer"])))
 
 
-def normalize_question(question: str) -> str:
-  return " ".join(question.split())
-
-
 def evaluation_questions(name: str) -> list[str]:
   """The questions a reasoning-gym task evaluates on (its default size, from EVAL_SEED): what
   training data made from the same generator must leave out."""
@@ -180,8 +177,8 @@ def evaluation_questions(name: str) -> list[str]:
 
 def assert_disjoint(train_questions: Iterable[str], eval_questions: Iterable[str]) -> None:
   """Raises ValueError if any training question text (whitespace-normalised) is an eval question."""
-  evals = {normalize_question(q) for q in eval_questions}
-  shared = sorted({normalize_question(q) for q in train_questions} & evals)
+  evals = {sources.normalize_question(q) for q in eval_questions}
+  shared = sorted({sources.normalize_question(q) for q in train_questions} & evals)
   if shared:
     raise ValueError(
         f"{len(shared)} training question(s) also in the evaluation set, e.g. {shared[:3]}: drop "
@@ -411,7 +408,7 @@ class ShareGPTHeldoutTask(VsReferenceTask):
     for i, conv in enumerate(sources.sharegpt_conversations(self.path)):
       read = i + 1
       text = conv.prompt_messages[-1]["content"]
-      key = normalize_question(text)
+      key = sources.normalize_question(text)
       if i < self.start:
         seen.add(key)
         continue
