@@ -30,8 +30,8 @@ MIX_SOURCES = ("sharegpt", *REASONING)
 def reasoning_prompts(name: str, n: int, seed: int = 0) -> Iterator[Conversation]:
   """Training questions in the evaluation prompt format, minus any evaluation question."""
   task = REASONING[name]
-  eval_questions = [it["question"] for it in task.items(task.default_size, eval_tasks.EVAL_SEED)]
-  for i, item in enumerate(task.train_items(n, seed, exclude=eval_questions)):
+  for i, item in enumerate(task.train_items(n, seed,
+                                            exclude=eval_tasks.evaluation_questions(name))):
     yield Conversation(task.messages(item["question"]), task.target(item), name, f"{name}/{seed + i}")
 
 

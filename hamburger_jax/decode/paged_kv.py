@@ -63,21 +63,26 @@ class PagedKVCache:
     return self.replace(k=self.k.at[layer, blocks, offsets].set(k_bthd.astype(dt)),
                         v=self.v.at[layer, blocks, offsets].set(v_bthd.astype(dt)))
 
+  def _locate_row(self, row: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """Block and offset [size] of one row's entries 0..size-1."""
+    blocks, offsets = self.replace(table=self.table[row][None])._locate(jnp.arange(size)[None])
+    return blocks[0], offsets[0]
+
   def read_row(self, row: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
     """Entries 0..size-1 of one row, every layer: k, v [L, size, Hkv, Dh] (a prefix to cache)."""
-    blocks, offsets = self.replace(table=self.table[row][None])._locate(jnp.arange(size)[None])
-    return self.k[:, blocks[0], offsets[0]], self.v[:, blocks[0], offsets[0]]
+    blocks, offsets = self._locate_row(row, size)
+    return self.k[:, blocks, offsets], self.v[:, blocks, offsets]
 
   def write_row(self, row: jax.Array, k_lthd: jax.Array, v_lthd: jax.Array,
                 n: jax.Array) -> "PagedKVCache":
     """Writes the first n of k, v [L, T, Hkv, Dh] as one row's entries 0..n-1, every layer;
     the rest go to the trash block."""
     t = k_lthd.shape[1]
-    blocks, offsets = self.replace(table=self.table[row][None])._locate(jnp.arange(t)[None])
-    blocks = jnp.where(jnp.arange(t) < n, blocks[0], TRASH_BLOCK)
+    blocks, offsets = self._locate_row(row, t)
+    blocks = jnp.where(jnp.arange(t) < n, blocks, TRASH_BLOCK)
     dt = self.k.dtype
-    return self.replace(k=self.k.at[:, blocks, offsets[0]].set(k_lthd.astype(dt)),
-                        v=self.v.at[:, blocks, offsets[0]].set(v_lthd.astype(dt)))
+    return self.replace(k=self.k.at[:, blocks, offsets].set(k_lthd.astype(dt)),
+                        v=self.v.at[:, blocks, offsets].set(v_lthd.astype(dt)))
 
   def mask(self, query_slots_bt: jax.Array) -> jax.Array:
     """[B, T, slots] attention mask over a row's view: every slot up to and including its own."""
