@@ -584,6 +584,40 @@ def test_curves_plot(full_run, tmp_path: Path, capsys):
   assert "metrics.jsonl does not exist" in capsys.readouterr().err
 
 
+def _gen(step, tokens, agreement, identical=0.5):
+  return {"step": step, "gen_tokens_per_step": tokens, "gen_prefix_agreement": agreement,
+          "gen_identical": identical}
+
+
+def test_pick_rule(tmp_path: Path, capsys):
+  """The shipping rule: most tokens per step among saved steps at >= the start's agreement;
+  else the best agreement, flagged."""
+  from train import pick  # pylint: disable=import-outside-toplevel
+  rows = [_gen(0, 1.10, 0.70), {"step": 5, "loss": 2.0}, _gen(20, 1.02, 0.90),
+          _gen(40, 1.30, 0.71), _gen(60, 1.50, 0.69), _gen(80, 1.30, 0.80)]
+  assert pick.pick_step(rows) == pick.Pick(80, False, 0.70)  # tie on tokens: higher agreement
+  assert pick.pick_step(rows, saved={20, 40, 60}).step == 40  # 80 has no checkpoint
+  fallback = pick.pick_step([_gen(0, 1.0, 0.9), _gen(20, 1.2, 0.8), _gen(40, 1.5, 0.85)])
+  assert fallback == pick.Pick(40, True, 0.9)
+  with pytest.raises(ValueError, match="step 0"):
+    pick.pick_step(rows[1:])
+  with pytest.raises(ValueError, match="no saved step"):
+    pick.pick_step(rows, saved={5})
+
+  run = tmp_path / "joint"
+  (run / "checkpoints").mkdir(parents=True)
+  for step in (20, 40, 60):
+    (run / "checkpoints" / str(step)).mkdir()
+  (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+  capsys.readouterr()
+  assert pick.main([str(run)]) == 0
+  out = capsys.readouterr().out
+  assert "| 40 | yes | 1.300 | 0.710 | 0.500 | **pick** |" in out
+  assert "| 80 | no |" in out and "--export-step 40" in out
+  assert pick.main([str(tmp_path / "nowhere")]) == 2
+  assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- distill stages
 
 
