@@ -572,6 +572,8 @@ def test_curves_plot(full_run, tmp_path: Path, capsys):
   from train import curves  # pylint: disable=import-outside-toplevel
   out = tmp_path / "curves.png"
   assert curves.main([str(full_run), "--out", str(out)]) == 0
+  steps = [m for m in _metrics(full_run) if "step_s" in m]  # the paper recipe: data groups
+  assert steps and all(1 <= m["mean_group_size"] <= 4 for m in steps)
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   # A resumed run re-logs steps after its last checkpoint: the later record of a step wins.
   run = tmp_path / "resumed"
@@ -689,7 +691,10 @@ def test_stage_2_starts_from_stage_1_trains_the_merger_only_and_learns(staged):
   for k in micro:  # stage 2 started from stage 1's micro decoder and kept it frozen
     np.testing.assert_array_equal(two[k], one[k], err_msg=k)
   assert any(not np.array_equal(two[k], one[k]) for k in merger)  # and trained the merger
-  assert "feature_loss" in _metrics(staged.run / "merger")[-1]
+  last = _metrics(staged.run / "merger")[-1]
+  assert "feature_loss" in last
+  # distill steps count teacher windows (up to K tokens each), which are not the data's groups
+  assert 1 <= last["mean_window_size"] <= 4 and "mean_group_size" not in last
 
 
 @pytest.mark.parametrize("confidence", [1.0, 0.0])

@@ -92,9 +92,9 @@ def plot_curves(rows: Sequence[dict[str, Any]], path: str, smooth: int = 5) -> s
   ax.set(title="stop head accuracy / free-generation agreement", xlabel="step", ylim=(0, 1))
   ax.legend()
   ax = axes[3]
-  _line(ax, rows, "mean_group_size", "-", smooth)
+  _line(ax, rows, "mean_group_size", "-", smooth)  # the paper recipe's data groups
   _line(ax, rows, "gen_tokens_per_step", "o-", smooth)
-  ax.set(title="tokens per group / per macro step", xlabel="step")
+  ax.set(title="tokens per macro step / data group", xlabel="step")
   ax.legend()
   return save_figure(fig, path)
 

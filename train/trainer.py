@@ -548,8 +548,10 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
       m = trainer.step([next(iterator) for _ in range(d.accum)])
       dt, cpu = time.perf_counter() - t0, time.process_time() - c0
       cpu_used += cpu
-      m.update(step_s=dt, step_cpu_s=cpu, tokens_per_s=m["tokens"] / dt,
-               mean_group_size=m["tokens"] / max(m["groups"], 1.0))
+      # distill counts teacher windows (up to K tokens from each predicting entry), not groups
+      size_key = "mean_window_size" if t.recipe == "distill" else "mean_group_size"
+      m.update({"step_s": dt, "step_cpu_s": cpu, "tokens_per_s": m["tokens"] / dt,
+                size_key: m["tokens"] / max(m["groups"], 1.0)})
       done = step + 1
       timed_out = done < end and (
           (deadline is not None and time.monotonic() >= deadline)
