@@ -34,10 +34,11 @@ class Pick:
 
 def saved_steps(run_dir: str) -> set[int] | None:
   """Steps with a checkpoint under RUN_DIR/checkpoints (None when the run has no such folder)."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   path = os.path.join(run_dir, "checkpoints")
   if not os.path.isdir(path):
     return None
-  return {int(name) for name in os.listdir(path) if name.isdigit()}
+  return set(ocp.utils.checkpoint_steps(path))  # orbax's own reading of its step folders
 
 
 def checks(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -540,6 +540,8 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
   bar = tqdm(total=end, initial=start, unit="step", disable=not progress or trainer.process_index)
   deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
   cpu_used = 0.0
+  # distill counts teacher windows (up to K tokens from each predicting entry), not groups
+  size_key = "mean_window_size" if t.recipe == "distill" else "mean_group_size"
   try:
     if t.generate_every and start == 0 < end:  # where the curve starts: the initial graft
       metrics_log.write(0, generation_check())
@@ -548,8 +550,6 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
       m = trainer.step([next(iterator) for _ in range(d.accum)])
       dt, cpu = time.perf_counter() - t0, time.process_time() - c0
       cpu_used += cpu
-      # distill counts teacher windows (up to K tokens from each predicting entry), not groups
-      size_key = "mean_window_size" if t.recipe == "distill" else "mean_group_size"
       m.update({"step_s": dt, "step_cpu_s": cpu, "tokens_per_s": m["tokens"] / dt,
                 size_key: m["tokens"] / max(m["groups"], 1.0)})
       done = step + 1
