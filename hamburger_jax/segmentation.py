@@ -27,7 +27,7 @@ from hamburger_jax.model.llama import causal_segment_mask
 class Strategy:
   """A segmentation rule and the per-token statistic it reads ("entropy" or "prob")."""
   fn: Callable[[np.ndarray, int], list[int]]  # (statistic [R], max_group K) -> group sizes
-  reads: str = "entropy"
+  reads: str = "entropy"  # or "given": each sample's recorded groups are used as they are
 
   def __call__(self, values, max_group: int) -> list[int]:
     return self.fn(values, max_group)
@@ -147,12 +147,22 @@ def fixed(entropies, max_group: int, k: int) -> list[int]:
   return [k] * (n // k) + ([n % k] if n % k else [])
 
 
-STRATEGIES = ("decreasing_v2", "fixed:k", "sliding", "small_group", "confident:p")
+def _recorded(values, max_group: int) -> list[int]:
+  raise SegmentationError("strategy 'given' reads each sample's recorded groups, not a statistic")
+
+
+# On-policy groups: the ones HAMburger itself emitted (train.self_distill --checkpoint), so that
+# training meets the merged entries decoding makes, not the ones a rule on the base would make.
+GIVEN = Strategy(_recorded, reads="given")
+
+STRATEGIES = ("decreasing_v2", "fixed:k", "sliding", "small_group", "confident:p", "given")
 
 
 def get_strategy(name: str) -> Strategy:
   """`name` is one of STRATEGIES; "fixed:k" takes an integer k (e.g. fixed:2), "confident:p" a
-  probability in (0, 1] (e.g. confident:0.6)."""
+  probability in (0, 1] (e.g. confident:0.6); "given" keeps each sample's recorded groups."""
+  if name == "given":
+    return GIVEN
   if name in ("decreasing_v2", "sliding", "small_group"):
     return Strategy({"decreasing_v2": decreasing_v2, "sliding": sliding,
                      "small_group": small_group}[name])

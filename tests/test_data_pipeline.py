@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 
@@ -575,3 +576,112 @@ def test_self_distill_mix_is_interleaved_and_checked():
   assert parse_mix("gcd:3,sharegpt:2") == [("gcd", 3), ("sharegpt", 2)]
   with pytest.raises(SystemExit, match="NAME:COUNT"):
     parse_mix("gsm8k:3")
+  from train.self_distill import parse_confidences  # pylint: disable=import-outside-toplevel
+  assert parse_confidences(None, None) is None
+  assert parse_confidences("0.5,0.7", "ckpt") == (0.5, 0.7)
+  for spec, ckpt, match in (("0.5", None, "add --checkpoint"), (None, "ckpt", "needs --confidence"),
+                            ("0.5,x", "ckpt", "in \\[0, 1\\]"), ("1.5", "ckpt", "in \\[0, 1\\]")):
+    with pytest.raises(SystemExit, match=match):
+      parse_confidences(spec, ckpt)
+
+
+# ----------------------------------------------------------------------------- on-policy groups
+
+
+def test_jsonl_groups_are_read_and_checked(tmp_path):
+  rec = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+         "prompt_ids": [1, 2, 3], "response_ids": [7, 8, 9, 2], "groups": [3, 1]}
+  conv = next(sources.jsonl_conversations(_write(tmp_path / "d.jsonl", [json.dumps(rec)])))
+  assert conv.groups == (3, 1)
+  assert prepare.tokenize(conv, None, 2).groups.tolist() == [3, 1]
+  for bad, match in (({**rec, "groups": [3, 2]}, "sum to 5 tokens but 'response_ids' has 4"),
+                     ({**rec, "groups": [4, 0]}, "positive group sizes"),
+                     ({"prompt": "a", "response": "b", "groups": [1]}, "needs the exact")):
+    path = _write(tmp_path / "b.jsonl", [json.dumps(bad)])
+    with pytest.raises(sources.SourceError, match=match):
+      next(sources.jsonl_conversations(path))
+
+
+class _TinyVocabTokenizer:
+  """Characters as ids below the tiny decode model's vocabulary (97; 96 ends a turn)."""
+  stop_ids = ()
+
+  def encode(self, text):
+    return [ord(c) % 90 + 3 for c in text]
+
+  def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+    assert add_generation_prompt and tokenize
+    return self.encode("".join(f"[{m['role']}]{m['content']}" for m in messages) + "[a]")
+
+  def decode(self, ids, skip_special_tokens=False):
+    del skip_special_tokens
+    return "".join(chr(i + 30) for i in ids)
+
+
+def test_on_policy_answers_record_the_groups_hamburger_emitted(tmp_path):
+  """train.self_distill --checkpoint: each answer is the graft's own at its cycled confidence,
+  with the groups it emitted (as generate gives for the prompt alone); prepared with strategy
+  "given", the dataset trains on exactly those groups."""
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.segmentation import TeacherSpec  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.testing import DECODE_STOP, tiny_decode_model  # pylint: disable=C0415
+  from train.self_distill import distill  # pylint: disable=import-outside-toplevel
+  model, tok = tiny_decode_model(), _TinyVocabTokenizer()
+  engine = Engine(model, None, stop_ids=(DECODE_STOP,))
+  convs = [sources.Conversation([{"role": "user", "content": f"q{i}" * (i + 1)}], "", "t", str(i))
+           for i in range(5)]
+  out = sorted(distill(convs, engine, tok, max_new_tokens=12, batch=2,
+                       confidences=(0.5, 1.0)), key=lambda x: int(x[0].id))
+  assert [c for _, c in out] == [0.5, 1.0, 0.5, 1.0, 0.5]
+  for conv, c in out:
+    alone = engine.generate([list(conv.prompt_ids)], max_new_tokens=12, mode="hamburger",
+                            confidence=c)[0]
+    assert list(conv.response_ids) == alone.token_ids and list(conv.groups) == alone.groups
+    assert sum(conv.groups) == len(conv.response_ids)
+    if c == 1.0:
+      assert set(conv.groups) == {1}
+  assert max(max(conv.groups) for conv, _ in out) > 1  # the test meets merged groups
+  # Base answers (no confidences) carry no groups.
+  base = next(distill(convs[:1], engine, tok, max_new_tokens=4, batch=1))
+  assert base[0].groups is None and base[1] is None
+
+  given = [conv for conv, _ in out]
+  prepare.prepare_dataset(given, model.base, _FakeTokenizer(), str(tmp_path / "ds"),
+                          strategy="given", max_len=200, val_fraction=0.0,
+                          teacher=TeacherSpec(top_k=3, feature_layers=(1, 3)))
+  data = tfds.builder_from_directory(str(tmp_path / "ds")).as_data_source()["train"]
+  got = {tuple(data[i]["input_ids"].tolist()): data[i]["groups"].tolist() for i in range(5)}
+  assert got == {tuple(c.prompt_ids + c.response_ids): list(c.groups) for c in given}
+  with pytest.raises(sources.SourceError, match="strategy 'given' needs the groups"):
+    prepare.prepare_dataset([dataclasses.replace(given[0], groups=None)], model.base,
+                            _FakeTokenizer(), str(tmp_path / "none"), strategy="given")
+  with pytest.raises(sources.SourceError, match="exceeds graft.max_group=2"):
+    prepare.prepare_dataset(given, model.base, _FakeTokenizer(), str(tmp_path / "k2"),
+                            strategy="given", max_group=2)
+  assert not (tmp_path / "none").exists() and not (tmp_path / "k2").exists()
+
+
+def test_keep_split_goes_by_prompt(tmp_path):
+  """Other answers to an old prompt (e.g. on-policy ones) keep that prompt's split; answers to
+  one new prompt all land in the same split."""
+  cfg = LlamaConfig(vocab_size=260, hidden_size=16, intermediate_size=32, num_layers=1,
+                    num_heads=2, num_kv_heads=1)
+  model = Llama(cfg, rngs=nnx.Rngs(0))
+  conv = lambda i, answer: sources.Conversation([{"role": "user", "content": f"question {i}"}],
+                                                answer, "test", f"{i}/{answer}")
+  kw = dict(strategy="fixed:3", max_len=80, seed=0)
+  prepare.prepare_dataset([conv(i, "old") for i in range(20)], model, _FakeTokenizer(),
+                          str(tmp_path / "old"), val_fraction=0.25, **kw)
+  split = prepare.split_of_samples(str(tmp_path / "old"))
+  assert collections.Counter(split.values()) == {"train": 15, "validation": 5}
+  new = [conv(i, a) for i in range(30) for a in ("one", "two")]
+  prepare.prepare_dataset(new, model, _FakeTokenizer(), str(tmp_path / "new"),
+                          val_fraction=0.5, keep_split=split, **kw)
+  data = tfds.builder_from_directory(str(tmp_path / "new")).as_data_source()
+  by_prompt = collections.defaultdict(set)
+  for s in data:
+    for rec in data[s]:
+      by_prompt[prepare.prompt_key(rec["input_ids"][:int(rec["prompt_len"])])].add(s)
+  assert all(len(v) == 1 for v in by_prompt.values())  # a prompt never in both splits
+  assert {k: v.pop() for k, v in by_prompt.items() if k in split} == split
+  assert len(by_prompt) == 30

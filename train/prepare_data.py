@@ -33,7 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--limit", type=int, default=None,
                  help="at most this many conversations (of each source without its own @N)")
   p.add_argument("--strategy", default="decreasing_v2",
-                 help="segmentation: decreasing_v2 (default), fixed:k, sliding, small_group")
+                 help="segmentation: decreasing_v2 (default), fixed:k, sliding, small_group, "
+                 "confident:p, or given (the groups recorded with each self-distilled answer "
+                 "of `train.self_distill --checkpoint`: on-policy groups)")
   p.add_argument("--max-len", type=int, default=384,
                  help="drop samples with more prompt + response tokens (default 384)")
   p.add_argument("--val-fraction", type=float, default=0.05)
@@ -51,9 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "log-probabilities per response token and its features at each group's "
                  "predicting position (0: none, the paper recipe)")
   p.add_argument("--keep-split-of", metavar="DIR",
-                 help="a dataset this one grows (same sources, more of them): its samples keep "
-                      "their split, new ones are split at --val-fraction, so a model trained on "
-                      "DIR meets none of its training samples in the new validation split")
+                 help="a dataset this one grows (more answers, or other answers to its "
+                      "prompts): a prompt found there keeps its split, new prompts are split at "
+                      "--val-fraction, so a model trained on DIR meets none of its training "
+                      "prompts in the new validation split")
   p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
   p.add_argument("--out", required=True, help="output dataset directory")
   return p.parse_args(argv)
@@ -90,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     from train.self_distill import distill  # pylint: disable=import-outside-toplevel
     conversations = list(conversations)
     with tqdm(total=len(conversations), unit="sample", desc="self-distilling") as bar:
-      conversations = list(distill(conversations, Engine(model, tokenizer), tokenizer,
-                                   max_new_tokens=args.distill_tokens, batch=args.distill_batch,
-                                   progress=bar.update))
+      conversations = [conv for conv, _ in distill(
+          conversations, Engine(model, tokenizer), tokenizer, max_new_tokens=args.distill_tokens,
+          batch=args.distill_batch, progress=bar.update)]
   teacher = None
   if args.teacher_top_k:
     from hamburger_jax.segmentation import TeacherSpec  # pylint: disable=import-outside-toplevel

@@ -6,6 +6,11 @@ appends to a JSONL file and resumes where a killed run stopped.
 
   python -m train.self_distill --mix gsm_symbolic:1000,sharegpt:1500,basic_arithmetic:150,chain_sum:150 \
       --out runs/distill/responses.jsonl --max-new-tokens 160 --batch 16
+
+With --checkpoint the answers are a trained HAMburger's own (on-policy), at the confidences given
+(cycled over the prompts), and each line records the groups it emitted them in: prepared with
+`train.prepare_data --strategy given`, the teacher then teaches the graft on the text and the
+merged entries its own decoding produces, not only on the base's.
 """
 
 from __future__ import annotations
@@ -81,27 +86,51 @@ def read_done(path: str) -> set[str]:
 
 
 def distill(conversations: Iterable[Conversation], engine, tokenizer, *, max_new_tokens: int,
-            batch: int, progress=None) -> Iterator[Conversation]:
-  """The conversations with the base model's greedy responses and their exact token ids.
+            batch: int, confidences: tuple[float, ...] | None = None,
+            progress=None) -> Iterator[tuple[Conversation, float | None]]:
+  """The conversations with the base model's greedy responses and their exact token ids, each
+  with the confidence it was decoded at (None: the base).
 
-  Served with continuous batching over `batch` slots: a finished row takes the next prompt at
-  once instead of waiting for the slowest row of a batch, so the output order is the order in
-  which answers finish.
+  `confidences` (the engine's model a HAMburger): its own greedy responses instead, prompt i at
+  confidences[i % len], with the groups it emitted them in. Served with continuous batching over
+  `batch` slots: a finished row takes the next prompt at once instead of waiting for the slowest
+  row of a batch, so the output order is the order in which answers finish.
   """
   from hamburger_jax.decode.requests import Request  # pylint: disable=import-outside-toplevel
   convs = list(conversations)
+  conf = (lambda i: confidences[i % len(confidences)]) if confidences else (lambda i: None)
   reqs = [Request(tokenizer.apply_chat_template(c.prompt_messages, tokenize=True),
-                  max_new_tokens=max_new_tokens, id=i) for i, c in enumerate(convs)]
-  for g in engine.serve(reqs, slots=batch, mode="base"):
+                  max_new_tokens=max_new_tokens, id=i,
+                  **({"confidence": conf(i)} if confidences else {}))
+          for i, c in enumerate(convs)]
+  for g in engine.serve(reqs, slots=batch, mode="hamburger" if confidences else "base"):
     conv = convs[g.id]
     if g.error:
       raise ValueError(f"{conv.id}: {g.error}")
     yield dataclasses.replace(conv, response=tokenizer.decode(g.token_ids,
                                                               skip_special_tokens=True),
                               prompt_ids=tuple(int(i) for i in reqs[g.id].prompt),
-                              response_ids=tuple(g.token_ids))
+                              response_ids=tuple(g.token_ids),
+                              groups=tuple(g.groups) if confidences else None), conf(g.id)
     if progress is not None:
       progress(1)
+
+
+def parse_confidences(spec: str | None, checkpoint: str | None) -> tuple[float, ...] | None:
+  if checkpoint is None:
+    if spec is not None:
+      raise SystemExit("error: --confidence applies to a HAMburger's answers; add --checkpoint")
+    return None
+  if spec is None:
+    raise SystemExit("error: --checkpoint needs --confidence (e.g. 0.5,0.6,0.7): the "
+                     "confidences its answers are decoded at")
+  try:
+    out = tuple(float(c) for c in spec.split(","))
+  except ValueError:
+    out = ()
+  if not out or not all(0.0 <= c <= 1.0 for c in out):
+    raise SystemExit(f"error: --confidence {spec!r}: give comma-separated values in [0, 1]")
+  return out
 
 
 def main(argv=None) -> int:
@@ -114,14 +143,23 @@ def main(argv=None) -> int:
   p.add_argument("--max-prompt-tokens", type=int, default=96)
   p.add_argument("--batch", type=int, default=16, help="slots served at once (continuous batching)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--checkpoint", default=None,
+                 help="a HAMburger graft: its own answers (on-policy) instead of the base's")
+  p.add_argument("--confidence", default=None,
+                 help="with --checkpoint: confidences to decode at, cycled over the prompts "
+                      "(e.g. 0.5,0.6,0.7)")
   args = p.parse_args(argv)
+  confidences = parse_confidences(args.confidence, args.checkpoint)
 
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   from hamburger_jax import cache, pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
 
   cache.enable_compilation_cache()
-  model, tok = pretrained.load_llama(args.base)
+  if args.checkpoint:
+    model, tok = pretrained.load_hamburger(args.checkpoint, base_source=args.base)
+  else:
+    model, tok = pretrained.load_llama(args.base)
   convs = interleave([list(sharegpt_prompts(n, tok, args.max_prompt_tokens) if name == "sharegpt"
                            else reasoning_prompts(name, n, args.seed))
                       for name, n in parse_mix(args.mix)])
@@ -133,13 +171,17 @@ def main(argv=None) -> int:
   engine = Engine(model, tok)
   t0, new_tokens = time.time(), 0
   with open(args.out, "a") as f, tqdm(total=len(todo), unit="prompt") as bar:
-    for conv in distill(todo, engine, tok, max_new_tokens=args.max_new_tokens, batch=args.batch,
-                        progress=bar.update):
-      f.write(json.dumps({
+    for conv, confidence in distill(todo, engine, tok, max_new_tokens=args.max_new_tokens,
+                                    batch=args.batch, confidences=confidences,
+                                    progress=bar.update):
+      record = {
           "id": conv.id, "source": conv.source,
           "messages": [*conv.prompt_messages, {"role": "assistant", "content": conv.response}],
           "prompt_ids": list(conv.prompt_ids), "response_ids": list(conv.response_ids),
-          "finished": conv.response_ids[-1] in tok.stop_ids}) + "\n")
+          "finished": conv.response_ids[-1] in tok.stop_ids}
+      if confidences:
+        record.update(groups=list(conv.groups), confidence=confidence, checkpoint=args.checkpoint)
+      f.write(json.dumps(record) + "\n")
       f.flush()
       new_tokens += len(conv.response_ids)
       bar.set_postfix(tok_s=f"{new_tokens / (time.time() - t0):.0f}")

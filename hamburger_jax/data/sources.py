@@ -34,6 +34,9 @@ class Conversation:
   # drift); the response ids then end with the end-of-turn id unless generation was cut off.
   prompt_ids: tuple[int, ...] | None = None
   response_ids: tuple[int, ...] | None = None
+  # The groups HAMburger itself emitted the response in (tokens per macro step; on-policy data
+  # from `train.self_distill --checkpoint`): segmentation strategy "given" trains on them.
+  groups: tuple[int, ...] | None = None
 
 
 # ----------------------------------------------------------------------------- ShareGPT
@@ -133,7 +136,8 @@ def gsm_symbolic_conversations(size: int, seed: int,
 
 
 def jsonl_conversations(path: str) -> Iterator[Conversation]:
-  """Lines {"prompt": str, "response": str} or {"messages": [...]} (last message: assistant)."""
+  """Lines {"prompt": str, "response": str} or {"messages": [...]} (last message: assistant),
+  optionally with the exact "prompt_ids" and "response_ids" and the response's "groups"."""
   if not os.path.exists(path):
     raise SourceError(f"JSONL file {path} does not exist")
   name = os.path.basename(path)
@@ -155,7 +159,9 @@ def jsonl_conversations(path: str) -> Iterator[Conversation]:
       ids = {k: _ids(record, k, where) for k in ("prompt_ids", "response_ids")}
       if (ids["prompt_ids"] is None) != (ids["response_ids"] is None):
         raise SourceError(f"{where}: give both 'prompt_ids' and 'response_ids' or neither")
-      yield Conversation(messages, response, f"jsonl:{name}", f"{name}:{lineno}", **ids)
+      groups = _groups(record, ids["response_ids"], where)
+      yield Conversation(messages, response, f"jsonl:{name}", f"{name}:{lineno}", **ids,
+                         groups=groups)
 
 
 def _ids(record: dict, key: str, where: str) -> tuple[int, ...] | None:
@@ -166,6 +172,22 @@ def _ids(record: dict, key: str, where: str) -> tuple[int, ...] | None:
       isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
     raise SourceError(f"{where}: '{key}' must be a non-empty list of token ids")
   return tuple(ids)
+
+
+def _groups(record: dict, response_ids: tuple[int, ...] | None,
+            where: str) -> tuple[int, ...] | None:
+  groups = record.get("groups")
+  if groups is None:
+    return None
+  if response_ids is None:
+    raise SourceError(f"{where}: 'groups' needs the exact 'response_ids' they split")
+  if not isinstance(groups, list) or not all(
+      isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in groups):
+    raise SourceError(f"{where}: 'groups' must be a list of positive group sizes")
+  if sum(groups) != len(response_ids):
+    raise SourceError(f"{where}: 'groups' sum to {sum(groups)} tokens but 'response_ids' has "
+                      f"{len(response_ids)}")
+  return tuple(groups)
 
 
 def _parse_jsonl_record(record: Any, where: str) -> tuple[list[dict[str, str]], str]:
