@@ -585,6 +585,25 @@ def test_self_distill_mix_is_interleaved_and_checked():
       parse_confidences(spec, ckpt)
 
 
+def test_self_distill_sharegpt_skip_takes_later_prompts(monkeypatch):
+  """--sharegpt-skip N: the prompts after the first N that fit, so a later run gets prompts an
+  earlier one (e.g. the shipped graft's data) never saw; over-long prompts count in neither."""
+  from train import self_distill  # pylint: disable=import-outside-toplevel
+  convs = [sources.Conversation([{"role": "user", "content": "w " * n}], "r", "sharegpt", f"c{i}")
+           for i, n in enumerate([1, 9, 2, 3, 9, 4, 5])]
+  monkeypatch.setattr(self_distill, "sharegpt_conversations", lambda: iter(convs))
+
+  class Words:
+    def encode(self, text):
+      return text.split()
+
+  ids = lambda **kw: [c.id for c in self_distill.sharegpt_prompts(tokenizer=Words(),
+                                                                    max_prompt_tokens=5, **kw)]
+  assert ids(n=3) == ["c0", "c2", "c3"]
+  assert ids(n=2, skip=2) == ["c3", "c5"]
+  assert ids(n=9, skip=4) == ["c6"]
+
+
 # ----------------------------------------------------------------------------- on-policy groups
 
 

@@ -40,15 +40,18 @@ def reasoning_prompts(name: str, n: int, seed: int = 0) -> Iterator[Conversation
     yield Conversation(task.messages(item["question"]), task.target(item), name, f"{name}/{seed + i}")
 
 
-def sharegpt_prompts(n: int, tokenizer, max_prompt_tokens: int) -> Iterator[Conversation]:
+def sharegpt_prompts(n: int, tokenizer, max_prompt_tokens: int,
+                     skip: int = 0) -> Iterator[Conversation]:
+  """The first n ShareGPT prompts of at most max_prompt_tokens, after the first `skip` such."""
   seen = 0
   for conv in sharegpt_conversations():
-    if seen >= n:
+    if seen >= skip + n:
       return
     if len(tokenizer.encode(conv.prompt_messages[-1]["content"])) > max_prompt_tokens:
       continue
     seen += 1
-    yield conv
+    if seen > skip:
+      yield conv
 
 
 def parse_mix(spec: str) -> list[tuple[str, int]]:
@@ -142,7 +145,11 @@ def main(argv=None) -> int:
   p.add_argument("--max-new-tokens", type=int, default=160)
   p.add_argument("--max-prompt-tokens", type=int, default=96)
   p.add_argument("--batch", type=int, default=16, help="slots served at once (continuous batching)")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0,
+                 help="first reasoning-gym seed of each reasoning source")
+  p.add_argument("--sharegpt-skip", type=int, default=0, metavar="N",
+                 help="start after the first N ShareGPT prompts (with --seed: prompts that an "
+                      "earlier run, e.g. the shipped graft's training data, did not use)")
   p.add_argument("--checkpoint", default=None,
                  help="a HAMburger graft: its own answers (on-policy) instead of the base's")
   p.add_argument("--confidence", default=None,
@@ -160,7 +167,7 @@ def main(argv=None) -> int:
     model, tok = pretrained.load_hamburger(args.checkpoint, base_source=args.base)
   else:
     model, tok = pretrained.load_llama(args.base)
-  convs = interleave([list(sharegpt_prompts(n, tok, args.max_prompt_tokens) if name == "sharegpt"
+  convs = interleave([list(sharegpt_prompts(n, tok, args.max_prompt_tokens, args.sharegpt_skip) if name == "sharegpt"
                            else reasoning_prompts(name, n, args.seed))
                       for name, n in parse_mix(args.mix)])
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
