@@ -602,6 +602,8 @@ def test_self_distill_sharegpt_skip_takes_later_prompts(monkeypatch):
   assert ids(n=3) == ["c0", "c2", "c3"]
   assert ids(n=2, skip=2) == ["c3", "c5"]
   assert ids(n=9, skip=4) == ["c6"]
+  with pytest.raises(SystemExit):  # before any model is loaded
+    self_distill.main(["--mix", "sharegpt:1", "--out", "unused.jsonl", "--sharegpt-skip", "-1"])
 
 
 # ----------------------------------------------------------------------------- on-policy groups

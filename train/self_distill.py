@@ -156,6 +156,8 @@ def main(argv=None) -> int:
                  help="with --checkpoint: confidences to decode at, cycled over the prompts "
                       "(e.g. 0.5,0.6,0.7)")
   args = p.parse_args(argv)
+  if args.sharegpt_skip < 0:
+    p.error(f"--sharegpt-skip={args.sharegpt_skip} must be >= 0 (how many prompts to skip)")
   confidences = parse_confidences(args.confidence, args.checkpoint)
 
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
@@ -167,8 +169,8 @@ def main(argv=None) -> int:
     model, tok = pretrained.load_hamburger(args.checkpoint, base_source=args.base)
   else:
     model, tok = pretrained.load_llama(args.base)
-  convs = interleave([list(sharegpt_prompts(n, tok, args.max_prompt_tokens, args.sharegpt_skip) if name == "sharegpt"
-                           else reasoning_prompts(name, n, args.seed))
+  convs = interleave([list(sharegpt_prompts(n, tok, args.max_prompt_tokens, args.sharegpt_skip)
+                           if name == "sharegpt" else reasoning_prompts(name, n, args.seed))
                       for name, n in parse_mix(args.mix)])
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   done = read_done(args.out)
