@@ -585,7 +585,7 @@ def test_self_distill_mix_is_interleaved_and_checked():
       parse_confidences(spec, ckpt)
 
 
-def test_self_distill_sharegpt_skip_takes_later_prompts(monkeypatch):
+def test_self_distill_sharegpt_skip_takes_later_prompts(monkeypatch, capsys):
   """--sharegpt-skip N: the prompts after the first N that fit, so a later run gets prompts an
   earlier one (e.g. the shipped graft's data) never saw; over-long prompts count in neither."""
   from train import self_distill  # pylint: disable=import-outside-toplevel
@@ -604,6 +604,7 @@ def test_self_distill_sharegpt_skip_takes_later_prompts(monkeypatch):
   assert ids(n=9, skip=4) == ["c6"]
   with pytest.raises(SystemExit):  # before any model is loaded
     self_distill.main(["--mix", "sharegpt:1", "--out", "unused.jsonl", "--sharegpt-skip", "-1"])
+  assert "--sharegpt-skip=-1 must be >= 0" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- on-policy groups
