@@ -28,6 +28,9 @@ class Strategy:
   """A segmentation rule and the per-token statistic it reads ("entropy" or "prob")."""
   fn: Callable[[np.ndarray, int], list[int]]  # (statistic [R], max_group K) -> group sizes
   reads: str = "entropy"  # or "given": each sample's recorded groups are used as they are
+  # "given" only: the rule for samples that recorded no groups (the base's own answers mixed
+  # into on-policy ones); None: such a sample is an error.
+  fallback: Strategy | None = None
 
   def __call__(self, values, max_group: int) -> list[int]:
     return self.fn(values, max_group)
@@ -155,14 +158,22 @@ def _recorded(values, max_group: int) -> list[int]:
 # training meets the merged entries decoding makes, not the ones a rule on the base would make.
 GIVEN = Strategy(_recorded, reads="given")
 
-STRATEGIES = ("decreasing_v2", "fixed:k", "sliding", "small_group", "confident:p", "given")
+STRATEGIES = ("decreasing_v2", "fixed:k", "sliding", "small_group", "confident:p", "given",
+              "given:STRATEGY")
 
 
 def get_strategy(name: str) -> Strategy:
   """`name` is one of STRATEGIES; "fixed:k" takes an integer k (e.g. fixed:2), "confident:p" a
-  probability in (0, 1] (e.g. confident:0.6); "given" keeps each sample's recorded groups."""
+  probability in (0, 1] (e.g. confident:0.6); "given" keeps each sample's recorded groups, and
+  "given:STRATEGY" segments the samples that recorded none by STRATEGY (given:confident:0.6)."""
   if name == "given":
     return GIVEN
+  if name.startswith("given:"):
+    fallback = get_strategy(name.removeprefix("given:"))
+    if fallback.reads == "given":
+      raise SegmentationError(f"strategy {name!r}: the fallback after 'given:' must segment by "
+                              "the base's statistics, e.g. given:confident:0.6")
+    return dataclasses.replace(GIVEN, fallback=fallback)
   if name in ("decreasing_v2", "sliding", "small_group"):
     return Strategy({"decreasing_v2": decreasing_v2, "sliding": sliding,
                      "small_group": small_group}[name])

@@ -681,6 +681,17 @@ def test_on_policy_answers_record_the_groups_hamburger_emitted(tmp_path):
     prepare.prepare_dataset(given, model.base, _FakeTokenizer(), str(tmp_path / "k2"),
                             strategy="given", max_group=2)
   assert not (tmp_path / "none").exists() and not (tmp_path / "k2").exists()
+  # Mixed with base answers (no groups): "given:fixed:2" keeps the recorded groups and segments
+  # the base answers by fixed:2.
+  plain = dataclasses.replace(given[1], id="plain", groups=None,
+                              prompt_ids=tuple(given[1].prompt_ids) + (5,))
+  prepare.prepare_dataset([*given, plain], model.base, _FakeTokenizer(), str(tmp_path / "mix"),
+                          strategy="given:fixed:2", max_len=200, val_fraction=0.0)
+  data = tfds.builder_from_directory(str(tmp_path / "mix")).as_data_source()["train"]
+  got = {tuple(data[i]["input_ids"].tolist()): data[i]["groups"].tolist() for i in range(6)}
+  n = len(plain.response_ids)
+  assert got == {**{tuple(c.prompt_ids + c.response_ids): list(c.groups) for c in given},
+                 tuple(plain.prompt_ids + plain.response_ids): [2] * (n // 2) + [1] * (n % 2)}
 
 
 def test_keep_split_goes_by_prompt(tmp_path):

@@ -199,6 +199,17 @@ def test_confident_strategy_on_hand_made_probabilities():
       seg.get_strategy(bad)
 
 
+def test_given_with_a_fallback():
+  p = [0.1, 0.9, 0.6, 0.59, 0.99, 0.99, 0.99, 0.99, 0.2]
+  strategy = seg.get_strategy("given:confident:0.6")
+  assert strategy.reads == "given" and seg.get_strategy("given").fallback is None
+  assert strategy.fallback.reads == "prob" and strategy.fallback(p, K) == [3, 4, 1, 1]
+  for bad, match in (("given:given", "must segment by the base's statistics"),
+                     ("given:confident:2", "probability in"), ("given:", "unknown")):
+    with pytest.raises(seg.SegmentationError, match=match):
+      seg.get_strategy(bad)
+
+
 def test_token_probabilities_match_numpy():
   model = _tiny_model()
   rng = np.random.default_rng(2)

@@ -35,7 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--strategy", default="decreasing_v2",
                  help="segmentation: decreasing_v2 (default), fixed:k, sliding, small_group, "
                  "confident:p, or given (the groups recorded with each self-distilled answer "
-                 "of `train.self_distill --checkpoint`: on-policy groups)")
+                 "of `train.self_distill --checkpoint`: on-policy groups); given:STRATEGY "
+                 "segments the records that have none by STRATEGY (e.g. given:confident:0.6, "
+                 "to mix the base's own answers into on-policy ones)")
   p.add_argument("--max-len", type=int, default=384,
                  help="drop samples with more prompt + response tokens (default 384)")
   p.add_argument("--val-fraction", type=float, default=0.05)
