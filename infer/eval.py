@@ -46,7 +46,8 @@ import numpy as np
 
 from hamburger_jax.decode.requests import pooled_tokens_per_step
 from hamburger_jax.evaluation import tasks as eval_tasks
-from hamburger_jax.evaluation.agreement import token_agreement
+from hamburger_jax.evaluation.agreement import (DIVERGENCE_KINDS, first_divergence,
+                                                token_agreement)
 
 TEXT_TASKS = ("gsm_symbolic", "basic_arithmetic", "chain_sum", "letter_counting", "gcd", "lcm",
               "humaneval", "mt_bench", "sharegpt_heldout")
@@ -299,6 +300,8 @@ class Scored:
       summary["delta"] = summary["score"] - result["base"]["score"]
       summary["delta_ci95"] = list(paired_bootstrap_ci(self.ham_scores[c], self.base_scores))
       summary.update(token_agreement(base_ids, [g.token_ids for g in run.gens]))
+      summary.update(first_divergence(base_ids, [g.token_ids for g in run.gens],
+                                      [g.groups for g in run.gens]))
       result["hamburger"][ckey(c)] = summary
     return result
 
@@ -631,6 +634,16 @@ def markdown(results: dict[str, Any]) -> str:
       ham = [r["hamburger"][ckey(c)] for c in cs]
       row = ([fmt_ci(h.get("delta"), h.get("delta_ci95")) for h in ham] +
              [fmt(h.get("identical")) for h in ham] + [fmt(h.get("prefix_agreement")) for h in ham])
+      lines.append(f"| {name} | " + " | ".join(row) + " |")
+    head = [f"{k.replace('_', ' ')} @ {c:g}" for c in cs for k in DIVERGENCE_KINDS]
+    lines += ["", "Where HAMburger's answer first leaves the base's (fraction of the examples): at "
+              "a micro token (chosen by the micro decoder, accepted by the stop head), or at a "
+              "group's first token right after a merged entry, or after a single-token entry "
+              "(with merged entries further back).", "",
+              "| task | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+    for name, r in gen_tasks.items():
+      row = [fmt(r["hamburger"][ckey(c)].get(f"diverge_{k}")) for c in cs
+             for k in DIVERGENCE_KINDS]
       lines.append(f"| {name} | " + " | ".join(row) + " |")
     lines += ["", "Decode tokens/s (whole batches):", "",
               "| task | base | " + " | ".join(f"HAMburger @ {c:g}" for c in cs) + " |",

@@ -89,6 +89,10 @@ def test_results_json_numbers(tiny_eval: Path):
     assert h["delta"] == pytest.approx(h["score"] - syn["base"]["score"])
     assert h["delta_ci95"][0] <= h["delta"] <= h["delta_ci95"][1]
     assert 0.0 <= h["identical"] <= h["prefix_agreement"] <= 1.0
+    diverged = sum(h[f"diverge_{k}"] for k in ("micro_token", "after_merged", "after_single"))
+    assert diverged <= 1.0 - h["identical"] + 1e-9
+  # At c = 1 nothing is merged and nothing diverges.
+  assert syn["hamburger"]["1"]["diverge_after_single"] == 0.0
   # At c = 1 every answer is the base's: no difference, full agreement.
   assert syn["hamburger"]["1"]["delta_ci95"] == [0.0, 0.0]
   assert (syn["hamburger"]["1"]["identical"], syn["hamburger"]["1"]["prefix_agreement"]) == (1, 1)
@@ -107,7 +111,8 @@ def test_results_md_and_generations(tiny_eval: Path):
   for column in ("| task | base | HAMburger @ 0.3 | HAMburger @ 1 | KV compression @ 0.3",
                  "speed ratio @ 1 |", "| base NLL | HAMburger NLL |",
                  "| task | delta @ 0.3 | delta @ 1 | identical @ 0.3 | identical @ 1 | "
-                 "prefix agreement @ 0.3 | prefix agreement @ 1 |"):
+                 "prefix agreement @ 0.3 | prefix agreement @ 1 |",
+                 "| task | micro token @ 0.3 | after merged @ 0.3 | after single @ 0.3 |"):
     assert column in md
   rows = [json.loads(line) for line in (tiny_eval / "generations.jsonl").read_text().splitlines()]
   assert len(rows) == LIMIT * 3  # base + two confidences
@@ -131,6 +136,10 @@ def test_results_md_and_generations(tiny_eval: Path):
       np.mean([base[k] == low[k] for k in ids]))
   assert syn["hamburger"]["0.3"]["prefix_agreement"] == pytest.approx(
       np.mean([1.0 if base[k] == low[k] else p for k, p in zip(ids, prefix)]))
+  groups = {r["id"]: r["groups"] for r in rows if r["confidence"] == 0.3}
+  split = ev.first_divergence([base[k] for k in ids], [low[k] for k in ids],
+                              [groups[k] for k in ids])
+  assert {k: syn["hamburger"]["0.3"][k] for k in split} == split
   lo, hi = syn["base"]["ci95"]
   assert f"| {syn['base']['score']:.3f} [{lo:.2f}, {hi:.2f}] |" in md
 
@@ -240,6 +249,22 @@ def test_token_agreement():
                                            "prefix_agreement": pytest.approx(3.5 / 5)}
   with pytest.raises(ValueError, match="compare the same examples"):
     ev.token_agreement(base, ham[:2])
+
+
+def test_first_divergence():
+  from hamburger_jax.evaluation import agreement  # pylint: disable=import-outside-toplevel
+  assert ev.first_divergence is agreement.first_divergence
+  base = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4], [1, 2], [1, 2, 3]]
+  ham = [[1, 2, 3, 4], [1, 9, 3, 4], [1, 2, 9, 4], [1, 2, 3, 9], [1, 2, 3], [1, 2, 3, 4, 5]]
+  groups = [[4], [2, 2], [2, 2], [1, 1, 1, 1], [2, 1], [3, 1, 1]]
+  # 0 identical; 1 differs at token 1, inside a group (micro token); 2 at token 2, the first of a
+  # group after a merged one; 3 at token 3, after a single-token entry; 4 and 5 run past the
+  # base's end (one is the other cut short): counted in none.
+  assert ev.first_divergence(base, ham, groups) == {
+      "diverge_micro_token": pytest.approx(1 / 6), "diverge_after_merged": pytest.approx(1 / 6),
+      "diverge_after_single": pytest.approx(1 / 6)}
+  with pytest.raises(ValueError, match="compare the same examples"):
+    ev.first_divergence(base, ham, groups[:2])
 
 
 # ----------------------------------------------------------------------------- teacher agreement
