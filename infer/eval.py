@@ -11,7 +11,8 @@ compression (generated tokens / macro steps = tokens per KV entry, docs/SPEC.md 
 tokens/s ratio HAMburger / base (the engine's decode time; compilation excluded). Scores carry a
 95% percentile-bootstrap interval over the examples (`ci95`), and HAMburger's difference to the
 base a paired one (`delta_ci95`, the same examples resampled for both); HAMburger's greedy tokens
-are compared with the base's (`identical`, `prefix_agreement`). MT-Bench has no judge offline:
+are compared with the base's (`identical`, `prefix_agreement`, and `diverge_*`: whether the first
+difference is a micro token or a token read after a merged / a single-token entry). MT-Bench has no judge offline:
 HAMburger's answers are scored by ROUGE-L against the base's own answers (so the base scores 1.0
 by definition); `sharegpt_heldout` does the same on ShareGPT prompts that training never reads.
 `nll` is teacher-forced: the held-out NLL and per-micro-step accuracy of HAMburger on a tfds
