@@ -14,7 +14,10 @@ Losses, each weighted by DistillConfig:
   the teacher's features at the last token of that group (same predicting position, unmerged).
 - stop: BCE of the stop head. Target "segments" (the paper): stop at the group's last token.
   Target "teacher": continue after micro step i iff step i + 1's argmax is the teacher's greedy
-  token there, so P(continue) reads "the next token is the one the base would emit".
+  token there, so P(continue) reads "the next token is the one the base would emit". Target
+  "harm" (stages 2 and 3 only): "teacher", and stop at every step of a merged group after which
+  HAMburger's next token 0 is not the teacher's (the merge cost the base its reading), so the stop
+  head learns where merging is safe, not only where the micro tokens are right.
 - ce: optional cross-entropy on the data's tokens (0 by default: the KL carries that signal).
 
 `micro_distill_loss` is stage 1: the micro-step decoder and stop head on the stored features
@@ -80,11 +83,15 @@ def acceptance_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
 
 
 def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str, jax.Array],
-                      cfg: DistillConfig, ce_chunk: int, group_end_n: jax.Array | None = None
+                      cfg: DistillConfig, ce_chunk: int, group_end_n: jax.Array | None = None,
+                      merge_read_n: jax.Array | None = None
                       ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
   """KL / CE / stop losses of every micro step of each window, given the features that predict
   it [N, F, D] (N = flattened groups). Returns (weighted loss, metrics, agreement of each micro
-  step's argmax with the teacher's greedy token [N, K])."""
+  step's argmax with the teacher's greedy token [N, K]).
+
+  `merge_read_n` [N] bool (stop target "harm"): group n is a merged entry, and group n + 1's
+  token 0 is predicted from it."""
   k = model.max_group
   window = batch["window_ids"].reshape(-1, k)
   size = batch["window_size"].reshape(-1)
@@ -99,10 +106,14 @@ def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str
   step = jnp.arange(k)[None, :]
   valid = step < size[:, None]  # [N, K]
   agree = argmax == topk_ids[..., 0]  # the student's token is the teacher's greedy token
-  if cfg.stop_target == "teacher":
+  if cfg.stop_target in ("teacher", "harm"):
     next_agrees = jnp.pad(agree[:, 1:], ((0, 0), (0, 1)))
     stop_target = ~(next_agrees & (step + 1 < size[:, None]))
     stop_valid = valid
+    if cfg.stop_target == "harm":
+      # A merge after which the base no longer predicts its own next token: stop before it.
+      harmful = merge_read_n & ~jnp.pad(agree[1:, 0], (0, 1))
+      stop_target = stop_target | harmful[:, None]
   else:  # the segmentation's group ends (the paper's targets): labels inside the group only
     ends, inside = layout.stop_targets(group_end_n, k)
     stop_target = ends > 0
@@ -156,10 +167,14 @@ def distill_loss(model: Hamburger, batch: Mapping[str, jax.Array], cfg: DistillC
   rows = jnp.arange(b)[:, None]
   feats = feats[rows, batch["pred_index"]]  # [B, G, F, D]
   g, f, d = feats.shape[1:]
-  loss, metrics, agree = micro_step_losses(model, feats.reshape(b * g, f, d), batch, cfg,
-                                           ce_chunk, batch["target_size"].reshape(-1))
   # Groups predicted from a merged entry: the teacher saw the same context unmerged.
   from_merged = merged[rows, batch["pred_index"]] & (batch["window_size"] > 0)  # [B, G]
+  # Groups are laid out in order, so group g + 1 reads the entry of group g (false across rows:
+  # the last group of a row is padded).
+  merge_read = jnp.pad(from_merged[:, 1:], ((0, 0), (0, 1))).reshape(-1)
+  loss, metrics, agree = micro_step_losses(model, feats.reshape(b * g, f, d), batch, cfg,
+                                           ce_chunk, batch["target_size"].reshape(-1),
+                                           merge_read)
   err = feature_error(feats, batch["teacher_features"]).mean(-1)  # [B, G]
   n_merged = jnp.maximum(from_merged.sum(), 1)
   feature_loss = jnp.sum(jnp.where(from_merged, err, 0)) / n_merged

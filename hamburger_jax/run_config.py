@@ -48,8 +48,9 @@ class DataConfig:
 
 # What a run trains. Stages of the distill recipe: "micro" (stage 1: micro-step decoder + stop
 # head), "merger" (stage 2: compositional embedder + merged-entry adapters), "graft" (every grafted
-# module, stage 3 or the paper recipe on a frozen base), "all" (the paper: base too).
-TRAINABLE = ("graft", "all", "micro", "merger")
+# module, stage 3 or the paper recipe on a frozen base), "all" (the paper: base too), "stop" (the
+# stop head alone, e.g. on a target that needs the merged forward: distill.stop_target=harm).
+TRAINABLE = ("graft", "all", "micro", "merger", "stop")
 RECIPES = ("paper", "distill")
 
 
@@ -104,7 +105,7 @@ class TrainConfig:
       raise ConfigError(f"train.generate_confidence={self.generate_confidence} must be in [0, 1]")
 
 
-STOP_TARGETS = ("teacher", "segments")
+STOP_TARGETS = ("teacher", "segments", "harm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +115,7 @@ class DistillConfig:
   feature_weight: float = 1.0
   stop_weight: float = 0.5
   ce_weight: float = 0.0
-  stop_target: str = "teacher"  # teacher | segments
+  stop_target: str = "teacher"  # teacher | segments | harm (hamburger_jax.distillation)
 
   def __post_init__(self):
     if self.stop_target not in STOP_TARGETS:
@@ -168,6 +169,13 @@ class RunConfig:
   mesh: MeshConfig = MeshConfig()
   distill: DistillConfig = DistillConfig()
   stage: str = ""  # the stage of the config's `stages:` this run is ("" = no stages)
+
+  def __post_init__(self):
+    if (self.train.recipe == "distill" and self.train.trainable == "micro"
+        and self.distill.stop_target == "harm"):
+      raise ConfigError("distill.stop_target=harm labels each merge by how the base reads it, "
+                        "which needs the merged forward; stage 1 (train.trainable=micro) runs "
+                        "none: use harm with train.trainable stop, merger or graft")
 
   def to_dict(self) -> dict[str, Any]:
     return to_dict(self)

@@ -19,7 +19,7 @@ from hamburger_jax.distillation import (TRACKED_CONFIDENCES, acceptance, accepta
 from hamburger_jax.model import lora
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import causal_segment_mask
-from hamburger_jax.run_config import DistillConfig
+from hamburger_jax.run_config import ConfigError, DistillConfig, load_run_config
 from hamburger_jax.testing import sharpen
 
 CFG = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,
@@ -80,39 +80,49 @@ def reference(model: Hamburger, batch: dict, cfg: DistillConfig, stage1: bool) -
         merged_bt=jnp.asarray(b["input_size"] >= 2))[0])
   kl, ce, bce, feat = [], [], [], []
   agree0 = {True: [], False: []}
+  groups = {}  # (row, predicting entry) -> what the losses need of that group
   for r in range(b["window_size"].shape[0]):
     for g in range(b["window_size"].shape[1]):
       size = int(b["window_size"][r, g])
       if size == 0:
         continue
+      entry = int(b["pred_index"][r, g])
       if stage1:
         f_s = b["teacher_features"][r, g]
         from_merged = False
       else:
-        entry = b["pred_index"][r, g]
         f_s = feats_all[r, entry]
         from_merged = bool(b["input_size"][r, entry] >= 2)
       window = b["window_ids"][r, g]
       h = np.asarray(model.micro_hidden(jnp.asarray(f_s)[None], jnp.asarray(window)[None])[0])
-      stop = np.asarray(model.stop_logits(jnp.asarray(h)), np.float64)
       logq = _log_softmax(h.astype(np.float64) @ emb.T)
       agree = [int(np.argmax(logq[i])) == int(b["teacher_topk_ids"][r, g, i, 0])
                for i in range(size)]
-      agree0[from_merged].append(agree[0])
-      group_end = int(b["target_size"][r, g])
-      for i in range(size):
-        p = _log_softmax(b["teacher_topk_logp"][r, g, i])
-        kl.append(float(np.sum(np.exp(p) * (p - logq[i, b["teacher_topk_ids"][r, g, i]]))))
-        ce.append(-float(logq[i, window[i]]))
-        if cfg.stop_target == "teacher":
-          target = 0.0 if i + 1 < size and agree[i + 1] else 1.0
-          bce.append(_bce(stop[i], target))
-        elif i < group_end:
-          bce.append(_bce(stop[i], 1.0 if i == group_end - 1 else 0.0))
-      if from_merged:
-        t = b["teacher_features"][r, g].astype(np.float64)
-        err = ((f_s - t) ** 2).sum(-1) / ((t * t).sum(-1) + 1e-6)
-        feat.append(float(err.mean()))
+      groups[r, entry] = dict(g=g, size=size, window=window, logq=logq, agree=agree,
+                              from_merged=from_merged, f_s=f_s,
+                              stop=np.asarray(model.stop_logits(jnp.asarray(h)), np.float64))
+  for (r, entry), x in groups.items():
+    g, size, window, logq, agree, stop = (x[k] for k in ("g", "size", "window", "logq", "agree",
+                                                           "stop"))
+    agree0[x["from_merged"]].append(agree[0])
+    # "harm": the group read from this group's own entry (the next one) is predicted from a
+    # merged entry, and its token 0 is not the teacher's.
+    after = groups.get((r, entry + 1))
+    harmful = after is not None and after["from_merged"] and not after["agree"][0]
+    group_end = int(b["target_size"][r, g])
+    for i in range(size):
+      p = _log_softmax(b["teacher_topk_logp"][r, g, i])
+      kl.append(float(np.sum(np.exp(p) * (p - logq[i, b["teacher_topk_ids"][r, g, i]]))))
+      ce.append(-float(logq[i, window[i]]))
+      if cfg.stop_target in ("teacher", "harm"):
+        target = 0.0 if i + 1 < size and agree[i + 1] else 1.0
+        bce.append(_bce(stop[i], 1.0 if cfg.stop_target == "harm" and harmful else target))
+      elif i < group_end:
+        bce.append(_bce(stop[i], 1.0 if i == group_end - 1 else 0.0))
+    if x["from_merged"]:
+      t = b["teacher_features"][r, g].astype(np.float64)
+      err = ((x["f_s"] - t) ** 2).sum(-1) / ((t * t).sum(-1) + 1e-6)
+      feat.append(float(err.mean()))
   out = {"kl": np.mean(kl), "lm_loss": np.mean(ce), "stop_bce": np.mean(bce)}
   out["loss"] = cfg.kl_weight * out["kl"] + cfg.ce_weight * out["lm_loss"] + (
       cfg.stop_weight * out["stop_bce"])
@@ -124,7 +134,7 @@ def reference(model: Hamburger, batch: dict, cfg: DistillConfig, stage1: bool) -
   return out
 
 
-@pytest.mark.parametrize("stop_target", ["teacher", "segments"])
+@pytest.mark.parametrize("stop_target", ["teacher", "segments", "harm"])
 def test_distill_loss_matches_numpy_reference(model, batch, stop_target):
   cfg = DistillConfig(kl_weight=1.0, feature_weight=0.7, stop_weight=0.5, ce_weight=0.3,
                       stop_target=stop_target)
@@ -142,6 +152,42 @@ def test_micro_distill_loss_matches_numpy_reference(model, batch, stop_target):
   want = reference(model, batch, cfg, stage1=True)
   for name, value in want.items():
     np.testing.assert_allclose(float(got[name]), value, rtol=2e-4, atol=2e-5, err_msg=name)
+
+
+def test_harm_stop_target_stops_before_a_misread_merge(model, batch):
+  """The teacher is the student itself (every micro token agrees), except after one merged
+  entry, where the teacher's greedy token 0 is another: "teacher" continues through the merged
+  group, "harm" stops at each of its steps."""
+  b = {k: jnp.asarray(v) for k, v in batch.items()}
+  feats = model.base_features(model.smash(b["input_ids"], b["input_size"]), b["positions"],
+                              causal_segment_mask(b["segment_ids"]),
+                              merged_bt=b["input_size"] >= 2)[0]
+  rows = jnp.arange(feats.shape[0])[:, None]
+  feats = feats[rows, b["pred_index"]]
+  n, g = feats.shape[:2]
+  h = model.micro_hidden(feats.reshape(n * g, *feats.shape[2:]), b["window_ids"].reshape(n * g, K))
+  logq = jax.nn.log_softmax(model.logits(h), axis=-1).reshape(n, g, K, -1)
+  top_logp, top_ids = jax.lax.top_k(logq, CFG.vocab_size)
+  # Group 1 of row 0 is predicted from group 0's merged entry (2 tokens): its teacher's greedy
+  # token 0 becomes the student's second choice.
+  assert int(b["input_size"][0, int(b["pred_index"][0, 1])]) == 2
+  swap = lambda x: x.at[0, 1, 0, :2].set(x[0, 1, 0, 1::-1])
+  own = dict(b, teacher_topk_ids=swap(top_ids), teacher_topk_logp=top_logp)
+  cfgs = {t: DistillConfig(stop_target=t) for t in ("teacher", "harm")}
+  got = {t: distill_loss(model, own, cfg)[1] for t, cfg in cfgs.items()}
+  want = {t: reference(model, own, cfg, stage1=False) for t, cfg in cfgs.items()}
+  for t in cfgs:
+    np.testing.assert_allclose(float(got[t]["stop_bce"]), want[t]["stop_bce"], rtol=2e-4)
+  assert float(got["harm"]["agree_merged"]) < 1.0 and float(got["harm"]["agree_s2"]) == 1.0
+  assert float(got["harm"]["stop_bce"]) != pytest.approx(float(got["teacher"]["stop_bce"]))
+
+
+def test_harm_needs_the_merged_forward():
+  with pytest.raises(ConfigError, match="stop_target=harm .* stage 1"):
+    load_run_config(None, ["train.recipe=distill", "train.trainable=micro",
+                           "distill.stop_target=harm"])
+  load_run_config(None, ["train.recipe=distill", "train.trainable=stop",
+                         "distill.stop_target=harm"])
 
 
 def test_kl_is_zero_when_the_student_is_the_teacher(model, batch):

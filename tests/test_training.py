@@ -627,7 +627,8 @@ STAGE_STEPS = 8
 
 
 def _staged_config(path: Path, data_dir: str, run_dir: Path) -> str:
-  """configs/tiny.yaml trained as the distill recipe's stages 1 (micro) and 2 (merger)."""
+  """configs/tiny.yaml trained as the distill recipe's stages 1 (micro) and 2 (merger), then the
+  stop head alone on the "harm" target."""
   import yaml  # pylint: disable=import-outside-toplevel
   raw = yaml.safe_load(Path(TINY).read_text())
   raw["graft"]["base_lora_rank"] = 4
@@ -635,7 +636,9 @@ def _staged_config(path: Path, data_dir: str, run_dir: Path) -> str:
   raw["train"].update(recipe="distill", eval_every=0, eps=1.0e-6)
   raw["checkpoint"].update(dir=str(run_dir), every=2)
   raw["stages"] = [{"name": "micro", "train": {"trainable": "micro", "steps": STAGE_STEPS}},
-                   {"name": "merger", "train": {"trainable": "merger", "steps": STAGE_STEPS}}]
+                   {"name": "merger", "train": {"trainable": "merger", "steps": STAGE_STEPS}},
+                   {"name": "stop", "train": {"trainable": "stop", "steps": STAGE_STEPS},
+                    "distill": {"stop_target": "harm"}}]
   path.write_text(yaml.safe_dump(raw))
   return str(path)
 
@@ -662,7 +665,7 @@ def staged(tmp_path_factory: pytest.TempPathFactory, teacher_data_dir: str,
     return forward(self, *args, **kwargs)
 
   results = {}
-  for stage in ("micro", "merger"):
+  for stage in ("micro", "merger", "stop"):
     calls["n"] = 0
     with pytest.MonkeyPatch.context() as mp:
       mp.setattr(Llama, "forward", counted)
@@ -695,6 +698,19 @@ def test_stage_2_starts_from_stage_1_trains_the_merger_only_and_learns(staged):
   assert "feature_loss" in last
   # distill steps count teacher windows (up to K tokens each), which are not the data's groups
   assert 1 <= last["mean_window_size"] <= 4 and "mean_group_size" not in last
+
+
+def test_stop_stage_trains_the_stop_head_only_and_learns(staged):
+  assert staged.stop_base_forwards > 0  # the harm target reads the merged forward
+  bce = [m["stop_bce"] for m in _metrics(staged.run / "stop")]
+  assert np.mean(bce[-2:]) < np.mean(bce[:2]), bce
+  two, three = (_load_export(staged.run / s / "export") for s in ("merger", "stop"))
+  stop = [k for k in two if "stop_head" in k]
+  assert stop
+  for k in two:
+    if k not in stop:
+      np.testing.assert_array_equal(three[k], two[k], err_msg=k)
+  assert any(not np.array_equal(three[k], two[k]) for k in stop)
 
 
 @pytest.mark.parametrize("confidence", [1.0, 0.0])
@@ -769,7 +785,7 @@ def test_stage_and_distill_data_errors(staged, teacher_data_dir: str, tiny_data_
   fresh = _staged_config(tmp_path / "fresh.yaml", teacher_data_dir, tmp_path / "fresh")
   with pytest.raises(ConfigError, match="run the previous stage to its end first"):
     trainer.run(load_run_config(fresh, stage="merger"), progress=False)
-  with pytest.raises(ConfigError, match=r"trained in stages \(micro, merger\)"):
+  with pytest.raises(ConfigError, match=r"trained in stages \(micro, merger, stop\)"):
     load_run_config(fresh)
   assert load_run_config(fresh, shared_only=True).graft.base_lora_rank == 4  # data tools
   with pytest.raises(ConfigError, match="unknown stage 'polish'"):

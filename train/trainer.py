@@ -45,6 +45,7 @@ TRAINED = {
     "graft": GraftParam, "all": GraftParam,
     "micro": nnx.All(GraftParam, nnx.PathContains("micro")),
     "merger": nnx.All(GraftParam, nnx.Not(nnx.PathContains("micro"))),
+    "stop": nnx.All(GraftParam, nnx.PathContains("stop_head")),
 }
 
 # Batch fields and their ranks (the leading accumulation axis included).
