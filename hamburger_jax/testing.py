@@ -186,11 +186,14 @@ def _reference_micro(model, x_btd):
 
 
 def reference_hamburger(model, prompt: list[int], max_new: int, confidence: float,
-                        stop: int, pad: int = 64) -> tuple[list[int], list[int]]:
+                        stop: int, pad: int = 64,
+                        max_group: int | None = None) -> tuple[list[int], list[int]]:
   """HAMburger decoding (docs/method.md section 3) as a plain per-row Python loop that
   recomputes everything from scratch each step (no KV cache): the decode tests' reference.
-  `pad`: the fixed length of its (jitted) uncached forwards."""
+  `pad`: the fixed length of its (jitted) uncached forwards; `max_group`: a cap on the tokens
+  of one macro step (None: K)."""
   k, f = model.max_group, model.num_features
+  cap = max_group or k
   offset = model.cfg.graft.position_offset
   inputs = list(model.base.embed(jnp.asarray(prompt)))  # unmerged prompt entries
   positions = list(range(len(prompt)))
@@ -205,17 +208,17 @@ def reference_hamburger(model, prompt: list[int], max_new: int, confidence: floa
     group = []
     for i in range(k):
       if i == 0:  # the skip connection
-        logits, stop = model.logits(feats[-1]), model.stop_logits(feats[-1])
+        logits, stop_logit = model.logits(feats[-1]), model.stop_logits(feats[-1])
       else:
         seq = jnp.concatenate([feats, model.base.embed(jnp.asarray(group))])
         padded = jnp.zeros((1, f + k - 1, model.cfg.base.hidden_size)).at[0, :len(seq)].set(seq)
-        logits, stop = _reference_micro(model, padded)
-        logits, stop = logits[0, len(seq) - 1], stop[0, len(seq) - 1]
+        logits, stop_logit = _reference_micro(model, padded)
+        logits, stop_logit = logits[0, len(seq) - 1], stop_logit[0, len(seq) - 1]
       tok = int(jnp.argmax(logits))
       group.append(tok)
-      p_continue = float(jax.nn.sigmoid(-stop))
+      p_continue = float(jax.nn.sigmoid(-stop_logit))
       if (tok == stop or len(tokens) + len(group) >= max_new or confidence >= 1.0
-          or p_continue < confidence):
+          or p_continue < confidence or len(group) >= cap):
         break
     tokens += group
     groups.append(len(group))

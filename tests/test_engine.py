@@ -53,9 +53,10 @@ def argmax_rollout(base: Llama, prompt: list[int], n: int) -> list[int]:
   return seq[len(prompt):]
 
 
-def reference_hamburger(model: Hamburger, prompt: list[int], max_new: int,
-                        confidence: float) -> tuple[list[int], list[int]]:
-  return testing.reference_hamburger(model, prompt, max_new, confidence, STOP)
+def reference_hamburger(model: Hamburger, prompt: list[int], max_new: int, confidence: float,
+                        max_group: int | None = None) -> tuple[list[int], list[int]]:
+  return testing.reference_hamburger(model, prompt, max_new, confidence, STOP,
+                                     max_group=max_group)
 
 
 # ------------------------------------------------------------------ base decoding
@@ -94,6 +95,33 @@ def test_hamburger_equals_reference_loop(model, engine, confidence):
     sizes |= set(groups)
   if confidence == 0.5:
     assert sizes == {1, 2, 3, 4}  # the test exercises every group size
+
+
+@pytest.mark.parametrize("max_group", [1, 2, 3])
+def test_max_group_caps_each_macro_step(model, engine, max_group):
+  # confidence 0: uncapped, every step would emit K = 4 tokens.
+  gens = engine.generate(PROMPTS, max_new_tokens=14, mode="hamburger", confidence=0.0,
+                         max_group=max_group)
+  for prompt, g in zip(PROMPTS, gens):
+    assert (g.token_ids, g.groups) == reference_hamburger(model, prompt, 14, 0.0, max_group)
+    assert max(g.groups) == max_group and sum(g.groups) == g.new_tokens
+  if max_group == 1:  # a cap of one token is the base, token for token
+    base = engine.generate(PROMPTS, max_new_tokens=14, mode="base")
+    assert [g.token_ids for g in gens] == [b.token_ids for b in base]
+
+
+def test_max_group_is_per_request(engine):
+  # Rows with different caps in one batch emit what each emits alone.
+  from hamburger_jax.decode.requests import Request  # pylint: disable=import-outside-toplevel
+  caps = [2, None, 1, 3]
+  served = {g.id: g for g in engine.serve(
+      [Request(p, max_new_tokens=14, confidence=0.0, max_group=c, id=i)
+       for i, (p, c) in enumerate(zip(PROMPTS, caps))], slots=4, mode="hamburger")}
+  for i, (prompt, c) in enumerate(zip(PROMPTS, caps)):
+    alone = engine.generate([prompt], max_new_tokens=14, mode="hamburger", confidence=0.0,
+                            max_group=c)[0]
+    assert (served[i].token_ids, served[i].groups) == (alone.token_ids, alone.groups)
+    assert max(alone.groups) == (c or engine.max_group)
 
 
 def test_release_position_convention(model):
@@ -229,6 +257,9 @@ def test_top_p_and_top_k_filters():
     ({"seed": 2 ** 70}, "seed=1180591620717411303424 must be an integer"),
     ({"max_new_tokens": True}, "max_new_tokens=True must be an integer"),
     ({"sampling": SamplingParams(1.0, top_k=98)}, "top_k=98 exceeds the vocabulary"),
+    ({"max_group": 5}, r"max_group=5 must be an integer in \[1, 4\]"),
+    ({"max_group": 0}, r"max_group=0 must be an integer in \[1, 4\]"),
+    ({"max_group": 2.0}, "max_group=2.0 must be an integer"),
 ])
 def test_bad_requests(engine, kwargs, match):
   with pytest.raises(GenerationError, match=match):

@@ -64,6 +64,7 @@ class DecodeState:
   done: jax.Array  # [B] bool; empty slots are done
   max_new: jax.Array  # [B] the slot's own max_new_tokens (<= N)
   confidence: jax.Array  # [B] continue a group while P(continue) >= confidence
+  max_group: jax.Array  # [B] the most tokens one macro step of the slot may emit (<= K)
   temperature: jax.Array  # [B] 0 = greedy
   top_k: jax.Array  # [B] 0 = off
   top_p: jax.Array  # [B] 1 = off
@@ -197,7 +198,8 @@ class Engine:
         cache=cache, features=zeros(b, f, cfg.hidden_size, dt=jnp.dtype(cfg.dtype)),
         prompt_len=zeros(b), tokens=zeros(b, n + k), n_tokens=zeros(b), groups=zeros(b, n),
         n_steps=zeros(b), done=jnp.ones((b,), bool), max_new=zeros(b),
-        confidence=jnp.ones((b,), jnp.float32), temperature=zeros(b, dt=jnp.float32),
+        confidence=jnp.ones((b,), jnp.float32), max_group=jnp.full((b,), k, jnp.int32),
+        temperature=zeros(b, dt=jnp.float32),
         top_k=zeros(b), top_p=jnp.ones((b,), jnp.float32),
         key=jax.random.split(jax.random.key(0), b)))
 
@@ -270,7 +272,7 @@ class Engine:
     b = t0.shape[0]
     tokens = jnp.zeros((b, k), jnp.int32).at[:, 0].set(t0)
     cont = (~state.done & continues(model.stop_logits(h0), state.confidence)
-            & ~jnp.isin(t0, stop_ids) & (remaining > 1))
+            & ~jnp.isin(t0, stop_ids) & (remaining > 1) & (state.max_group > 1))
 
     rows_state = state.replace(cache=None)  # the per-row fields (never the KV pool)
 
@@ -286,7 +288,7 @@ class Engine:
                                                      1)
         count = count + cont
         cont = cont & continues(model.stop_logits(h), rs.confidence) & ~jnp.isin(
-            ti, stop_ids) & (left > i + 1)
+            ti, stop_ids) & (left > i + 1) & (rs.max_group > i + 1)
         return cache, tokens, count, cont
 
       # Micro step 1 reads the F features and e(t0) in one pass (one read of the weights).
@@ -415,7 +417,8 @@ class Engine:
       state = self._abstract_state(layout)
       i32 = jax.ShapeDtypeStruct((), jnp.int32)
       request = {k: jax.ShapeDtypeStruct((), getattr(state, k).dtype)
-                 for k in ("max_new", "confidence", "temperature", "top_k", "top_p")}
+                 for k in ("max_new", "confidence", "max_group", "temperature", "top_k",
+                           "top_p")}
       request["key"] = jax.eval_shape(lambda: jax.random.key(0))
       fn = self._jit(self._prefill_impl, static_argnames=("mode",))
       self.programs[key] = fn.lower(
@@ -474,6 +477,7 @@ class Engine:
     chunk; the slot then decodes with the request's settings."""
     request = self.put({
         "max_new": np.int32(r.max_new_tokens), "confidence": np.float32(r.confidence),
+        "max_group": np.int32(r.max_group or self.max_group or 1),
         "temperature": np.float32(r.sampling.temperature), "top_k": np.int32(r.sampling.top_k),
         "top_p": np.float32(r.sampling.top_p), "key": r.key()})
     p0, chunks = self.prompt_plan(r.ids)
@@ -509,6 +513,12 @@ class Engine:
     for view in self.views(layout):
       self._decode_program(layout, stochastic, stream, view)
     return time.perf_counter() - t if len(self.programs) > before else 0.0
+
+  @property
+  def max_group(self) -> int | None:
+    """The most tokens a macro step can emit: the HAMburger model's K (None for a base model,
+    whose steps emit one token whatever a request's cap)."""
+    return self.model.max_group if isinstance(self.model, Hamburger) else None
 
   @property
   def compilations(self) -> int:
@@ -558,7 +568,8 @@ class Engine:
                          progress=progress)
 
   def _requests(self, prompts: Sequence, max_new_tokens: int, sampling: SamplingParams,
-                confidence: float | Sequence[float], seed: int, check: bool = True) -> list:
+                confidence: float | Sequence[float], seed: int, check: bool = True,
+                max_group: int | None = None) -> list:
     if isinstance(prompts, (str, dict)) or not len(prompts):
       raise GenerationError("prompts must be a non-empty list (wrap a single prompt in a list)")
     conf = np.asarray(confidence, np.float64)
@@ -567,7 +578,8 @@ class Engine:
                             "one value, or one per prompt")
     conf = np.broadcast_to(conf, (len(prompts),))
     reqs = [Request(p, max_new_tokens=max_new_tokens, confidence=float(c), sampling=sampling,
-                    seed=seed, id=i) for i, (p, c) in enumerate(zip(prompts, conf))]
+                    seed=seed, id=i, max_group=max_group)
+            for i, (p, c) in enumerate(zip(prompts, conf))]
     for r in reqs if check else ():
       r.check(self)
     return reqs
@@ -586,14 +598,16 @@ class Engine:
   def generate(self, prompts: Sequence, *, max_new_tokens: int = 128, mode: str | None = None,
                sampling: SamplingParams = SamplingParams(),
                confidence: float | Sequence[float] = DEFAULT_CONFIDENCE, seed: int = 0,
-               stream: Callable[[np.ndarray, np.ndarray], None] | None = None
-               ) -> list[Generation]:
+               stream: Callable[[np.ndarray, np.ndarray], None] | None = None,
+               max_group: int | None = None) -> list[Generation]:
     """Generates for a batch of prompts (texts, message lists or token-id lists): one slot per
-    prompt, results in prompt order. Raises GenerationError on any bad prompt or setting."""
+    prompt, results in prompt order. Raises GenerationError on any bad prompt or setting.
+    `max_group`: the most tokens a macro step may emit (None: the model's K)."""
     mode = self.check_mode(mode)
     # serve checks each request; it reports the bad ones before any work, so the first error
     # stops the batch before anything compiles.
-    reqs = self._requests(prompts, max_new_tokens, sampling, confidence, seed, check=False)
+    reqs = self._requests(prompts, max_new_tokens, sampling, confidence, seed, check=False,
+                          max_group=max_group)
     self.stream_callback = stream
     out = []
     try:

@@ -69,6 +69,10 @@ class Request:
   sampling: SamplingParams = SamplingParams()
   seed: int = 0
   id: Any = None
+  # The most tokens one macro step may emit (HAMburger mode; None: the model's K). A smaller cap
+  # bounds a step's micro-step work and merges fewer tokens into each KV entry (less
+  # compression; EVALUATION.md, eleventh session: no better quality at equal compression).
+  max_group: int | None = None
   ids: list[int] | None = dataclasses.field(default=None, repr=False)  # set by check()
 
   def check(self, engine) -> None:
@@ -80,6 +84,11 @@ class Request:
     if isinstance(c, bool) or not isinstance(c, (int, float, np.floating, np.integer)) or not (
         0 <= c <= 1):
       raise GenerationError(f"confidence must be in [0, 1], got {c!r}")
+    g, k = self.max_group, engine.max_group
+    if g is not None and (isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1
+                          or (k is not None and g > k)):
+      raise GenerationError(f"max_group={g!r} must be an integer in [1, {k or 'K'}] (the "
+                            "model's largest group), or None for the model's")
     if not isinstance(self.sampling, SamplingParams):
       raise GenerationError("sampling must be a SamplingParams(temperature, top_k, top_p)")
     try:
