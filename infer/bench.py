@@ -66,12 +66,13 @@ def chat_ids(tok, prompts: list[str]) -> list[list[int]]:
 
 
 def run_ours(engine, ids, n_new: int, mode: str, repeats: int,
-             confidence: float = DEFAULT_CONFIDENCE):
+             confidence: float = DEFAULT_CONFIDENCE, max_group: int | None = None):
   """(best decode s, compile s, generations) for one batch."""
-  first = engine.generate(ids, max_new_tokens=n_new, mode=mode, confidence=confidence)
-  best, gens = min(((g[0].decode_s, g) for g in (
-      engine.generate(ids, max_new_tokens=n_new, mode=mode, confidence=confidence)
-      for _ in range(repeats))), key=lambda x: x[0])
+  run = lambda: engine.generate(ids, max_new_tokens=n_new, mode=mode, confidence=confidence,
+                                max_group=max_group)
+  first = run()
+  best, gens = min(((g[0].decode_s, g) for g in (run() for _ in range(repeats))),
+                   key=lambda x: x[0])
   return best, first[0].compile_s, gens
 
 
@@ -182,8 +183,8 @@ def bench_hamburger(args) -> None:
   label = checkpoint or "UNTRAINED graft (random weights; use --confidence 0 to force K-token steps)"
   engine = Engine(model, tok, stop_ids=())
   print(f"HAMburger on SmolLM2-135M-Instruct: {label}")
-  print(f"greedy, {args.new_tokens} new tokens/row (EOS ignored), confidence {args.confidence}; "
-        "r = micro step / base step, measured at each batch size")
+  print(f"greedy, {args.new_tokens} new tokens/row (EOS ignored), confidence {args.confidence}"
+        f"{group_cap(args.max_group)}; r = micro step / base step, measured at each batch size")
   print("adapter cost = a base step reading a merged entry (merged-entry adapters acting, "
         "unfolded) vs an unmerged one")
   print("\n| batch | base tok/s | HAMburger tok/s | ratio | tokens/step k | KV entries/token | r | "
@@ -193,7 +194,7 @@ def bench_hamburger(args) -> None:
     ids = chat_ids(tok, (PROMPTS * (b // len(PROMPTS) + 1))[:b])
     base_s, base_c, _ = run_ours(engine, ids, args.new_tokens, "base", args.repeats)
     ham_s, ham_c, gens = run_ours(engine, ids, args.new_tokens, "hamburger", args.repeats,
-                                  args.confidence)
+                                  args.confidence, args.max_group)
     cost = step_costs(model, args.repeats, b)
     r = cost["micro"] / cost["base"]
     k = b * args.new_tokens / sum(g.macro_steps for g in gens)
@@ -203,6 +204,10 @@ def bench_hamburger(args) -> None:
           f"{ratio:.2f}x | {k:.2f} | {1 / k:.2f} | {r:.3f} | "
           f"{cost['merged'] / cost['base'] - 1:+.1%} | {ceiling:.2f}x | "
           f"{ratio / ceiling:.0%} | {base_c:.0f}, {ham_c:.0f} |")
+
+
+def group_cap(max_group: int | None) -> str:
+  return f", groups of at most {max_group} tokens" if max_group else ""
 
 
 def lockstep_cost(gens, r: float) -> float:
@@ -233,12 +238,13 @@ def serve_workload(tok, n: int, new_range: tuple[int, int], seed: int = 0,
 
 
 def run_serve(engine, workload, mode: str, slots: int, confidence: float,
-              kv_blocks: int | None = None, round_steps: int | None = None) -> dict[str, float]:
+              kv_blocks: int | None = None, round_steps: int | None = None,
+              max_group: int | None = None) -> dict[str, float]:
   """Serves the workload once (programs compiled beforehand, not timed); every request arrives
   at t = 0, so latency = queueing + prefill + decode."""
   from hamburger_jax.decode.requests import Request  # pylint: disable=import-outside-toplevel
-  reqs = lambda: [Request(ids, max_new_tokens=n, confidence=confidence, id=i)
-                  for i, (ids, n) in enumerate(workload)]
+  reqs = lambda: [Request(ids, max_new_tokens=n, confidence=confidence, id=i,
+                          max_group=max_group) for i, (ids, n) in enumerate(workload)]
   lengths = [len(ids) for ids, _ in workload]
   layout = engine.layout(mode, slots, max(n for _, n in workload), max(lengths), kv_blocks)
   compile_s = engine.compile_programs(layout, [ids for ids, _ in workload], stochastic=False)
@@ -274,9 +280,11 @@ def bench_serve(args) -> None:
         f"(ShareGPT held-out + gsm_symbolic; prompts {min(prompt_lens)}-{max(prompt_lens)} "
         f"tokens; max_new_tokens {args.new_range[0]}-{args.new_range[1]}, EOS ignored), all "
         f"arriving at t = 0, greedy, KV blocks of {engine.block_size}")
-  variants = [("base", "base", 1.0), (f"HAMburger c={args.confidence}", "hamburger",
-                                      args.confidence),
-              ("HAMburger forced 4-token groups", "hamburger", 0.0)]
+  # (name, mode, confidence, max_group)
+  variants = [("base", "base", 1.0, None),
+              (f"HAMburger c={args.confidence}{group_cap(args.max_group)}", "hamburger",
+               args.confidence, args.max_group),
+              ("HAMburger forced 4-token groups", "hamburger", 0.0, None)]
   if "p" in args.parts:
     serve_prefix_cache(args, engine, workload, variants)
   if "a" in args.parts:
@@ -295,8 +303,8 @@ def serve_slots(args, engine, workload, variants) -> None:
   curve = {}
   for slots in args.slots:
     base_tps = None
-    for name, mode, c in variants:
-      r = run_serve(engine, workload, mode, slots, c)
+    for name, mode, c, g in variants:
+      r = run_serve(engine, workload, mode, slots, c, max_group=g)
       base_tps = base_tps or r["tok_s"]
       curve.setdefault(name, []).append(r["tok_s"])
       print(f"| {slots} | {name} | {r['tok_s']:.1f} | {r['tok_s'] / base_tps:.2f}x | "
@@ -317,7 +325,7 @@ def serve_prefix_cache(args, engine, workload, variants) -> None:
   print("|---|---|---|---|---|---|---|---|")
   on = engine.prefix_cache
   for slots in args.slots:
-    for name, mode, c in (variants[0], variants[-1]):  # the base and forced 4-token groups
+    for name, mode, c, _ in (variants[0], variants[-1]):  # the base and forced 4-token groups
       first = None
       # One engine, its cache swapped: a second engine would compile every program again.
       for label, cache in (("off", PrefixCache(0)), ("on", on)):
@@ -344,8 +352,8 @@ def serve_fixed_pool(args, engine, workload, variants) -> None:
         "vs base | peak blocks | preemptions | tok/s | vs base |")
   print("|---|---|---|---|---|---|---|---|---|")
   base = None
-  for name, mode, c in variants:
-    r = run_serve(engine, workload, mode, pool_slots, c, kv_blocks=args.kv_blocks)
+  for name, mode, c, g in variants:
+    r = run_serve(engine, workload, mode, pool_slots, c, kv_blocks=args.kv_blocks, max_group=g)
     base = base or r
     print(f"| {name} | {r['in_flight']:.1f} | {r['in_flight'] / base['in_flight']:.2f}x | "
           f"{r['queued_in_flight']:.1f} | "
@@ -362,7 +370,7 @@ def serve_rounds(args, engine, workload, variants) -> None:
   print(f"\n(c) when slots are refilled, {slots} slots, KV pool as in (a)\n")
   print("| variant | refill | tok/s | vs refill at finish | decode calls | p50 latency s |")
   print("|---|---|---|---|---|---|")
-  for name, mode, c in (variants[0], variants[-1]):  # the base and forced 4-token groups
+  for name, mode, c, _ in (variants[0], variants[-1]):  # the base and forced 4-token groups
     first = None
     for k in (None, *args.round_steps):
       r = run_serve(engine, workload, mode, slots, c, round_steps=k)
@@ -399,6 +407,8 @@ def main(argv=None) -> int:
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--checkpoint", default=None)
   p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE)
+  p.add_argument("--max-group", type=int, default=None,
+                 help="hamburger / serve: cap HAMburger's groups at this many tokens (1..K)")
   p.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32],
                  help="serve: comma-separated slot counts")
   p.add_argument("--requests", type=int, default=48, help="serve: requests in the stream")
@@ -417,6 +427,8 @@ def main(argv=None) -> int:
     p.error(f"--parts={args.parts!r}: use any of a, b and p (e.g. ab)")
   if any(k < 1 for k in args.round_steps):
     p.error(f"--round-steps {args.round_steps}: each K must be >= 1")
+  if args.max_group is not None and args.max_group < 1:
+    p.error(f"--max-group={args.max_group} must be an integer >= 1")
   args.batches = args.batches or ([1, 8] if args.mode == "base" else [1, 8, 32])
   from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
   cache.enable_compilation_cache()

@@ -12,10 +12,10 @@ tokens/s ratio HAMburger / base (the engine's decode time; compilation excluded)
 95% percentile-bootstrap interval over the examples (`ci95`), and HAMburger's difference to the
 base a paired one (`delta_ci95`, the same examples resampled for both); HAMburger's greedy tokens
 are compared with the base's (`identical`, `prefix_agreement`, and `diverge_*`: whether the first
-difference is a micro token or a token read after a merged / a single-token entry). MT-Bench has no judge offline:
-HAMburger's answers are scored by ROUGE-L against the base's own answers (so the base scores 1.0
-by definition); `sharegpt_heldout` does the same on ShareGPT prompts that training never reads.
-`nll` is teacher-forced: the held-out NLL and per-micro-step accuracy of HAMburger on a tfds
+difference is a micro token or a token read after a merged / a single-token entry). MT-Bench has
+no judge offline: HAMburger's answers are scored by ROUGE-L against the base's own answers (so
+the base scores 1.0 by definition); `sharegpt_heldout` does the same on ShareGPT prompts that
+training never reads. `nll` is teacher-forced: the held-out NLL and per-micro-step accuracy of HAMburger on a tfds
 split, next to the base's NLL on the same response tokens; on data with teacher signals
 (train.prepare_data --teacher-top-k) also the agreement with the teacher's greedy token after
 merged and unmerged entries and per micro step.
@@ -82,6 +82,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  "or synthetic for a model without tokenizer; plus nll when --data is given)")
   p.add_argument("--confidence", default="0.6,0.7,0.8,0.9",
                  help="comma-separated confidence levels in [0, 1] (docs/SPEC.md 3)")
+  p.add_argument("--max-group", type=int, default=None,
+                 help="the most tokens a HAMburger macro step may emit, 1..K (default: the "
+                 "model's K); a smaller cap merges fewer tokens into each KV entry")
   p.add_argument("--limit", type=int, default=None,
                  help="examples per task (nll: validation records); default: the whole task")
   p.add_argument("--checkpoint", default=None,
@@ -109,7 +112,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.tasks = parse_tasks(args.tasks) if args.tasks is not None else None
   except ValueError as e:
     p.error(str(e))
-  for name in ("limit", "batch", "max_new_tokens"):
+  for name in ("limit", "batch", "max_new_tokens", "max_group"):
     value = getattr(args, name)
     if value is not None and value < 1:
       p.error(f"--{name.replace('_', '-')}={value} must be a positive integer")
@@ -244,7 +247,7 @@ class ModeRun:
 
 
 def generate(engine, prompts: list, *, mode: str, confidence: float, max_new: int, batch: int,
-             bar) -> ModeRun:
+             bar, max_group: int | None = None) -> ModeRun:
   gens, decode_s, compile_s = [], 0.0, 0.0
   batch = min(batch, len(prompts))
   for i in range(0, len(prompts), batch):
@@ -252,12 +255,14 @@ def generate(engine, prompts: list, *, mode: str, confidence: float, max_new: in
     # A short last batch is filled with copies of its last prompt, so that it reuses the compiled
     # program of the full batches (a new batch size would compile anew); copies are dropped.
     rows = chunk + [chunk[-1]] * (batch - len(chunk))
-    out = engine.generate(rows, max_new_tokens=max_new, mode=mode, confidence=confidence)
+    out = engine.generate(rows, max_new_tokens=max_new, mode=mode, confidence=confidence,
+                          max_group=max_group)
     if out[0].compile_s > 0:
       # Programs just compiled: their first run also pays one-time costs (buffer allocation, thread
       # pools); time a second, identical run (greedy, so the same tokens).
       compile_s += out[0].compile_s
-      out = engine.generate(rows, max_new_tokens=max_new, mode=mode, confidence=confidence)
+      out = engine.generate(rows, max_new_tokens=max_new, mode=mode, confidence=confidence,
+                            max_group=max_group)
     gens += out[:len(chunk)]
     decode_s += out[0].decode_s
     bar.update(1)
@@ -265,8 +270,9 @@ def generate(engine, prompts: list, *, mode: str, confidence: float, max_new: in
 
 
 def run_modes(engine, examples, confidences: list[float], max_new: int, batch: int,
-              name: str) -> tuple[ModeRun, dict[float, ModeRun]]:
-  """The base run and one HAMburger run per confidence, over the examples' prompts."""
+              name: str, max_group: int | None = None) -> tuple[ModeRun, dict[float, ModeRun]]:
+  """The base run and one HAMburger run per confidence (groups capped at `max_group` tokens),
+  over the examples' prompts."""
   from tqdm import tqdm
   prompts = [ex.messages for ex in examples]
   n_batches = -(-len(prompts) // min(batch, len(prompts)))
@@ -274,7 +280,7 @@ def run_modes(engine, examples, confidences: list[float], max_new: int, batch: i
             file=sys.stderr) as bar:
     kw = dict(max_new=max_new, batch=batch, bar=bar)
     base = generate(engine, prompts, mode="base", confidence=1.0, **kw)
-    ham = {c: generate(engine, prompts, mode="hamburger", confidence=c, **kw)
+    ham = {c: generate(engine, prompts, mode="hamburger", confidence=c, max_group=max_group, **kw)
            for c in confidences}
   return base, ham
 
@@ -320,18 +326,19 @@ class Scored:
 # ----------------------------------------------------------------------------- task families
 
 
-def eval_scored_task(engine, task, examples, confidences, max_new, batch) -> Scored:
+def eval_scored_task(engine, task, examples, confidences, max_new, batch,
+                     max_group=None) -> Scored:
   """reasoning-gym exact match and HumanEval pass@1: task.score(text, example) per generation."""
-  base, ham = run_modes(engine, examples, confidences, max_new, batch, task.name)
+  base, ham = run_modes(engine, examples, confidences, max_new, batch, task.name, max_group)
   score = lambda run: [task.score(g.text, ex) for g, ex in zip(run.gens, examples)]
   return Scored("pass@1" if task.name == "humaneval" else "exact_match", examples, base, ham,
                 score(base), {c: score(run) for c, run in ham.items()})
 
 
-def eval_mt_bench(engine, task, examples, confidences, max_new, batch) -> Scored:
+def eval_mt_bench(engine, task, examples, confidences, max_new, batch, max_group=None) -> Scored:
   """ROUGE-L of HAMburger's answers against the base's own answers (attached as references):
   mt_bench and sharegpt_heldout (tasks.VsReferenceTask)."""
-  base, ham = run_modes(engine, examples, confidences, max_new, batch, task.name)
+  base, ham = run_modes(engine, examples, confidences, max_new, batch, task.name, max_group)
   examples = [task.with_reference(ex, g.text) for ex, g in zip(examples, base.gens)]
   return Scored("rouge_l_vs_base", examples, base, ham,
                 [1.0] * len(examples),  # the base against itself, by definition
@@ -361,8 +368,9 @@ class SyntheticTask:
     return sum(a == b for a, b in zip(token_ids, expected)) / max(len(expected), 1)
 
 
-def eval_synthetic(engine, task: SyntheticTask, examples, confidences, max_new, batch) -> Scored:
-  base, ham = run_modes(engine, examples, confidences, max_new, batch, task.name)
+def eval_synthetic(engine, task: SyntheticTask, examples, confidences, max_new, batch,
+                   max_group=None) -> Scored:
+  base, ham = run_modes(engine, examples, confidences, max_new, batch, task.name, max_group)
   score = lambda run: [task.score(g.token_ids, ex, max_new) for g, ex in zip(run.gens, examples)]
   return Scored("token_match", examples, base, ham, score(base),
                 {c: score(run) for c, run in ham.items()})
@@ -605,7 +613,10 @@ def markdown(results: dict[str, Any]) -> str:
   lines = ["# HAMburger evaluation", "",
            f"Model: base {results['model']['base']}, checkpoint "
            f"{results['model']['checkpoint'] or 'NONE (untrained graft)'}; greedy; "
-           f"batches of up to {results['config']['batch']} prompts; {results['created']}.", "",
+           f"batches of up to {results['config']['batch']} prompts"
+           + (f"; HAMburger groups of at most {results['config']['max_group']} tokens"
+              if results["config"].get("max_group") else "")
+           + f"; {results['created']}.", "",
            f"`{results['command']}`", ""]
   if gen_tasks:
     head = (["task", "base"] + [f"HAMburger @ {c:g}" for c in cs] +
@@ -717,6 +728,9 @@ def evaluate(args) -> dict[str, Any]:
   if tok is None and set(names) & set(TEXT_TASKS):
     raise EvalError(f"tasks {sorted(set(names) & set(TEXT_TASKS))} need a tokenizer, but the "
                      f"model of {args.config} has none: use --tasks synthetic,nll")
+  if args.max_group is not None and args.max_group > model.max_group:
+    raise EvalError(f"--max-group={args.max_group} exceeds the model's largest group "
+                    f"(graft.max_group={model.max_group}): give 1..{model.max_group}")
   engine = Engine(model, tok)
   tasks = {name: SyntheticTask(model.cfg.base.vocab_size, model.max_group) if name == "synthetic"
            else eval_tasks.get_task(name) for name in names if name != "nll"}
@@ -748,7 +762,8 @@ def evaluate(args) -> dict[str, Any]:
       max_new = args.max_new_tokens or MAX_NEW_TOKENS[name]
       family: Callable = (eval_mt_bench if name in VS_BASE_TASKS else
                           eval_synthetic if name == "synthetic" else eval_scored_task)
-      scored = family(engine, tasks[name], examples[name], args.confidence, max_new, args.batch)
+      scored = family(engine, tasks[name], examples[name], args.confidence, max_new, args.batch,
+                      args.max_group)
       results["tasks"][name] = result = scored.result(max_new)
       for rec in scored.records(name):
         gen_file.write(json.dumps(rec) + "\n")

@@ -48,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE,
                  help="continue a group while P(continue) >= this (docs/method.md, section 3)")
+  p.add_argument("--max-group", type=int, default=None,
+                 help="the most tokens one macro step may emit, 1..K (default: the model's K)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", action="store_true", help="one JSON object per prompt and mode")
   p.add_argument("--no-color", action="store_true")
@@ -60,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.exit(2, f"error: max_new_tokens={args.max_new_tokens} must be an integer >= 1\n")
   if not 0 <= args.confidence <= 1:
     p.exit(2, f"error: confidence must be in [0, 1], got {args.confidence}\n")
+  if args.max_group is not None and args.max_group < 1:
+    p.exit(2, f"error: max_group={args.max_group} must be an integer >= 1\n")
   return args
 
 
@@ -161,7 +165,7 @@ def main(argv=None) -> int:
           prompts, max_new_tokens=args.max_new_tokens, mode=m, sampling=sampling))
       results[m] = phase(f"generating {m}", lambda: engine.generate(
           prompts, max_new_tokens=args.max_new_tokens, mode=m, sampling=sampling,
-          confidence=args.confidence, seed=args.seed))
+          confidence=args.confidence, seed=args.seed, max_group=args.max_group))
     except GenerationError as e:
       raise SystemExit(f"error: {e}") from None
   for i, prompt in enumerate(prompts):
@@ -169,7 +173,8 @@ def main(argv=None) -> int:
       g = results[m][i]
       if args.json:
         print(json.dumps({"prompt": prompt, "mode": m, **g.record(),
-                          **({"confidence": args.confidence} if m == "hamburger" else {})}))
+                          **({"confidence": args.confidence, "max_group": args.max_group}
+                             if m == "hamburger" else {})}))
         continue
       if m == modes[0]:
         print(f"\n=== prompt {i + 1}: {prompt}")

@@ -4,8 +4,8 @@
   python -m infer.serve --prompts-file requests.jsonl --slots 16 --kv-blocks 400 --mode base
 
 A `.jsonl` file holds one request per line: {"prompt": "...", "max_new_tokens": 64,
-"confidence": 0.8, "temperature": 0.7, "top_k": 0, "top_p": 0.9, "seed": 1, "id": "q1"} (all but
-"prompt" optional; the flags give the defaults). Any other file: one prompt per line. Results
+"confidence": 0.8, "max_group": 2, "temperature": 0.7, "top_k": 0, "top_p": 0.9, "seed": 1,
+"id": "q1"} (all but "prompt" optional; the flags give the defaults). Any other file: one prompt per line. Results
 print as requests finish (not in file order): with --json one object per line with the fields
 of `infer.generate --json` plus id, queue_s, latency_s and preemptions; a request that cannot be
 served prints its error and the others go on. Progress and a summary go to stderr.
@@ -19,8 +19,8 @@ import sys
 
 from hamburger_jax.config import DEFAULT_CONFIDENCE, DEFAULT_PREFIX_CACHE_TOKENS
 
-REQUEST_FIELDS = ("prompt", "max_new_tokens", "confidence", "temperature", "top_k", "top_p",
-                  "seed", "id")
+REQUEST_FIELDS = ("prompt", "max_new_tokens", "confidence", "max_group", "temperature",
+                  "top_k", "top_p", "seed", "id")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--base", default=None, help="base model: smollm2 | file.gguf | HF directory")
   p.add_argument("--max-new-tokens", type=int, default=128)
   p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE)
+  p.add_argument("--max-group", type=int, default=None,
+                 help="the most tokens one macro step may emit, 1..K (default: the model's K)")
   p.add_argument("--temperature", type=float, default=0.0)
   p.add_argument("--top-k", type=int, default=0)
   p.add_argument("--top-p", type=float, default=1.0)
@@ -103,7 +105,8 @@ def to_request(raw: dict, index: int, args):
     return rid, str(e)
   return Request(raw["prompt"], max_new_tokens=raw.get("max_new_tokens", args.max_new_tokens),
                  confidence=raw.get("confidence", args.confidence), sampling=sampling,
-                 seed=raw.get("seed", args.seed), id=rid)
+                 seed=raw.get("seed", args.seed), id=rid,
+                 max_group=raw.get("max_group", args.max_group))
 
 
 def main(argv=None) -> int:
@@ -137,7 +140,7 @@ def main(argv=None) -> int:
   for i, raw in enumerate(raws):
     r = to_request(raw, i, args)
     (failed if isinstance(r, tuple) else requests).append(r)
-  confidence = {r.id: r.confidence for r in requests}
+  settings = {r.id: {"confidence": r.confidence, "max_group": r.max_group} for r in requests}
   bar = tqdm(total=len(raws), desc=f"serving ({mode}, {args.slots} slots)", unit="req",
              file=sys.stderr)
   tokens = steps = errors = 0
@@ -161,8 +164,7 @@ def main(argv=None) -> int:
       tokens, steps = tokens + g.new_tokens, steps + g.macro_steps
       emit(g.id, {**g.record(), "queue_s": round(g.queue_s, 3),
                   "latency_s": round(g.latency_s, 3), "preemptions": g.preemptions,
-                  **({"confidence": confidence[g.id]}
-                     if mode == "hamburger" else {})})
+                  **(settings[g.id] if mode == "hamburger" else {})})
   except GenerationError as e:
     raise SystemExit(f"error: {e}") from None
   finally:

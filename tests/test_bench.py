@@ -55,7 +55,7 @@ def test_serve_prefix_cache_compares_off_and_on(capsys):
   engine = Engine(tiny_decode_model(), None, stop_ids=(), turn_end_ids=[DECODE_STOP])
   system = list(range(20, 36)) + [DECODE_STOP]
   workload = [(system + [i, i + 1, DECODE_STOP, 1], 6) for i in range(1, 5)]
-  variants = [("base", "base", 1.0), ("forced", "hamburger", 0.0)]
+  variants = [("base", "base", 1.0, None), ("forced", "hamburger", 0.0, None)]
   serve_prefix_cache(types.SimpleNamespace(slots=[2]), engine, workload, variants)
   rows = [r.split("|")[1:-1] for r in capsys.readouterr().out.splitlines() if r.startswith("| 2 ")]
   assert [(r[1].strip(), r[2].strip()) for r in rows] == [

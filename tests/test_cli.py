@@ -55,6 +55,7 @@ def test_json_side_by_side(graft_checkpoint):
     (["--mode", "hamburger", "--checkpoint", "/nonexistent"], "not a HAMburger checkpoint"),
     (["--prompt", " "], "empty prompt"),
     (["--confidence", "1.5"], "confidence must be in [0, 1], got 1.5"),
+    (["--max-group", "0"], "max_group=0 must be an integer >= 1"),
     (["--top-k", "60000", "--temperature", "1"], "top_k=60000 exceeds the vocabulary (49152"),
 ])
 def test_errors_are_one_line(args, match):
@@ -77,17 +78,19 @@ def test_serve_json_lines(graft_checkpoint, tmp_path):
       {"prompt": "What is 2 + 2?", "max_new_tokens": 6, "id": "a"},
       {"prompt": "   ", "id": "blank"},
       {"prompt": "Name a colour.", "max_new_tokens": 4, "id": "b"},
-      {"prompt": "Count to three.", "max_new_tokens": 5, "id": "c", "top_p": 2.0}]) + "\n")
+      {"prompt": "Count to three.", "max_new_tokens": 5, "id": "c", "top_p": 2.0},
+      {"prompt": "Say yes.", "max_new_tokens": 5, "id": "d", "max_group": 0}]) + "\n")
   rows = {}
   for mode in ("hamburger", "base"):
     res = _serve("--prompts-file", str(reqs), "--slots", "2", "--json", "--mode", mode,
                  "--checkpoint", graft_checkpoint, "--confidence", "1.0")
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "requests served (2 failed)" in res.stderr and "Traceback" not in res.stderr
+    assert "requests served (3 failed)" in res.stderr and "Traceback" not in res.stderr
     rows[mode] = {r["id"]: r for r in map(json.loads, res.stdout.splitlines())}
   ham, base = rows["hamburger"], rows["base"]
-  assert set(ham) == {"a", "blank", "b", "c"}
+  assert set(ham) == {"a", "blank", "b", "c", "d"}
   assert "empty prompt" in ham["blank"]["error"] and "top_p=2.0" in ham["c"]["error"]
+  assert "max_group=0 must be an integer in [1, 4]" in ham["d"]["error"]
   for rid, n in (("a", 6), ("b", 4)):
     assert {"queue_s", "latency_s", "preemptions", "kv_entries", "groups"} <= set(ham[rid])
     assert ham[rid]["new_tokens"] == len(ham[rid]["token_ids"]) == sum(ham[rid]["groups"]) <= n

@@ -157,6 +157,23 @@ def test_overlapping_training_prompts_are_an_error(tmp_path: Path):
   assert not (tmp_path / "out" / "results.json").exists()
 
 
+def test_max_group_caps_every_hamburger_group(tmp_path: Path):
+  out = tmp_path / "out"
+  proc = _eval("--config", TINY, "--tasks", "synthetic", "--limit", "4", "--batch", "4",
+               "--confidence", "0.0", "--max-new-tokens", "10", "--max-group", "2", "--no-plots",
+               "--out", str(out))
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  rows = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+  ham = [r for r in rows if r["mode"] == "hamburger"]
+  # confidence 0 would emit K = 4 tokens a step; the cap makes every full step 2.
+  assert ham and all(max(r["groups"]) == 2 for r in ham)
+  assert "HAMburger groups of at most 2 tokens" in (out / "results.md").read_text()
+  proc = _eval("--config", TINY, "--tasks", "synthetic", "--limit", "2", "--max-group", "5",
+               "--out", str(tmp_path / "bad"))
+  assert proc.returncode == 1
+  assert "error: --max-group=5 exceeds the model's largest group (graft.max_group=4)" in proc.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tasks", "synthetic,bogus"], "unknown task 'bogus': valid tasks are gsm_symbolic, "
      "basic_arithmetic, chain_sum, letter_counting, gcd, lcm, humaneval, mt_bench, "
@@ -167,6 +184,7 @@ def test_overlapping_training_prompts_are_an_error(tmp_path: Path):
      "checkpoint /nonexistent/ckpt does not exist"),
     (["--tasks", "nll"], "task nll needs --data DIR"),
     (["--tasks", "synthetic", "--limit", "0"], "--limit=0 must be a positive integer"),
+    (["--tasks", "synthetic", "--max-group", "0"], "--max-group=0 must be a positive integer"),
 ])
 def test_bad_arguments_exit_2_with_an_error_line(args: list[str], message: str):
   proc = _eval("--config", TINY, *args, timeout=60)

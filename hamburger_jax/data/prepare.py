@@ -171,8 +171,9 @@ def segment(model: nnx.Module, samples: list[TokenizedSample], strategy: segment
             progress: Callable[[int], None] | None = None
             ) -> list[tuple[np.ndarray, dict[str, np.ndarray] | None]]:
   """Group sizes of each sample's response, from the model's teacher-forced token statistics
-  (strategy "given": the sample's recorded groups, or its fallback's where it has none), and (with `teacher`) the sample's teacher signals: top-k per response token and the features
-  at each group's predicting position (the token before the group's first)."""
+  (strategy "given": the sample's recorded groups, or its fallback's where it has none), and
+  (with `teacher`) the sample's teacher signals: top-k per response token and the features at
+  each group's predicting position (the token before the group's first)."""
   stats = segmentation.response_token_stats(
       model, [(s.prompt_ids, s.response_ids) for s in samples], batch_tokens=batch_tokens,
       row_len=row_len, teacher=teacher, progress=progress)
