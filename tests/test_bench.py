@@ -62,3 +62,23 @@ def test_serve_prefix_cache_compares_off_and_on(capsys):
       ("base", "off"), ("base", "on"), ("forced", "off"), ("forced", "on")]
   # 4 requests share the system turn: computed once, copied for the other 3 (17 tokens each).
   assert [int(r[3]) for r in rows] == [0, 51, 0, 51]
+
+
+def test_run_interleaved_alternates_the_settings_and_keeps_each_ones_best():
+  from infer import bench  # pylint: disable=import-outside-toplevel
+  calls, times = [], iter([9.0, 8.0, 3.0, 1.0, 4.0, 2.0, 5.0])
+
+  class FakeEngine:
+    def generate(self, ids, max_new_tokens, **kw):
+      calls.append(kw["mode"])
+      t = next(times)
+      return [SimpleNamespace(decode_s=t, compile_s=t if len(calls) <= 2 else 0.0, tag=len(calls))]
+
+  out = bench.run_interleaved(FakeEngine(), [[1]], 4, 2, {"base": {"mode": "base"},
+                                                          "ham": {"mode": "hamburger"}})
+  # Each compiled and run once, then the rounds alternate (never all of one, then the other).
+  assert calls == ["base", "hamburger", "base", "hamburger", "base", "hamburger"]
+  best_s, compile_s, gens = out["base"]
+  assert (best_s, compile_s, gens[0].tag) == (3.0, 9.0, 3)  # the fastest of its repeats
+  best_s, compile_s, gens = out["ham"]
+  assert (best_s, compile_s, gens[0].tag) == (1.0, 8.0, 4)
