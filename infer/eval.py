@@ -15,10 +15,10 @@ are compared with the base's (`identical`, `prefix_agreement`, and `diverge_*`: 
 difference is a micro token or a token read after a merged / a single-token entry). MT-Bench has
 no judge offline: HAMburger's answers are scored by ROUGE-L against the base's own answers (so
 the base scores 1.0 by definition); `sharegpt_heldout` does the same on ShareGPT prompts that
-training never reads. `nll` is teacher-forced: the held-out NLL and per-micro-step accuracy of HAMburger on a tfds
-split, next to the base's NLL on the same response tokens; on data with teacher signals
-(train.prepare_data --teacher-top-k) also the agreement with the teacher's greedy token after
-merged and unmerged entries and per micro step.
+training never reads. `nll` is teacher-forced: the held-out NLL and per-micro-step accuracy of
+HAMburger on a tfds split, next to the base's NLL on the same response tokens; on data with
+teacher signals (train.prepare_data --teacher-top-k) also the agreement with the teacher's greedy
+token after merged and unmerged entries and per micro step.
 
 `--config RUN.yaml` builds the model of a run config instead (e.g. configs/tiny.yaml: a random
 tiny model with no tokenizer, where only the token-id tasks `synthetic` and `nll` make sense).
@@ -250,19 +250,19 @@ def generate(engine, prompts: list, *, mode: str, confidence: float, max_new: in
              bar, max_group: int | None = None) -> ModeRun:
   gens, decode_s, compile_s = [], 0.0, 0.0
   batch = min(batch, len(prompts))
+  run = lambda rows: engine.generate(rows, max_new_tokens=max_new, mode=mode,
+                                     confidence=confidence, max_group=max_group)
   for i in range(0, len(prompts), batch):
     chunk = prompts[i:i + batch]
     # A short last batch is filled with copies of its last prompt, so that it reuses the compiled
     # program of the full batches (a new batch size would compile anew); copies are dropped.
     rows = chunk + [chunk[-1]] * (batch - len(chunk))
-    out = engine.generate(rows, max_new_tokens=max_new, mode=mode, confidence=confidence,
-                          max_group=max_group)
+    out = run(rows)
     if out[0].compile_s > 0:
       # Programs just compiled: their first run also pays one-time costs (buffer allocation, thread
       # pools); time a second, identical run (greedy, so the same tokens).
       compile_s += out[0].compile_s
-      out = engine.generate(rows, max_new_tokens=max_new, mode=mode, confidence=confidence,
-                            max_group=max_group)
+      out = run(rows)
     gens += out[:len(chunk)]
     decode_s += out[0].decode_s
     bar.update(1)
