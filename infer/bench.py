@@ -22,6 +22,7 @@ import numpy as np
 
 from hamburger_jax.config import DEFAULT_CONFIDENCE
 from hamburger_jax.decode.requests import pooled_tokens_per_step
+from hamburger_jax.decode.serving import mean_blocks_held
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -272,7 +273,8 @@ def run_serve(engine, workload, mode: str, slots: int, confidence: float,
           "preemptions": stats.preemptions, "wall": wall, "compile": compile_s,
           "rounds": stats.rounds, "prefill": sum(g.prefill_s for g in out),
           "prefix_hits": stats.prefix_hits, "prefix_tokens": stats.prefix_tokens,
-          "kv_per_token": sum(g.kv_entries - g.prompt_tokens for g in out) / tokens}
+          "kv_per_token": sum(g.kv_entries - g.prompt_tokens for g in out) / tokens,
+          "blocks_held": mean_blocks_held(out, engine.block_size)}
 
 
 def bench_serve(args) -> None:
@@ -357,8 +359,9 @@ def serve_fixed_pool(args, engine, workload, variants) -> None:
   print(f"\n(b) one fixed KV pool of {args.kv_blocks} blocks x {engine.block_size} entries, "
         f"{pool_slots} slots\n")
   print("| variant | mean requests in flight | vs base | in flight while requests wait | "
-        "vs base | peak blocks | preemptions | tok/s | vs base |")
-  print("|---|---|---|---|---|---|---|---|---|")
+        "vs base | blocks a live request holds | ceiling vs base | peak blocks | preemptions | "
+        "tok/s | vs base |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   base = None
   for name, mode, c, g in variants:
     r = run_serve(engine, workload, mode, pool_slots, c, kv_blocks=args.kv_blocks, max_group=g)
@@ -366,9 +369,13 @@ def serve_fixed_pool(args, engine, workload, variants) -> None:
     print(f"| {name} | {r['in_flight']:.1f} | {r['in_flight'] / base['in_flight']:.2f}x | "
           f"{r['queued_in_flight']:.1f} | "
           f"{ratio(r['queued_in_flight'], base['queued_in_flight'])} | "
+          f"{r['blocks_held']:.1f} | {ratio(base['blocks_held'], r['blocks_held'])} | "
           f"{r['peak_blocks']} | "
           f"{r['preemptions']} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x |",
           flush=True)
+  print("\nceiling vs base: the base's blocks per live request over the variant's (a pool that "
+        "binds holds blocks / that many requests; prompts take one entry per token in every "
+        "mode, docs/SPEC.md 1.1)")
 
 
 def serve_rounds(args, engine, workload, variants) -> None:

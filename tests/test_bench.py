@@ -64,6 +64,27 @@ def test_serve_prefix_cache_compares_off_and_on(capsys):
   assert [int(r[3]) for r in rows] == [0, 51, 0, 51]
 
 
+def test_serve_fixed_pool_prints_the_streams_ceiling(capsys):
+  """Part b of the serve bench: requests in flight in one small pool, beside the ceiling the
+  stream allows (the base's blocks per live request over the variant's)."""
+  import types  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.testing import tiny_decode_model  # pylint: disable=import-outside-toplevel
+  from infer.bench import serve_fixed_pool  # pylint: disable=import-outside-toplevel
+  engine = Engine(tiny_decode_model(), None, stop_ids=(), block_size=4)
+  workload = [([1, 2, 3], 24), ([4, 5], 20), ([6, 7, 8, 9], 16), ([10], 24), ([11, 12], 20)]
+  variants = [("base", "base", 1.0, None), ("forced", "hamburger", 0.0, None)]
+  serve_fixed_pool(types.SimpleNamespace(slots=[4], kv_blocks=16), engine, workload, variants)
+  rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
+          for r in capsys.readouterr().out.splitlines() if r.startswith("| ")}
+  base, forced = float(rows["base"][4]), float(rows["forced"][4])
+  assert rows["base"][5] == "1.00x"
+  # The printed block counts are rounded to 0.1.
+  assert float(rows["forced"][5].rstrip("x")) == pytest.approx(base / forced, abs=0.05)
+  assert base / forced > 1.5  # 4-token groups hold far fewer blocks than one entry a token
+  assert int(rows["base"][6]) <= 15  # peak blocks: the pool bound
+
+
 def test_run_interleaved_alternates_the_settings_and_keeps_each_ones_best():
   from infer import bench  # pylint: disable=import-outside-toplevel
   calls, times = [], iter([9.0, 8.0, 3.0, 1.0, 4.0, 2.0, 5.0])

@@ -20,7 +20,7 @@ from hamburger_jax.decode.paged_kv import TRASH_BLOCK, BlockAllocator
 from hamburger_jax.decode.prefix_cache import CachedPrefix, PrefixCache, cacheable_prefix
 from hamburger_jax.decode.sampling import SamplingParams
 from hamburger_jax.decode.requests import Generation, Request, pooled_tokens_per_step
-from hamburger_jax.decode.serving import ServeStats, check_tables
+from hamburger_jax.decode.serving import ServeStats, check_tables, mean_blocks_held
 from hamburger_jax.testing import DECODE_STOP, tiny_decode_model
 
 # Mixed lengths: 1 to 40 prompt tokens (prompt buckets 16, 32 and 64), 3 to 20 new tokens.
@@ -131,6 +131,27 @@ def test_in_flight_while_queued_weighs_rounds_by_their_decode_time():
   # The round with no request waiting is left out; the others weigh by their seconds.
   assert stats.in_flight_while_queued == (4 * 1.0 + 1 * 3.0) / 4.0
   assert ServeStats(in_flight=[2], queued=[0], round_s=[1.0]).in_flight_while_queued == 0.0
+
+
+@pytest.mark.parametrize("mode", ["base", "hamburger"])
+def test_mean_blocks_held_is_what_serving_allocates_per_macro_step(engine, mode):
+  """One slot, one macro step per decode call: the blocks the allocator has handed out before
+  each call, averaged over the calls, are the figure computed from the results alone."""
+  small = Engine(engine.model, None, stop_ids=[DECODE_STOP], block_size=4)
+  gens = list(small.serve(requests(), slots=1, mode=mode, round_steps=1))
+  stats = small.last_serve
+  assert stats.rounds == sum(g.macro_steps for g in gens)
+  assert mean_blocks_held(gens, 4) == pytest.approx(np.mean(stats.blocks_used))
+  assert len(set(stats.blocks_used)) > 2  # rows took blocks as they grew
+
+
+def test_mean_blocks_held_by_hand():
+  gen = lambda prompt, steps: Generation([], "", [1] * steps, steps, 0, prompt, 0, 0)
+  # Blocks of 16: 15 prompt tokens hold 1 block during step 1 (room for entry 16), 2 during
+  # step 2; a 3-token prompt holds 1 block during each of its 4 steps.
+  assert mean_blocks_held([gen(15, 2)], 16) == 1.5
+  assert mean_blocks_held([gen(15, 2), gen(3, 4)], 16) == (1 + 2 + 4 * 1) / 6
+  assert mean_blocks_held([], 16) == 0.0
 
 
 def test_pooled_tokens_per_step_weighs_requests_by_length():

@@ -4,8 +4,9 @@ per slot, and the host-side allocator that hands blocks out and takes them back.
 A slot's entry `s` lives in block `table[row, s // block_size]` at offset `s % block_size`. Block
 0 is the trash block: it belongs to nobody, every unused table entry points at it, and writes
 from finished or empty slots land there, so a slot can never write into another slot's blocks.
-Base mode takes one entry per token, HAMburger one per macro step, so the same pool holds about
-k (tokens per step) times the requests in HAMburger mode.
+Base mode takes one entry per token, HAMburger one per macro step, so the same pool holds up to
+k (tokens per step) times the requests in HAMburger mode; prompts take one entry per token in
+both, so a stream's ratio is `serving.mean_blocks_held` of the base over HAMburger's.
 """
 
 from __future__ import annotations

@@ -56,6 +56,20 @@ class ServeStats:
     return sum(n * t for n, t in pairs) / total if total > 0 else 0.0
 
 
+def mean_blocks_held(gens: Iterable[Generation], block_size: int) -> float:
+  """KV blocks a live request holds, averaged over every macro step of these requests: during
+  its step s (1..S) a request holds its prompt, s - 1 entries and room for the next (`serve`
+  adds a block when the last one is full). A pool that binds holds about its blocks / this many
+  requests at once, so this figure's ratio between two modes bounds their ratio of requests in
+  flight, for the same stream (prefill and preemption left out)."""
+  held = steps = 0
+  for g in gens:
+    s = np.arange(1, g.macro_steps + 1)
+    held += int(np.sum(-(-(g.prompt_tokens + s) // block_size)))
+    steps += g.macro_steps
+  return held / steps if steps else 0.0
+
+
 def check_tables(table: np.ndarray, live_slots) -> None:
   """No block is held by two live slots, nor twice by one (a shared block corrupts a row)."""
   held = [int(b) for s in live_slots for b in table[s] if b != TRASH_BLOCK]
