@@ -65,7 +65,7 @@ def mean_blocks_held(gens: Iterable[Generation], block_size: int) -> float:
   held = steps = 0
   for g in gens:
     s = np.arange(1, g.macro_steps + 1)
-    held += int(np.sum(-(-(g.prompt_tokens + s) // block_size)))
+    held += int(np.sum(blocks_for(g.prompt_tokens + s, block_size)))
     steps += g.macro_steps
   return held / steps if steps else 0.0
 
