@@ -16,6 +16,8 @@ import hashlib
 import os
 import sys
 
+import jax
+
 CACHE_DIR_ENV = "HAMBURGER_JAX_CACHE_DIR"
 NO_COMPILE_CACHE_ENV = "HAMBURGER_JAX_NO_COMPILE_CACHE"
 NO_WEIGHT_CACHE_ENV = "HAMBURGER_JAX_NO_WEIGHT_CACHE"
@@ -47,7 +49,6 @@ def enable_compilation_cache(enabled: bool = True,
   cache is off (`enabled=False`, e.g. infer.generate --no-compile-cache, or
   $HAMBURGER_JAX_NO_COMPILE_CACHE). Must run before the first compilation of the process: JAX
   opens the cache once."""
-  import jax  # pylint: disable=import-outside-toplevel
   if not enabled or _switched_on(NO_COMPILE_CACHE_ENV):
     # Also off when the user's environment set JAX_COMPILATION_CACHE_DIR: off means off.
     jax.config.update("jax_enable_compilation_cache", False)

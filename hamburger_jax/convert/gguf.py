@@ -17,6 +17,9 @@ from typing import Any, Mapping
 
 import numpy as np
 from flax import nnx
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.numpy import save_file
 
 from hamburger_jax import cache
 from hamburger_jax.config import ConfigError, LlamaConfig
@@ -42,7 +45,6 @@ class GGUFFile:
   def __init__(self, path: str):
     if not os.path.exists(path):
       raise FileNotFoundError(f"GGUF file {path} does not exist")
-    from gguf import GGUFReader  # pylint: disable=import-outside-toplevel
     try:
       self.reader = GGUFReader(path)
     except Exception as e:  # gguf raises bare ValueErrors on foreign files
@@ -60,7 +62,6 @@ class GGUFFile:
 
   def hf_tensors(self, cfg: LlamaConfig) -> dict[str, np.ndarray]:
     """Dequantised float32 tensors under transformers' names, q/k in rotate-half order."""
-    from gguf.quants import dequantize  # pylint: disable=import-outside-toplevel
     out = {}
     for t in self.reader.tensors:
       name = hf_name(t.name)
@@ -149,7 +150,6 @@ def _write_entry(entry: str, fingerprint: str, source: str, metadata: Mapping[st
                  tensors: Mapping[str, np.ndarray]) -> None:
   """Writes a cache entry atomically (temp file + rename): readers see the old entry or the
   whole new one, never a partial file."""
-  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   tmp = f"{entry}.tmp-{os.getpid()}"
   try:
     os.makedirs(os.path.dirname(entry), exist_ok=True)

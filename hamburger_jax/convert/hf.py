@@ -8,6 +8,7 @@ from typing import Mapping
 
 import numpy as np
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 from hamburger_jax.config import LlamaConfig
 from hamburger_jax.convert import mapping
@@ -60,7 +61,6 @@ def read_config(path: str) -> LlamaConfig:
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
   """All tensors of an HF directory: model.safetensors or model.safetensors.index.json shards."""
-  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
   index = os.path.join(path, "model.safetensors.index.json")
   single = os.path.join(path, "model.safetensors")
   if os.path.exists(index):
@@ -91,7 +91,6 @@ def save(model: nnx.Module, cfg: LlamaConfig, path: str, target_prefix: tuple = 
 
   Written to a temporary directory and renamed, so a failure leaves no half-written export.
   """
-  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   if os.path.exists(path) and os.listdir(path):
     raise FileExistsError(f"{path} exists and is not empty; choose a new directory")
   tmp = path.rstrip("/") + ".tmp"

@@ -173,6 +173,8 @@ def graft_config_from_hparams(hparams: Mapping[str, Any], base: LlamaConfig,
 
 
 def _import_torch():
+  # torch is a test oracle, not a dependency of the library: only reading or writing a release
+  # checkpoint (a torch pickle) needs it.
   try:
     import torch  # pylint: disable=import-outside-toplevel
   except ImportError:

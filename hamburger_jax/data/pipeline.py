@@ -14,7 +14,9 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import grain
 import numpy as np
+import tensorflow_datasets as tfds
 
+from hamburger_jax.data.tfds_builder import from_bfloat16_bits
 from hamburger_jax.layout import LayoutError, SampleLayout, layout_sample, pack_rows
 
 _READ_THREADS = 2  # the machines this runs on have few cores; the model wants them
@@ -28,7 +30,6 @@ def record_layout(record: Mapping[str, Any], max_group: int,
   p = int(record["prompt_len"])
   teacher = None
   if "teacher_features" in record:
-    from hamburger_jax.data.tfds_builder import from_bfloat16_bits  # pylint: disable=import-outside-toplevel
     teacher = {"topk_ids": record["teacher_topk_ids"],
                "topk_logp": np.asarray(record["teacher_topk_logp"], np.float32),
                "features": from_bfloat16_bits(record["teacher_features"])}
@@ -163,7 +164,6 @@ def packed_dataset(source: Sequence[Mapping[str, Any]], *, batch_rows: int, entr
 
 
 def _builder(data_dir: str):
-  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
   if not data_dir:
     raise FileNotFoundError("no dataset given (data.dir is empty): build one with "
                             "python -m train.prepare_data ... --out DIR and set data.dir to it")

@@ -17,11 +17,13 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 from flax import nnx
+import tensorflow_datasets as tfds
 
-from hamburger_jax import segmentation
+from hamburger_jax import pretrained, segmentation
 from hamburger_jax.config import ConfigError
 from hamburger_jax.data.sources import Conversation, SourceError
 from hamburger_jax.data.tfds_builder import build_dataset, check_output_dir, work_dir_beside
+from hamburger_jax.tokenizer import load_default_tokenizer
 
 # End-of-turn spellings, most specific first; the one the chat template writes is the model's.
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>")
@@ -86,8 +88,6 @@ def load_base(model_cfg):
   """(model, tokenizer) for a run config's `model:` section (RunConfig.model); a random base
   (tests) is paired with the default tokenizer, whose vocabulary it must hold."""
   # Imported here: the tokenizer pulls in jinja2 and the GGUF reader, unneeded to read data.
-  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.tokenizer import load_default_tokenizer  # pylint: disable=import-outside-toplevel
   model, tokenizer = pretrained.load_base_for_run(model_cfg)
   tokenizer = tokenizer or load_default_tokenizer()
   if tokenizer.vocab_size > model.cfg.vocab_size:
@@ -351,7 +351,6 @@ def prompt_key(prompt_ids) -> bytes:
 def split_of_samples(dataset_dir: str) -> dict[bytes, str]:
   """{prompt_key: split} of every sample in a prepared dataset (a prompt found in both splits,
   possible in data split by sample before, counts as validation: it stays held out)."""
-  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
   try:
     source = tfds.builder_from_directory(dataset_dir).as_data_source()
   except Exception as e:  # tfds raises several types for "not a dataset"
