@@ -130,7 +130,7 @@ def confident(probs, max_group: int, threshold: float) -> list[int]:
   Entropy counts the whole tail of the distribution; for self-distilled (greedy) responses what
   the micro-step decoder must reproduce is the base's top token, so its probability is the more
   direct measure of "predictable". With SmolLM2-135M most tokens have entropy > 1 nat even when
-  the greedy token has p > 0.6, so the entropy rules give groups of ~1.3 tokens (BENCHMARKS.md).
+  the greedy token has p > 0.6, so the entropy rules give groups of ~1.3 tokens (docs/results/data.md).
   """
   p = _as_entropies(probs)
   sizes: list[int] = []

@@ -1,4 +1,4 @@
-"""Bad inputs outside the decode engine (issue 14): each is refused with one clear line that names
+"""Bad inputs outside the decode engine: each is refused with one clear line that names
 the problem (and the file, where there is one) and what to do, before anything heavy runs, and
 nothing is written. Run config values, train.main flags, YAML files, JSONL sources (non-UTF-8,
 unknown roles, out-of-vocabulary ids), graft checkpoints (truncated or corrupted safetensors,

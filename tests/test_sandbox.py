@@ -1,5 +1,5 @@
-"""The OS sandbox for model-written code (hamburger_jax.evaluation.sandbox): each escape found in
-issue 14 must fail. Files outside cannot be written or deleted, forks stay inside a process limit
+"""The OS sandbox for model-written code (hamburger_jax.evaluation.sandbox): each escape a review found
+must fail. Files outside cannot be written or deleted, forks stay inside a process limit
 and die with the run, a setsid child does not outlive it, there is no network, the parent's
 environment and home cannot be read, and a faked pass (pass marker + os._exit(0), an object equal to
 everything) is scored as a fail. The loop and memory-bomb cases are in test_evaluation.py."""

@@ -4,8 +4,8 @@
 
 A stage run with `train.generate_every` checks free generation against the frozen base every so
 many steps (metrics.jsonl: gen_tokens_per_step, gen_prefix_agreement, gen_identical; step 0 is
-the graft it started from). The rule, fixed before the runs it judges (BENCHMARKS.md, fifth
-session): among the saved steps whose prefix agreement is at least the starting graft's, the one
+the graft it started from). The rule, fixed before the runs it judges (docs/results/training.md):
+among the saved steps whose prefix agreement is at least the starting graft's, the one
 with the most tokens per macro step (ties: the higher agreement, then the earlier step); when no
 step keeps the start's agreement, the step with the best agreement, flagged as a fallback (a
 candidate to evaluate, not a graft that compresses more at the start's fidelity). Prints the

@@ -208,7 +208,7 @@ while proc.poll() is None:
   if left <= 0:
     report(event="timeout")
     if not cfg["isolate"]:
-      os.killpg(0, signal.SIGKILL)  # our session: the program and the children it kept
+      os.killpg(0, signal.SIGKILL)  # our process group (setsid): the program and the children it kept
     os._exit(0)  # as PID 1: the kernel kills everything left in the namespace
   if pidfd is not None:
     select.select([pidfd], [], [], left)

@@ -2,9 +2,9 @@
 
 The paper trains the whole base so it learns to read merged entries. With a frozen base (the
 CPU-sized run) the base cannot: the compositional embedder alone leaves it predicting token 0 of
-a step right ~25% of the time after merged inputs (BENCHMARKS.md). LoRA lets the base adapt at
-almost no extra training cost (the backward through the base is needed for the embedder anyway)
-and keeps the export small. Adapters are GraftParams, so "train graft only" trains them too.
+a step right ~25% of the time after merged inputs (docs/results/training.md). LoRA lets the base
+adapt at almost no extra training cost (the backward through the base is needed for the embedder
+anyway) and keeps the export small. Adapters are GraftParams, so "train graft only" trains them too.
 """
 
 from __future__ import annotations
