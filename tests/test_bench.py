@@ -29,6 +29,8 @@ def test_run_serve_reports_the_serving_figures():
   from hamburger_jax.testing import tiny_decode_model  # pylint: disable=import-outside-toplevel
   from infer.bench import run_serve  # pylint: disable=import-outside-toplevel
   engine = Engine(tiny_decode_model(), None, stop_ids=())  # every request runs its max_new
+  runs, serve = [], engine.serve  # each call's ServeRun, for its stats
+  engine.serve = lambda *a, **kw: runs.append(serve(*a, **kw)) or runs[-1]
   workload = [([1, 2, 3, 4], 8), ([5, 6], 12), (list(range(10, 30)), 5), ([7], 9)]
   base = run_serve(engine, workload, "base", 2, 1.0)
   forced = run_serve(engine, workload, "hamburger", 2, 0.0)
@@ -36,7 +38,7 @@ def test_run_serve_reports_the_serving_figures():
   # The last token of a request is never written back: n - 1 entries for n tokens.
   assert base["kv_per_token"] == pytest.approx(30 / 34)
   assert forced["kv_per_token"] < 0.5
-  assert max(engine.last_serve.in_flight) == 2 and forced["rounds"] >= 2
+  assert max(runs[-1].stats.in_flight) == 2 and forced["rounds"] == runs[-1].stats.rounds >= 2
   assert 0 < forced["queued_in_flight"] <= 2  # 4 requests, 2 slots: some waited
   assert base["tok_s"] > 0 and base["p95"] >= base["p50"] > 0
   # Rounds of 3 macro steps: more host round trips than refilling at each finish (34 tokens

@@ -66,7 +66,8 @@ def test_served_requests_equal_generate_alone(engine, alone, mode):
   order = list(range(len(PROMPTS)))
   random.Random(3).shuffle(order)  # random arrival order
   reqs = requests(order)
-  got = {g.id: g for g in engine.serve(reqs, slots=3, mode=mode)}
+  run = engine.serve(reqs, slots=3, mode=mode)
+  got = {g.id: g for g in run}
   assert sorted(got) == list(range(len(PROMPTS)))
   assert all(r.ids is None for r in reqs)  # serving works on copies, not the caller's requests
   merged = False
@@ -77,17 +78,18 @@ def test_served_requests_equal_generate_alone(engine, alone, mode):
     assert g.kv_entries == len(PROMPTS[i]) + g.macro_steps - 1
     merged |= max(g.groups) >= 2
   assert merged == (mode == "hamburger")
-  stats = engine.last_serve
+  stats = run.stats
   assert max(stats.in_flight) == 3  # the slots were refilled, not run once
   assert stats.free_blocks_at_end == stats.usable_blocks  # finished rows freed their blocks
 
 
 def test_bounded_rounds_give_the_same_tokens(engine, alone):
   """round_steps=K: the host refills every K macro steps instead of at each finish."""
-  got = {g.id: g for g in engine.serve(requests(), slots=3, mode="hamburger", round_steps=2)}
+  run = engine.serve(requests(), slots=3, mode="hamburger", round_steps=2)
+  got = {g.id: g for g in run}
   for i, want in enumerate(alone["hamburger"]):
     assert (got[i].token_ids, got[i].groups) == (want.token_ids, want.groups), f"request {i}"
-  stats = engine.last_serve
+  stats = run.stats
   assert stats.rounds >= max(g.macro_steps for g in got.values()) // 2
   with pytest.raises(GenerationError, match="round_steps=0 must be None"):
     list(engine.serve(requests(), round_steps=0))
@@ -99,7 +101,7 @@ def test_programs_update_the_pool_in_place(engine, mode):
   the 16-slot base decode ~40% of its throughput (XLA copies buffers routed through a cond)."""
   layout = engine.layout(mode, 4, 32, len(CHAT[0]))
   engine.compile_programs(layout, [CHAT[0]], stochastic=False)
-  pool = engine._abstract_state(layout).cache.k  # pylint: disable=protected-access
+  pool = engine.init_state(layout).cache.k
   dtype = {"float32": "f32", "bfloat16": "bf16"}[pool.dtype.name]
   shape = f"{dtype}[{','.join(map(str, pool.shape))}]"
   programs = [p for k, ps in engine.programs.items() if k[1] == layout
@@ -116,10 +118,11 @@ def test_small_pool_queues_and_preempts_without_corruption(engine, alone):
   # the worst case; together the requests need far more, so they wait in the queue and live
   # ones are preempted (and recomputed) when the pool runs dry.
   small = Engine(engine.model, None, stop_ids=[DECODE_STOP], block_size=4)
-  got = {g.id: g for g in small.serve(requests(), slots=6, kv_blocks=14, mode="hamburger")}
+  run = small.serve(requests(), slots=6, kv_blocks=14, mode="hamburger")
+  got = {g.id: g for g in run}
   for i, want in enumerate(alone["hamburger"]):
     assert (got[i].token_ids, got[i].groups) == (want.token_ids, want.groups), f"request {i}"
-  stats = small.last_serve
+  stats = run.stats
   assert max(stats.blocks_used) <= 13 and stats.free_blocks_at_end == 13
   assert stats.preemptions > 0 and sum(g.preemptions for g in got.values()) == stats.preemptions
   assert max(stats.in_flight) < 6  # the pool, not the slots, bounded the batch
@@ -138,8 +141,9 @@ def test_mean_blocks_held_is_what_serving_allocates_per_macro_step(engine, mode)
   """One slot, one macro step per decode call: the blocks the allocator has handed out before
   each call, averaged over the calls, are the figure computed from the results alone."""
   small = Engine(engine.model, None, stop_ids=[DECODE_STOP], block_size=4)
-  gens = list(small.serve(requests(), slots=1, mode=mode, round_steps=1))
-  stats = small.last_serve
+  run = small.serve(requests(), slots=1, mode=mode, round_steps=1)
+  gens = list(run)
+  stats = run.stats
   assert stats.rounds == sum(g.macro_steps for g in gens)
   assert mean_blocks_held(gens, 4) == pytest.approx(np.mean(stats.blocks_used))
   assert len(set(stats.blocks_used)) > 2  # rows took blocks as they grew
@@ -222,13 +226,14 @@ def test_fifty_requests_compile_one_program_per_prompt_bucket(engine):
                   confidence=float(rng.choice([0.3, 0.6, 1.0])), id=i)
           for i, n in enumerate(lengths)]
   fresh = Engine(engine.model, None, stop_ids=[DECODE_STOP])
-  out = list(fresh.serve(reqs, slots=8, mode="hamburger"))
+  run = fresh.serve(reqs, slots=8, mode="hamburger")
+  out = list(run)
   assert len(out) == 50 and all(g.error is None for g in out)
   buckets = {size for n in lengths for _, _, size in engine_lib.prefill_chunks(int(n))}
   kinds = [k[0] for k in fresh.programs]
   assert kinds.count("prefill") == len(buckets) == 3  # 16, 32, 64
   # One decode program per view of the pool (here one: every slot's view fits 128 entries).
-  assert kinds.count("decode") == len(set(fresh.last_serve.views)) == 1
+  assert kinds.count("decode") == len(set(run.stats.views)) == 1
   assert fresh.compilations == len(buckets) + 1
 
 
@@ -237,10 +242,11 @@ def test_decode_views_follow_the_live_lengths(engine, alone, monkeypatch):
   program each) and the outputs do not change."""
   monkeypatch.setattr(engine_lib, "VIEW_STEP", 16)
   stepped = Engine(engine.model, None, stop_ids=[DECODE_STOP])
-  got = {g.id: g for g in stepped.serve(requests(), slots=3, mode="hamburger")}
+  run = stepped.serve(requests(), slots=3, mode="hamburger")
+  got = {g.id: g for g in run}
   for i, want in enumerate(alone["hamburger"]):
     assert (got[i].token_ids, got[i].groups) == (want.token_ids, want.groups), f"request {i}"
-  views = stepped.last_serve.views
+  views = run.stats.views
   assert set(views) == {1, 2, 4} and views != sorted(views)  # up as slots grow, then down
   # The layout's row: 40 + 32 (max_new bucket) + 1 entries -> 80 -> 5 blocks; views up to it.
   assert stepped.views(stepped.layout("hamburger", 3, 20, 40)) == [1, 2, 4, 5]
@@ -323,11 +329,12 @@ for mode in ("base", "hamburger"):
   a = one.generate(prompts, max_new_tokens=12, mode=mode, confidence=0.5)
   b = mesh.generate(prompts, max_new_tokens=12, mode=mode, confidence=0.5)
   same.append([(g.token_ids, g.groups) for g in a] == [(g.token_ids, g.groups) for g in b])
-  served = {g.id: g for g in mesh.serve([Request(p, max_new_tokens=12, confidence=0.5)
-                                          for p in prompts], slots=2, mode=mode)}
+  run = mesh.serve([Request(p, max_new_tokens=12, confidence=0.5) for p in prompts], slots=2,
+                   mode=mode)
+  served = {g.id: g for g in run}
   same.append([(g.token_ids, g.groups) for g in a]
               == [(served[i].token_ids, served[i].groups) for i in range(len(prompts))])
-  hits.append(mesh.last_serve.prefix_hits)
+  hits.append(run.stats.prefix_hits)
 kernel = mesh.params["base"]["decoder"]["layers"][0]["mlp"]["up_proj"]["kernel"].get_value()
 print(json.dumps({"devices": jax.device_count(), "same": same, "hits": hits,
                   "spec": [str(s) for s in kernel.sharding.spec],
@@ -387,22 +394,25 @@ def test_shared_turns_are_prefilled_once_and_change_no_token(mode):
   alone = []
   for r in reqs(range(len(CHAT))):
     eng.prefix_cache.clear()
-    alone.append(next(eng.serve([r], slots=1, mode=mode)))
-    assert eng.last_serve.prefix_hits == 0
+    run = eng.serve([r], slots=1, mode=mode)
+    alone.append(next(run))
+    assert run.stats.prefix_hits == 0
   eng.prefix_cache.clear()
-  got = {g.id: g for g in eng.serve(reqs([2, 3, 0, 1]), slots=2, mode=mode)}
+  run = eng.serve(reqs([2, 3, 0, 1]), slots=2, mode=mode)
+  got = {g.id: g for g in run}
   for i, want in enumerate(alone):
     assert (got[i].token_ids, got[i].groups) == (want.token_ids, want.groups), f"request {i}"
   # The system turn is computed for request 2 and copied for 0 and 1; 3 has its own history.
-  assert (eng.last_serve.prefix_hits, eng.last_serve.prefix_tokens) == (2, 32)
+  assert (run.stats.prefix_hits, run.stats.prefix_tokens) == (2, 32)
   assert len(eng.prefix_cache) == 2
   assert sorted(k[2] for k in eng.programs if k[0] == "prefix" and k[1].slots == 2) == [16, 32]
   (key, entry), = [(k, e) for k, e in eng.prefix_cache._entries.items()  # pylint: disable=W0212
                    if len(k[1]) == 16]
   noise = np.random.default_rng(0).normal(size=entry.k.shape).astype(np.float32)
   eng.prefix_cache.put(*key, CachedPrefix(entry.k + noise, entry.v - noise, entry.length))
-  corrupted = next(eng.serve(reqs([1]), slots=1, mode=mode))
-  assert eng.last_serve.prefix_hits == 1
+  run = eng.serve(reqs([1]), slots=1, mode=mode)
+  corrupted = next(run)
+  assert run.stats.prefix_hits == 1
   assert corrupted.token_ids != alone[1].token_ids
 
 

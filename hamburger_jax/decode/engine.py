@@ -12,10 +12,11 @@ serving with one slot per prompt.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import flax.struct
 import jax
@@ -34,6 +35,8 @@ from hamburger_jax.decode.requests import Generation, GenerationError, Request
 from hamburger_jax.decode.sampling import SamplingParams, sample_rows
 from hamburger_jax.model.hamburger import Hamburger, continues
 from hamburger_jax.model.llama import Llama
+
+StreamCallback = Callable[[np.ndarray, np.ndarray], None]  # (group [B, K], count [B])
 
 # Prompts are prefilled in chunks, each padded to one of these sizes (one program per size).
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -142,6 +145,25 @@ class Engine:
   Mode "base" on a Hamburger model decodes with its base weights only (base adapters never act),
   so the two modes of one engine compare the same base in the same code. `mesh`: decode under
   a device mesh, weights placed by the inference rules (tensor axis; `sharding.INFER_RULES`).
+
+  Users call `requests`, `compile`, `generate` and `serve`.
+
+  Contract: a host-side scheduler (serving.py, or another) drives the device through these
+  public members alone, so that they can change inside without breaking it:
+    layout(mode, slots, max_new, longest_prompt, kv_blocks=None) -> Layout (static shapes)
+    init_state(layout) -> DecodeState, every slot empty (done), on the engine's devices
+    compile_programs(layout, prompt_ids, stochastic, stream=False) -> seconds compiling
+    prefill(layout, state, request, slot) -> DecodeState, a checked request live in `slot`
+    decode_program(layout, stochastic, stream, view)
+        -> fn(params, state, refill, limit, sink) -> DecodeState (macro steps, then back)
+    views(layout) -> [blocks], view_for(layout, blocks) -> the smallest view that holds them
+    put(tree) -> the tree on the engine's devices
+    encode_prompt(prompt) -> token ids; check_mode(mode) -> "base" | "hamburger"
+    params (what the programs take), prefix_cache (its hits and tokens_reused count up),
+    tokenizer, max_group, max_seq_len, base_cfg, block_size
+  Nothing one call does stays on the engine but compiled programs and the prefix cache: a
+  serve call's stats and stream callback belong to that call (serving.ServeRun,
+  serving.stream_sink), so calls never see each other's.
   """
 
   def __init__(self, model: Llama | Hamburger, tokenizer: Any = None, *,
@@ -173,8 +195,6 @@ class Engine:
     # Compiled programs by (kind, layout, ...): compiled ahead of time so timings never include
     # compilation and reuse is observable.
     self.programs: dict[tuple, Any] = {}
-    self.stream_callback: Callable[[np.ndarray, np.ndarray], None] | None = None
-    self.last_serve = None  # serving.ServeStats of the latest serve/generate call
 
   # ------------------------------------------------------------------ traced pieces
 
@@ -185,7 +205,9 @@ class Engine:
     out = base_of(model).forward(x_btd, positions_bt, mask, cache, slots_bt)
     return out.hidden[:, :, None, :], out.cache
 
-  def _init_state(self, layout: Layout) -> DecodeState:
+  def init_state(self, layout: Layout) -> DecodeState:
+    """A decode state of `layout`'s shapes with every slot empty (done) and every block-table
+    entry the trash block, placed by `put`: what `prefill` and the decode programs take."""
     cfg = self.base_cfg
     b, n = layout.slots, layout.max_new
     k = self.model.max_group if layout.mode == "hamburger" else 1
@@ -211,7 +233,7 @@ class Engine:
     return jax.device_put(tree, NamedSharding(self.mesh, P()))
 
   def _abstract_state(self, layout: Layout):
-    state = jax.eval_shape(lambda: self._init_state(layout))
+    state = jax.eval_shape(lambda: self.init_state(layout))
     if self.mesh is None:
       return state
     rep = NamedSharding(self.mesh, P())
@@ -327,14 +349,15 @@ class Engine:
                           [lambda o: o[:2], *(compact(n) for n in micro_batch_sizes(b)), full],
                           (tokens, count, cont))
 
-  def _decode_impl(self, params, state: DecodeState, refill, limit, *, mode: str,
+  def _decode_impl(self, params, state: DecodeState, refill, limit, sink, *, mode: str,
                    stochastic: bool, stream: bool, view: int) -> DecodeState:
     """Macro steps until every slot is done, or (with `refill`) a slot finishes so the host can
     give it the next request, or a live slot's blocks are full so the host can add one, or
     `limit` macro steps have run.
 
     Attention reads the first `view` blocks of each slot's table (the host picks a view that
-    holds every live slot's blocks): its cost follows the live lengths, not the layout's."""
+    holds every live slot's blocks): its cost follows the live lengths, not the layout's.
+    `sink`: with `stream`, each macro step goes to serving.deliver_step with it."""
     full_table = state.cache.table
     state = state.replace(cache=state.cache.replace(table=full_table[:, :view]))
     model = nnx.merge(self.graphdef, params)
@@ -358,7 +381,8 @@ class Engine:
       done = state.done | jnp.any(emitted & jnp.isin(group, stop_ids), axis=1) | (
           n_tokens >= state.max_new)
       if stream:
-        jax.experimental.io_callback(self._on_step, None, group, count, ordered=True)
+        jax.experimental.io_callback(serving.deliver_step, None, sink, group, count,
+                                     ordered=True)
       state = state.replace(tokens=tokens, groups=groups, n_tokens=n_tokens,
                             n_steps=state.n_steps + (count > 0), done=done)
 
@@ -393,10 +417,6 @@ class Engine:
 
     _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
     return state.replace(cache=state.cache.replace(table=full_table))
-
-  def _on_step(self, group, count):
-    if self.stream_callback is not None:
-      self.stream_callback(np.asarray(group), np.asarray(count))
 
   # ------------------------------------------------------------------ programs
 
@@ -449,14 +469,22 @@ class Engine:
     p0 = cacheable_prefix(ids, self.turn_end_ids) if self.prefix_cache.enabled else 0
     return p0, (prefill_chunks(p0) if p0 else []) + prefill_chunks(len(ids) - p0, p0)
 
-  def _decode_program(self, layout: Layout, stochastic: bool, stream: bool, view: int):
+  def decode_program(self, layout: Layout, stochastic: bool, stream: bool, view: int):
+    """The compiled decode loop (compiled on first use): `fn(params, state, refill, limit, sink)
+    -> state`, taking `params`, a DecodeState of `layout` (donated), and scalars put on the
+    engine's devices: `refill` (bool: return when a slot finishes), `limit` (int32: the most
+    macro steps) and `sink` (int32: the stream sink of serving.stream_sink; 0 for none).
+    `stochastic`: sample the slots with temperature > 0 (False: every slot greedy). `stream`:
+    report each macro step's (group [B, K], count [B]) to the sink's callback. `view`: the
+    blocks of each slot's table that attention reads (one of `views(layout)`)."""
     key = ("decode", layout, stochastic, stream, view)
     if key not in self.programs:
       state = self._abstract_state(layout)
       fn = self._jit(self._decode_impl, static_argnames=("mode", "stochastic", "stream", "view"))
-      self.programs[key] = fn.lower(self.params, state, jax.ShapeDtypeStruct((), bool),
-                                    jax.ShapeDtypeStruct((), jnp.int32), mode=layout.mode,
-                                    stochastic=stochastic, stream=stream, view=view).compile()
+      i32 = jax.ShapeDtypeStruct((), jnp.int32)
+      self.programs[key] = fn.lower(self.params, state, jax.ShapeDtypeStruct((), bool), i32, i32,
+                                    mode=layout.mode, stochastic=stochastic, stream=stream,
+                                    view=view).compile()
     return self.programs[key]
 
   def views(self, layout: Layout) -> list[int]:
@@ -473,8 +501,8 @@ class Engine:
     return next(v for v in self.views(layout) if v >= blocks)
 
   def prefill(self, layout: Layout, state: DecodeState, r: Request, slot: int) -> DecodeState:
-    """Prefills request `r` into `slot` (its blocks already in the state's table), chunk by
-    chunk; the slot then decodes with the request's settings."""
+    """Prefills request `r` (checked: its `ids` set) into `slot` (its blocks already in the
+    state's table), chunk by chunk; the slot then decodes with the request's settings."""
     request = self.put({
         "max_new": np.int32(r.max_new_tokens), "confidence": np.float32(r.confidence),
         "max_group": np.int32(r.max_group or self.max_group or 1),
@@ -511,7 +539,7 @@ class Engine:
     for size in sorted({bucket(p0, LENGTH_BUCKETS) for p0, _ in plans if p0}):
       self._prefix_programs(layout, size)
     for view in self.views(layout):
-      self._decode_program(layout, stochastic, stream, view)
+      self.decode_program(layout, stochastic, stream, view)
     return time.perf_counter() - t if len(self.programs) > before else 0.0
 
   @property
@@ -561,15 +589,34 @@ class Engine:
   def serve(self, requests: Iterable, *, slots: int = 8, kv_blocks: int | None = None,
             mode: str | None = None, max_new_bound: int | None = None,
             round_steps: int | None = None,
-            progress: Callable[[Generation], None] | None = None) -> Iterator[Generation]:
-    """Continuous batching: yields each request's result as it finishes (see serving.py)."""
+            progress: Callable[[Generation], None] | None = None,
+            stream: StreamCallback | None = None) -> serving.ServeRun:
+    """Continuous batching (see serving.serve): returns a ServeRun that yields each request's
+    result as it finishes; its `stats` are this call's. `stream(group, count)`: called once per
+    macro step, in order, with numpy arrays [slots, K] and [slots] (count 0: an empty or
+    finished slot)."""
     return serving.serve(self, requests, slots=slots, kv_blocks=kv_blocks, mode=mode,
                          max_new_bound=max_new_bound, round_steps=round_steps,
-                         progress=progress)
+                         progress=progress, stream=stream)
 
-  def _requests(self, prompts: Sequence, max_new_tokens: int, sampling: SamplingParams,
-                confidence: float | Sequence[float], seed: int, check: bool = True,
-                max_group: int | None = None) -> list:
+  def requests(self, prompts: Sequence, *, max_new_tokens: int = 128,
+               sampling: SamplingParams = SamplingParams(),
+               confidence: float | Sequence[float] = DEFAULT_CONFIDENCE, seed: int = 0,
+               max_group: int | None = None) -> list[Request]:
+    """Checked requests for `prompts` (texts, message lists or token-id lists), with ids 0..n-1
+    and one confidence for all or one per prompt. Each prompt is encoded here, once: `compile`,
+    `generate` and `serve` take these requests and use their ids as they are. Raises
+    GenerationError on the first bad prompt or setting."""
+    reqs = self._batch(prompts, max_new_tokens, sampling, confidence, seed, max_group)
+    for r in reqs:
+      r.check(self)
+    return reqs
+
+  def _batch(self, prompts: Sequence, max_new_tokens: int, sampling: SamplingParams,
+             confidence: float | Sequence[float], seed: int,
+             max_group: int | None) -> list[Request]:
+    """A Request per item, unchecked: items that are Requests already are kept as they are
+    (their own settings); the others take these settings and their index as id."""
     if isinstance(prompts, (str, dict)) or not len(prompts):
       raise GenerationError("prompts must be a non-empty list (wrap a single prompt in a list)")
     conf = np.asarray(confidence, np.float64)
@@ -577,48 +624,57 @@ class Engine:
       raise GenerationError(f"confidence has {conf.size} values for {len(prompts)} prompts: give "
                             "one value, or one per prompt")
     conf = np.broadcast_to(conf, (len(prompts),))
-    reqs = [Request(p, max_new_tokens=max_new_tokens, confidence=float(c), sampling=sampling,
-                    seed=seed, id=i, max_group=max_group)
-            for i, (p, c) in enumerate(zip(prompts, conf))]
-    for r in reqs if check else ():
-      r.check(self)
-    return reqs
+    return [p if isinstance(p, Request) else Request(
+        p, max_new_tokens=max_new_tokens, confidence=float(c), sampling=sampling, seed=seed, id=i,
+        max_group=max_group) for i, (p, c) in enumerate(zip(prompts, conf))]
 
   def compile(self, prompts: Sequence, *, max_new_tokens: int = 128, mode: str | None = None,
               sampling: SamplingParams = SamplingParams(), stream: bool = False) -> float:
     """Compiles the programs that `generate` with these arguments runs (confidence and seed do
     not change them), so that a caller can time compilation apart from generation. Returns the
-    seconds spent: 0 when they were compiled already."""
+    seconds spent: 0 when they were compiled already. `prompts` as for `generate`: Requests from
+    `requests` are not encoded again (raw prompts are, here and again in `generate`)."""
     mode = self.check_mode(mode)
-    reqs = self._requests(prompts, max_new_tokens, sampling, DEFAULT_CONFIDENCE, 0)
-    layout = self.layout(mode, generate_slots(len(reqs)), max_new_tokens,
+    reqs = []
+    for r in self._batch(prompts, max_new_tokens, sampling, DEFAULT_CONFIDENCE, 0, None):
+      r = dataclasses.replace(r)  # the caller's requests stay as they are
+      r.check(self)
+      reqs.append(r)
+    layout = self.layout(mode, generate_slots(len(reqs)), max(r.max_new_tokens for r in reqs),
                          max(len(r.ids) for r in reqs))
-    return self.compile_programs(layout, [r.ids for r in reqs], not sampling.greedy, stream)
+    return self.compile_programs(layout, [r.ids for r in reqs],
+                                 any(not r.sampling.greedy for r in reqs), stream)
 
   def generate(self, prompts: Sequence, *, max_new_tokens: int = 128, mode: str | None = None,
                sampling: SamplingParams = SamplingParams(),
                confidence: float | Sequence[float] = DEFAULT_CONFIDENCE, seed: int = 0,
-               stream: Callable[[np.ndarray, np.ndarray], None] | None = None,
+               stream: StreamCallback | None = None,
                max_group: int | None = None) -> list[Generation]:
-    """Generates for a batch of prompts (texts, message lists or token-id lists): one slot per
-    prompt, results in prompt order. Raises GenerationError on any bad prompt or setting.
-    `max_group`: the most tokens a macro step may emit (None: the model's K)."""
+    """Generates for a batch of prompts (texts, message lists or token-id lists) or Requests
+    (from `requests`: encoded once there; each carries its own settings, which the arguments
+    here do not change): one slot per prompt, results in prompt order. Raises GenerationError on
+    any bad prompt or setting. `max_group`: the most tokens a macro step may emit (None: the
+    model's K). `stream`: as for `serve`."""
     mode = self.check_mode(mode)
     # serve checks each request; it reports the bad ones before any work, so the first error
     # stops the batch before anything compiles.
-    reqs = self._requests(prompts, max_new_tokens, sampling, confidence, seed, check=False,
-                          max_group=max_group)
-    self.stream_callback = stream
-    out = []
+    reqs = self._batch(prompts, max_new_tokens, sampling, confidence, seed, max_group)
+    # Results come back by id; serve gives an id-less request its index.
+    ids = [i if r.id is None else r.id for i, r in enumerate(reqs)]
     try:
-      for g in serving.serve(self, reqs, slots=generate_slots(len(reqs)), mode=mode,
-                             stream=stream is not None, max_new_bound=max_new_tokens):
+      order = {rid: i for i, rid in enumerate(ids)}
+    except TypeError:
+      order = {}
+    if len(order) != len(reqs):
+      raise GenerationError("generate needs a distinct, hashable id on each Request")
+    out: list[Generation | None] = [None] * len(reqs)
+    run = serving.serve(self, reqs, slots=generate_slots(len(reqs)), mode=mode, stream=stream)
+    with contextlib.closing(run):  # an error ends the run at once (its stream sink too)
+      for g in run:
         if g.error:
           raise GenerationError(g.error)
-        out.append(g)
-    finally:
-      self.stream_callback = None
-    return sorted(out, key=lambda g: g.id)
+        out[order[g.id]] = g
+    return out
 
   def set_model(self, model: Llama | Hamburger) -> None:
     """Takes new weights; compiled programs are kept when the architecture is the same.

@@ -20,7 +20,8 @@ class GenerationError(ValueError):
 
 @dataclasses.dataclass
 class Generation:
-  """One request's result (`error` set and nothing else when it could not be served)."""
+  """One request's result (`error` set, and no tokens, when it could not be served), with the
+  request's settings (as the request gave them) so that a caller needs no table of its own."""
   token_ids: list[int]
   text: str
   groups: list[int]  # tokens per macro step (sums to len(token_ids))
@@ -35,6 +36,11 @@ class Generation:
   queue_s: float = 0.0  # from the call (arrival) to its admission into a slot
   latency_s: float = 0.0  # from the call (arrival) to its result
   preemptions: int = 0  # times it was evicted for KV blocks and recomputed
+  mode: str = ""  # "base" or "hamburger"
+  confidence: float = DEFAULT_CONFIDENCE
+  max_group: int | None = None  # None: the model's K
+  seed: int = 0
+  sampling: SamplingParams = SamplingParams()
 
   @property
   def new_tokens(self) -> int:
@@ -59,6 +65,35 @@ class Generation:
             "prompt_tokens": self.prompt_tokens, "prefill_s": r(self.prefill_s),
             "decode_s": r(self.decode_s)}
 
+  def settings(self) -> dict:
+    """The HAMburger settings the CLIs print after `record()` ({} in mode "base", where they
+    change nothing)."""
+    if self.mode != "hamburger":
+      return {}
+    return {"confidence": self.confidence, "max_group": self.max_group}
+
+
+def check_settings(max_new_tokens: Any = 1, confidence: Any = DEFAULT_CONFIDENCE,
+                   max_group: Any = None, seed: Any = 0, group_limit: int | None = None) -> None:
+  """A request's settings, checked in the one place every entry point uses (CLIs call it before
+  a model loads, with `group_limit` None when the model's K is not known yet); raises
+  GenerationError saying what to change."""
+  m = max_new_tokens
+  if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+    raise GenerationError(f"max_new_tokens={m!r} must be an integer >= 1")
+  c = confidence
+  if isinstance(c, bool) or not isinstance(c, (int, float, np.floating, np.integer)) or not (
+      0 <= c <= 1):
+    raise GenerationError(f"confidence must be in [0, 1], got {c!r}")
+  g, k = max_group, group_limit
+  if g is not None and (isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1
+                        or (k is not None and g > k)):
+    raise GenerationError(f"max_group={g!r} must be an integer in [1, {k or 'K'}] (the "
+                          "model's largest group), or None for the model's")
+  s = seed
+  if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < 2 ** 63:
+    raise GenerationError(f"seed={s!r} must be an integer in [0, 2**63)")
+
 
 @dataclasses.dataclass
 class Request:
@@ -71,39 +106,30 @@ class Request:
   id: Any = None
   # The most tokens one macro step may emit (HAMburger mode; None: the model's K). A smaller cap
   # bounds a step's micro-step work and merges fewer tokens into each KV entry (less
-  # compression; EVALUATION.md, eleventh session: no better quality at equal compression).
+  # compression; docs/results/quality.md: no better quality at equal compression).
   max_group: int | None = None
-  ids: list[int] | None = dataclasses.field(default=None, repr=False)  # set by check()
+  # The encoded prompt: set once, by the first check(), and reused by every later one (a
+  # request checked by one engine is for that engine's tokenizer).
+  ids: list[int] | None = dataclasses.field(default=None, repr=False)
 
   def check(self, engine) -> None:
-    """Validates and tokenises; raises GenerationError saying what to change."""
-    m = self.max_new_tokens
-    if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
-      raise GenerationError(f"max_new_tokens={m!r} must be an integer >= 1")
-    c = self.confidence
-    if isinstance(c, bool) or not isinstance(c, (int, float, np.floating, np.integer)) or not (
-        0 <= c <= 1):
-      raise GenerationError(f"confidence must be in [0, 1], got {c!r}")
-    g, k = self.max_group, engine.max_group
-    if g is not None and (isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1
-                          or (k is not None and g > k)):
-      raise GenerationError(f"max_group={g!r} must be an integer in [1, {k or 'K'}] (the "
-                            "model's largest group), or None for the model's")
+    """Validates, and encodes the prompt unless `ids` holds it already; raises GenerationError
+    saying what to change."""
+    check_settings(self.max_new_tokens, self.confidence, self.max_group, self.seed,
+                   engine.max_group)
     if not isinstance(self.sampling, SamplingParams):
       raise GenerationError("sampling must be a SamplingParams(temperature, top_k, top_p)")
     try:
       self.sampling.check_vocab(engine.base_cfg.vocab_size)
     except SamplingError as e:
       raise GenerationError(str(e)) from None
-    s = self.seed
-    if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < 2 ** 63:
-      raise GenerationError(f"seed={s!r} must be an integer in [0, 2**63)")
-    self.ids = engine.encode_prompt(self.prompt)
+    m = self.max_new_tokens
+    # Token ids pass through encode_prompt's range check only: no chat template, no tokenizer.
+    self.ids = engine.encode_prompt(self.prompt if self.ids is None else self.ids)
     if len(self.ids) + m > engine.max_seq_len:
       raise GenerationError(
           f"prompt has {len(self.ids)} tokens + max_new_tokens {m} > max_seq_len "
           f"{engine.max_seq_len}: shorten the prompt or lower max_new_tokens")
-
 
   def key(self) -> jax.Array:
     """The request's sampling key: from (seed, id) only, never from its slot or batch mates."""

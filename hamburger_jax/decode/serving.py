@@ -15,7 +15,10 @@ tokens depend only on its own prompt, settings and seed).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import itertools
+import threading
 import time
 from typing import Callable, Iterable, Iterator
 
@@ -28,7 +31,7 @@ from hamburger_jax.decode.requests import Generation, GenerationError, Request
 
 @dataclasses.dataclass
 class ServeStats:
-  """What one `serve` call did, for benches and tests (`Engine.last_serve`)."""
+  """What one `serve` call did, for benches and tests (`ServeRun.stats`)."""
   slots: int = 0
   usable_blocks: int = 0
   rounds: int = 0  # decode program calls
@@ -78,6 +81,58 @@ def check_tables(table: np.ndarray, live_slots) -> None:
     raise RuntimeError(f"KV blocks {dup} are held by more than one live slot")
 
 
+class ServeRun:
+  """One `serve` call: iterating it serves the requests and yields each one's Generation as it
+  finishes; `stats` is this call's ServeStats, filled as it runs (complete when the iteration
+  ends). `close()` stops serving early."""
+
+  def __init__(self, results: Iterator[Generation], stats: ServeStats):
+    self._results = results
+    self.stats = stats
+
+  def __iter__(self) -> ServeRun:
+    return self
+
+  def __next__(self) -> Generation:
+    return next(self._results)
+
+  def close(self) -> None:
+    self._results.close()
+
+
+# The stream callbacks of the serve calls in progress, by sink id. The decode programs are
+# compiled once per engine and shared by every call, so the callback cannot be baked into them
+# nor kept on the engine (two calls would clash): a call registers its callback here and hands
+# the decode program the id, which the program passes back with each macro step.
+_SINKS: dict[int, Callable] = {}
+_SINK_IDS = itertools.count()
+_SINK_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def stream_sink(callback: Callable[[np.ndarray, np.ndarray], None] | None) -> Iterator[int]:
+  """A sink id for the decode programs' `sink` argument, live for the `with` block: their macro
+  steps go to `callback(group, count)` (numpy arrays). None: id 0, which reports to no one."""
+  if callback is None:
+    yield 0
+    return
+  with _SINK_LOCK:
+    sink = next(_SINK_IDS) % (2 ** 31 - 1) + 1  # an int32 the program carries; 0 is no one
+    _SINKS[sink] = callback
+  try:
+    yield sink
+  finally:
+    with _SINK_LOCK:
+      _SINKS.pop(sink, None)
+
+
+def deliver_step(sink, group, count) -> None:
+  """The decode programs' host callback: one macro step to the sink's callback, if it is live."""
+  callback = _SINKS.get(int(sink))
+  if callback is not None:
+    callback(np.asarray(group), np.asarray(count))
+
+
 @dataclasses.dataclass
 class _Live:
   request: Request
@@ -88,14 +143,17 @@ class _Live:
 
 
 def serve(engine, requests: Iterable[Request], *, slots: int = 8,
-          kv_blocks: int | None = None, mode: str | None = None, stream: bool = False,
+          kv_blocks: int | None = None, mode: str | None = None,
+          stream: Callable[[np.ndarray, np.ndarray], None] | None = None,
           max_new_bound: int | None = None, round_steps: int | None = None,
-          progress: Callable[[Generation], None] | None = None) -> Iterator[Generation]:
+          progress: Callable[[Generation], None] | None = None) -> ServeRun:
   """Serves `requests` with `slots` concurrent rows and a pool of `kv_blocks` KV blocks (default:
-  enough for every slot's longest request). Yields a Generation per request as it finishes; a
-  request that cannot be served yields one with `error` set, and the others go on.
-  `round_steps`: None refills a slot as soon as it finishes; K returns to the host every K macro
-  steps (the same tokens either way)."""
+  enough for every slot's longest request). Returns a ServeRun, which yields a Generation per
+  request as it finishes; a request that cannot be served yields one with `error` set, and the
+  others go on. A Request whose `ids` are set is not encoded again (serving works on copies).
+  `stream(group, count)`: called once per macro step, in order. `round_steps`: None refills a
+  slot as soon as it finishes; K returns to the host every K macro steps (the same tokens either
+  way). Bad call arguments raise GenerationError here, before anything runs."""
   mode = engine.check_mode(mode)
   if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
     raise GenerationError(f"slots={slots!r} must be an integer >= 1")
@@ -103,20 +161,32 @@ def serve(engine, requests: Iterable[Request], *, slots: int = 8,
       round_steps, int) or round_steps < 1):
     raise GenerationError(f"round_steps={round_steps!r} must be None (refill when a slot "
                           "finishes) or an integer >= 1")
+  if stream is not None and not callable(stream):
+    raise GenerationError("stream must be a callable (group, count), or None")
+  stats = ServeStats(slots=slots)
+  return ServeRun(_serve(engine, requests, stats, slots=slots, kv_blocks=kv_blocks, mode=mode,
+                         stream=stream, max_new_bound=max_new_bound, round_steps=round_steps,
+                         progress=progress), stats)
+
+
+def _serve(engine, requests: Iterable, stats: ServeStats, *, slots: int, kv_blocks: int | None,
+           mode: str, stream, max_new_bound: int | None, round_steps: int | None,
+           progress) -> Iterator[Generation]:
   limit = np.int32(round_steps if round_steps is not None else np.iinfo(np.int32).max)
   arrival = time.perf_counter()
   queue: collections.deque[Request] = collections.deque()
   failed: list[Generation] = []
   preempted: dict[int, int] = collections.Counter()
   for i, r in enumerate(requests):
-    # A copy: serving sets its id and token ids, never the caller's object.
+    # A copy: serving sets its id and token ids, never the caller's object (ids encoded
+    # already travel with the copy, so no prompt is encoded twice).
     r = dataclasses.replace(r, id=i if r.id is None else r.id) if isinstance(r, Request) else (
         Request(r, id=i))
     try:
       r.check(engine)
       queue.append(r)
     except GenerationError as e:
-      failed.append(_failed(r, str(e), arrival))
+      failed.append(_failed(r, mode, str(e), arrival))
   yield from _report(failed, progress)
   if not queue:
     return
@@ -124,17 +194,17 @@ def serve(engine, requests: Iterable[Request], *, slots: int = 8,
   bound = max(max_new_bound or 0, max(r.max_new_tokens for r in queue))
   layout = engine.layout(mode, slots, bound, longest, kv_blocks)
   pool = BlockAllocator(layout.num_blocks)
-  stats = engine.last_serve = ServeStats(slots=slots, usable_blocks=pool.usable)
+  stats.usable_blocks = pool.usable
   fits, too_big = [], []
   for r in queue:
     # A request must fit the pool alone in the worst case (one entry per token), or it could
     # be preempted forever.
     need = blocks_for(len(r.ids) + r.max_new_tokens, layout.block_size)
     if need > pool.usable:
-      too_big.append(_failed(r, f"needs up to {need} KV blocks of {layout.block_size} entries "
-                             f"(prompt {len(r.ids)} + max_new_tokens {r.max_new_tokens}) but "
-                             f"the pool has {pool.usable}: raise kv_blocks or shorten the "
-                             "request", arrival))
+      too_big.append(_failed(r, mode, f"needs up to {need} KV blocks of {layout.block_size} "
+                             f"entries (prompt {len(r.ids)} + max_new_tokens "
+                             f"{r.max_new_tokens}) but the pool has {pool.usable}: raise "
+                             "kv_blocks or shorten the request", arrival))
     else:
       fits.append(r)
   yield from _report(too_big, progress)
@@ -143,8 +213,9 @@ def serve(engine, requests: Iterable[Request], *, slots: int = 8,
     return
 
   stochastic = any(not r.sampling.greedy for r in queue)
-  compile_s = engine.compile_programs(layout, [r.ids for r in queue], stochastic, stream)
-  state = engine._init_state(layout)  # pylint: disable=protected-access
+  compile_s = engine.compile_programs(layout, [r.ids for r in queue], stochastic,
+                                     stream is not None)
+  state = engine.init_state(layout)
   table = np.full((layout.slots, layout.blocks_per_row), TRASH_BLOCK, np.int32)
   live: dict[int, _Live] = {}
   free_slots = list(range(layout.slots))
@@ -156,86 +227,97 @@ def serve(engine, requests: Iterable[Request], *, slots: int = 8,
     free_slots.append(slot)
     free_slots.sort()
 
-  while queue or live:
-    # Admit while a slot and the prompt's blocks are free (first come, first served).
-    while queue and free_slots:
-      r = queue[0]
-      need = blocks_for(len(r.ids) + 1, layout.block_size)
-      if need > pool.free:
-        if not live:
-          raise RuntimeError("KV pool accounting error: nothing is live and blocks are missing")
-        break
-      queue.popleft()
-      slot = free_slots.pop(0)
-      blocks = pool.take(need)
-      table[slot] = row_table(blocks, layout.blocks_per_row)
-      state = state.replace(cache=state.cache.replace(table=engine.put(table)))
-      t = time.perf_counter()
-      hits, reused = engine.prefix_cache.hits, engine.prefix_cache.tokens_reused
-      state = engine.prefill(layout, state, r, slot)
-      jax.block_until_ready(state.done)
-      stats.prefix_hits += engine.prefix_cache.hits - hits
-      stats.prefix_tokens += engine.prefix_cache.tokens_reused - reused
-      now = time.perf_counter()
-      live[slot] = _Live(r, blocks, now, now - t, preempted[id(r)])
-      lengths[slot] = len(r.ids)
-    # Every live slot needs room for its next entry; the youngest gives way when blocks run out.
-    for slot in sorted(live, key=lambda s: live[s].admitted):
-      if slot not in live:
-        continue
-      while lengths[slot] >= len(live[slot].blocks) * layout.block_size:
-        if pool.free == 0:
-          victim = max(live, key=lambda s: live[s].admitted)
-          preempted[id(live[victim].request)] += 1
-          stats.preemptions += 1
-          queue.appendleft(live[victim].request)
-          release(victim)
-          state = state.replace(done=state.done.at[victim].set(True))
-          if victim == slot:
-            break
+  # The callback is live (its sink id valid) for as long as this call decodes, and no longer,
+  # however the caller stops iterating.
+  with stream_sink(stream) as sink_id:
+    sink = engine.put(np.int32(sink_id))
+    while queue or live:
+      # Admit while a slot and the prompt's blocks are free (first come, first served).
+      while queue and free_slots:
+        r = queue[0]
+        need = blocks_for(len(r.ids) + 1, layout.block_size)
+        if need > pool.free:
+          if not live:
+            raise RuntimeError("KV pool accounting error: nothing is live and blocks are missing")
+          break
+        queue.popleft()
+        slot = free_slots.pop(0)
+        blocks = pool.take(need)
+        table[slot] = row_table(blocks, layout.blocks_per_row)
+        state = state.replace(cache=state.cache.replace(table=engine.put(table)))
+        t = time.perf_counter()
+        hits, reused = engine.prefix_cache.hits, engine.prefix_cache.tokens_reused
+        state = engine.prefill(layout, state, r, slot)
+        jax.block_until_ready(state.done)
+        stats.prefix_hits += engine.prefix_cache.hits - hits
+        stats.prefix_tokens += engine.prefix_cache.tokens_reused - reused
+        now = time.perf_counter()
+        live[slot] = _Live(r, blocks, now, now - t, preempted[id(r)])
+        lengths[slot] = len(r.ids)
+      # Every live slot needs room for its next entry; the youngest gives way when blocks run
+      # out.
+      for slot in sorted(live, key=lambda s: live[s].admitted):
+        if slot not in live:
           continue
-        live[slot].blocks += pool.take(1)
-        table[slot] = row_table(live[slot].blocks, layout.blocks_per_row)
-    check_tables(table, live)
-    state = state.replace(cache=state.cache.replace(table=engine.put(table)))
-    if not live:
-      continue
-    stats.rounds += 1
-    stats.in_flight.append(len(live))
-    stats.queued.append(len(queue))
-    stats.blocks_used.append(pool.usable - pool.free)
-    view = engine.view_for(layout, max(len(lv.blocks) for lv in live.values()))
-    stats.views.append(view)
-    decode = engine._decode_program(layout, stochastic, stream, view)  # pylint: disable=W0212
-    refill = np.bool_(bool(queue) and round_steps is None)
-    t_round = time.perf_counter()
-    state = decode(engine.params, state, engine.put(refill), engine.put(limit))
-    done, n_tokens, length = jax.device_get((state.done, state.n_tokens, state.cache.length))
-    stats.round_s.append(time.perf_counter() - t_round)
-    lengths[:] = length
-    finished = [s for s in sorted(live) if done[s]]
-    if finished:
-      tokens, groups, n_steps = jax.device_get((state.tokens, state.groups, state.n_steps))
-      now = time.perf_counter()
-      results = []
-      for s in finished:
-        lv = live[s]
-        row = tokens[s, :n_tokens[s]].tolist()
-        text = (engine.tokenizer.decode(row, skip_special_tokens=True)
-                if engine.tokenizer is not None else "")
-        results.append(Generation(
-            row, text, groups[s, :n_steps[s]].tolist(), int(n_steps[s]), int(length[s]),
-            len(lv.request.ids), lv.prefill_s, now - lv.admitted, compile_s, id=lv.request.id,
-            queue_s=lv.admitted - lv.prefill_s - arrival, latency_s=now - arrival,
-            preemptions=lv.preemptions))
-        release(s)
-      stats.free_blocks_at_end = pool.free
-      yield from _report(results, progress)
+        while lengths[slot] >= len(live[slot].blocks) * layout.block_size:
+          if pool.free == 0:
+            victim = max(live, key=lambda s: live[s].admitted)
+            preempted[id(live[victim].request)] += 1
+            stats.preemptions += 1
+            queue.appendleft(live[victim].request)
+            release(victim)
+            state = state.replace(done=state.done.at[victim].set(True))
+            if victim == slot:
+              break
+            continue
+          live[slot].blocks += pool.take(1)
+          table[slot] = row_table(live[slot].blocks, layout.blocks_per_row)
+      check_tables(table, live)
+      state = state.replace(cache=state.cache.replace(table=engine.put(table)))
+      if not live:
+        continue
+      stats.rounds += 1
+      stats.in_flight.append(len(live))
+      stats.queued.append(len(queue))
+      stats.blocks_used.append(pool.usable - pool.free)
+      view = engine.view_for(layout, max(len(lv.blocks) for lv in live.values()))
+      stats.views.append(view)
+      decode = engine.decode_program(layout, stochastic, stream is not None, view)
+      refill = np.bool_(bool(queue) and round_steps is None)
+      t_round = time.perf_counter()
+      state = decode(engine.params, state, engine.put(refill), engine.put(limit), sink)
+      done, n_tokens, length = jax.device_get((state.done, state.n_tokens, state.cache.length))
+      stats.round_s.append(time.perf_counter() - t_round)
+      lengths[:] = length
+      finished = [s for s in sorted(live) if done[s]]
+      if finished:
+        tokens, groups, n_steps = jax.device_get((state.tokens, state.groups, state.n_steps))
+        now = time.perf_counter()
+        results = []
+        for s in finished:
+          lv = live[s]
+          row = tokens[s, :n_tokens[s]].tolist()
+          text = (engine.tokenizer.decode(row, skip_special_tokens=True)
+                  if engine.tokenizer is not None else "")
+          results.append(Generation(
+              row, text, groups[s, :n_steps[s]].tolist(), int(n_steps[s]), int(length[s]),
+              len(lv.request.ids), lv.prefill_s, now - lv.admitted, compile_s, id=lv.request.id,
+              queue_s=lv.admitted - lv.prefill_s - arrival, latency_s=now - arrival,
+              preemptions=lv.preemptions, **_settings(lv.request, mode)))
+          release(s)
+        stats.free_blocks_at_end = pool.free
+        yield from _report(results, progress)
 
 
-def _failed(r: Request, error: str, arrival: float) -> Generation:
+def _settings(r: Request, mode: str) -> dict:
+  """The request's settings a Generation carries (as given: the CLIs print them back)."""
+  return dict(mode=mode, confidence=r.confidence, max_group=r.max_group, seed=r.seed,
+              sampling=r.sampling)
+
+
+def _failed(r: Request, mode: str, error: str, arrival: float) -> Generation:
   return Generation([], "", [], 0, 0, 0, 0.0, 0.0, id=r.id, error=error,
-                    latency_s=time.perf_counter() - arrival)
+                    latency_s=time.perf_counter() - arrival, **_settings(r, mode))
 
 
 def _report(results: list[Generation], progress) -> Iterator[Generation]:
