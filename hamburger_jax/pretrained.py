@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 from hamburger_jax import assets
 from hamburger_jax.config import (ConfigError, GraftConfig, HamburgerConfig, LlamaConfig,
@@ -96,7 +98,6 @@ def base_table(model: Hamburger) -> dict[str, Rule]:
 def save_graft(model: Hamburger, path: str, base_source: str, *, dtype: str = "bfloat16",
                include_base: bool = False, extra: dict | None = None) -> None:
   """Writes a graft checkpoint atomically (temp dir + rename)."""
-  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
               "float16": np.float16}[dtype]
   tmp = path.rstrip("/") + ".tmp"
@@ -113,7 +114,6 @@ def save_graft(model: Hamburger, path: str, base_source: str, *, dtype: str = "b
   with open(os.path.join(tmp, META_FILE), "w") as f:
     json.dump(meta, f, indent=2)
   if os.path.exists(path):
-    import shutil  # pylint: disable=import-outside-toplevel
     shutil.rmtree(path)
   os.replace(tmp, path)
 
@@ -199,13 +199,52 @@ def load_hamburger(checkpoint: str | None = None, base_source: str | None = None
   return model, tok
 
 
+MODES = ("base", "hamburger", "both")  # "both": one HAMburger model, decoded in either mode
+
+
+def default_mode(checkpoint: str | None = None, *, both: bool = False) -> str:
+  """The mode a caller means when it names none: HAMburger ("both" where the caller compares it
+  with the base) when a graft checkpoint is given or shipped, else the base alone."""
+  if resolve_checkpoint(checkpoint) is None:
+    return "base"
+  return "both" if both else "hamburger"
+
+
+def load(mode: str = "hamburger", checkpoint: str | None = None, base: str | None = None, *,
+         untrained_ok: bool = False, **overrides: Any) -> tuple[Llama | Hamburger, Tokenizer]:
+  """The model and tokenizer an Engine serves in `mode`; the one load sequence of every entry
+  point.
+
+  "base": the base model alone (`base`, default SmolLM2; `checkpoint` unused). "hamburger" and
+  "both": the graft checkpoint (default: the shipped one) on its own base or on `base`; an
+  engine decodes such a model in either mode. With no checkpoint given nor shipped, an untrained
+  graft where `untrained_ok` (smoke tests: its groups mean nothing), else a WeightsError.
+  `overrides` set LlamaConfig fields (e.g. dtype)."""
+  if mode not in MODES:
+    raise ValueError(f"mode={mode!r}: use one of {', '.join(MODES)}")
+  if mode == "base":
+    return load_llama(base or DEFAULT_BASE, **overrides)
+  resolved = resolve_checkpoint(checkpoint)
+  if resolved is None and not untrained_ok:
+    raise WeightsError(f"mode {mode!r} needs a trained graft checkpoint and none is shipped at "
+                       f"{DEFAULT_CHECKPOINT}: pass a checkpoint directory (--checkpoint DIR)")
+  return load_hamburger(resolved or UNTRAINED, base, **overrides)
+
+
+def describe(mode: str, checkpoint: str | None = None, base: str | None = None) -> str:
+  """What `load(mode, checkpoint, base)` loads, in words (progress lines, results files)."""
+  if mode == "base":
+    return f"base {base or DEFAULT_BASE}"
+  resolved = resolve_checkpoint(checkpoint)
+  return (f"HAMburger {resolved or 'untrained graft'}" + (f" on {base}" if base else ""))
+
+
 def load_graft(model: Hamburger, checkpoint: str) -> None:
   """Loads a graft checkpoint's weights into `model` (its base too when the run trained it).
 
   Also serves models built from a run config (e.g. a random tiny base rebuilt from its seed),
   which `load_hamburger` cannot reload by name.
   """
-  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
   meta = read_meta(checkpoint)
   if meta["graft"] != to_dict(model.cfg.graft):
     raise WeightsError(f"checkpoint {checkpoint} has graft config {meta['graft']} but the model "

@@ -1,4 +1,4 @@
-"""Decode benchmarks, measured against a baseline in the same run (results go to BENCHMARKS.md).
+"""Decode benchmarks, measured against a baseline in the same run (results: docs/results/).
 
   python -m infer.bench                      # our base decode vs transformers' generate
   python -m infer.bench --mode hamburger     # HAMburger vs base in our engine (+ ceiling)
@@ -21,8 +21,10 @@ import time
 import numpy as np
 
 from hamburger_jax.config import DEFAULT_CONFIDENCE
-from hamburger_jax.decode.requests import pooled_tokens_per_step
+from hamburger_jax.decode.requests import (GenerationError, Request, check_settings,
+                                            pooled_tokens_per_step)
 from hamburger_jax.decode.serving import mean_blocks_held
+from infer import cli
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -88,7 +90,7 @@ def bench_base(args) -> None:
   from hamburger_jax import assets, pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
 
-  model, tok = pretrained.load_llama("smollm2", dtype=args.dtype, param_dtype=args.dtype)
+  model, tok = pretrained.load("base", dtype=args.dtype, param_dtype=args.dtype)
   engine = Engine(model, tok, stop_ids=())  # exactly n new tokens per row
   path = assets.smollm2_gguf()
   ref = transformers.AutoModelForCausalLM.from_pretrained(
@@ -186,7 +188,7 @@ def bench_hamburger(args) -> None:
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
 
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
-  model, tok = pretrained.load_hamburger(checkpoint or pretrained.UNTRAINED)
+  model, tok = pretrained.load("both", checkpoint, args.base, untrained_ok=True)
   label = checkpoint or "UNTRAINED graft (random weights; use --confidence 0 to force K-token steps)"
   engine = Engine(model, tok, stop_ids=())
   print(f"HAMburger on SmolLM2-135M-Instruct: {label}")
@@ -251,21 +253,21 @@ def run_serve(engine, workload, mode: str, slots: int, confidence: float,
               max_group: int | None = None) -> dict[str, float]:
   """Serves the workload once (programs compiled beforehand, not timed); every request arrives
   at t = 0, so latency = queueing + prefill + decode."""
-  from hamburger_jax.decode.requests import Request  # pylint: disable=import-outside-toplevel
   reqs = lambda: [Request(ids, max_new_tokens=n, confidence=confidence, id=i,
                           max_group=max_group) for i, (ids, n) in enumerate(workload)]
   lengths = [len(ids) for ids, _ in workload]
   layout = engine.layout(mode, slots, max(n for _, n in workload), max(lengths), kv_blocks)
   compile_s = engine.compile_programs(layout, [ids for ids, _ in workload], stochastic=False)
   t = time.perf_counter()
-  out = list(engine.serve(reqs(), slots=slots, kv_blocks=kv_blocks, mode=mode,
-                          round_steps=round_steps))
+  run = engine.serve(reqs(), slots=slots, kv_blocks=kv_blocks, mode=mode,
+                     round_steps=round_steps)
+  out = list(run)
   wall = time.perf_counter() - t
   if any(g.error for g in out):
     raise RuntimeError(next(g.error for g in out if g.error))
   tokens = sum(g.new_tokens for g in out)
   lat = np.asarray([g.latency_s for g in out])
-  stats = engine.last_serve
+  stats = run.stats
   return {"tok_s": tokens / wall, "p50": float(np.percentile(lat, 50)),
           "p95": float(np.percentile(lat, 95)), "k": pooled_tokens_per_step(out),
           "in_flight": stats.mean_in_flight, "queued_in_flight": stats.in_flight_while_queued,
@@ -282,7 +284,7 @@ def bench_serve(args) -> None:
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
 
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
-  model, tok = pretrained.load_hamburger(checkpoint or pretrained.UNTRAINED)
+  model, tok = pretrained.load("both", checkpoint, args.base, untrained_ok=True)
   engine = Engine(model, tok, stop_ids=())  # every request runs its full max_new_tokens
   workload = serve_workload(tok, args.requests, args.new_range)
   prompt_lens = [len(ids) for ids, _ in workload]
@@ -420,7 +422,8 @@ def main(argv=None) -> int:
   p.add_argument("--new-tokens", type=int, default=128)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  p.add_argument("--checkpoint", default=None)
+  cli.add_model_flags(p, checkpoint_help="hamburger / serve: graft checkpoint (default: the "
+                     "shipped one, else an untrained graft)")
   p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE)
   p.add_argument("--max-group", type=int, default=None,
                  help="hamburger / serve: cap HAMburger's groups at this many tokens (1..K)")
@@ -438,12 +441,17 @@ def main(argv=None) -> int:
   p.add_argument("--round-steps", type=lambda s: [int(x) for x in s.split(",")], default=[],
                  help="serve (c): refill every K macro steps, against refill at each finish")
   args = p.parse_args(argv)
+  if args.mode == "base" and args.base:
+    p.error("--base applies to --mode hamburger and serve: --mode base compares our decode of "
+            "SmolLM2 with transformers' on the same GGUF file")
   if not args.parts or not set(args.parts) <= {"a", "b", "p"}:
     p.error(f"--parts={args.parts!r}: use any of a, b and p (e.g. ab)")
   if any(k < 1 for k in args.round_steps):
     p.error(f"--round-steps {args.round_steps}: each K must be >= 1")
-  if args.max_group is not None and args.max_group < 1:
-    p.error(f"--max-group={args.max_group} must be an integer >= 1")
+  try:
+    check_settings(args.new_tokens, args.confidence, args.max_group)
+  except GenerationError as e:
+    p.error(str(e))
   args.batches = args.batches or ([1, 8] if args.mode == "base" else [1, 8, 32])
   from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
   cache.enable_compilation_cache()

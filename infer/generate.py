@@ -13,14 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
-from typing import Callable, TypeVar
 
-from hamburger_jax.config import DEFAULT_CONFIDENCE
-
-T = TypeVar("T")
+from infer import cli
 
 DEFAULT_PROMPTS = (
     "What is the capital of France? Answer in one sentence.",
@@ -39,81 +34,23 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--prompts-file", help="a text file with one prompt per line")
   p.add_argument("--mode", choices=("both", "hamburger", "base"), default=None,
                  help="default: both when a HAMburger checkpoint is available, else base")
-  p.add_argument("--checkpoint", default=None,
-                 help="HAMburger graft checkpoint directory (default: the shipped one)")
-  p.add_argument("--base", default=None, help="base model: smollm2 | file.gguf | HF directory")
-  p.add_argument("--max-new-tokens", type=int, default=128)
-  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-  p.add_argument("--top-k", type=int, default=0)
-  p.add_argument("--top-p", type=float, default=1.0)
-  p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE,
-                 help="continue a group while P(continue) >= this (docs/method.md, section 3)")
-  p.add_argument("--max-group", type=int, default=None,
-                 help="the most tokens one macro step may emit, 1..K (default: the model's K)")
-  p.add_argument("--seed", type=int, default=0)
+  cli.add_model_flags(p)
+  cli.add_decode_flags(p)
   p.add_argument("--json", action="store_true", help="one JSON object per prompt and mode")
   p.add_argument("--no-color", action="store_true")
   p.add_argument("--no-compile-cache", action="store_true",
                  help="compile every program and keep none (default: JAX's persistent "
                       "compilation cache under the per-user cache directory)")
   args = p.parse_args(argv)
-  # Cheap checks before the model loads (the engine checks the same again per request).
-  if args.max_new_tokens < 1:
-    p.exit(2, f"error: max_new_tokens={args.max_new_tokens} must be an integer >= 1\n")
-  if not 0 <= args.confidence <= 1:
-    p.exit(2, f"error: confidence must be in [0, 1], got {args.confidence}\n")
-  if args.max_group is not None and args.max_group < 1:
-    p.exit(2, f"error: max_group={args.max_group} must be an integer >= 1\n")
+  cli.check_decode_flags(p, args)  # before the model loads; the engine checks each request too
   return args
-
-
-def phase(what: str, fn: Callable[[], T]) -> T:
-  """Runs one phase of the run and says on stderr what it was and how long it took."""
-  print(f"{what} ...", end="", file=sys.stderr, flush=True)
-  t = time.perf_counter()
-  try:
-    out = fn()
-  except BaseException:
-    print(f" failed after {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
-    raise
-  print(f" {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
-  return out
-
-
-def read_prompts_file(path: str) -> list[str]:
-  """One prompt per non-blank line of a UTF-8 text file; SystemExit saying what is wrong."""
-  if not os.path.isfile(path):
-    raise SystemExit(f"error: --prompts-file {path} does not exist (or is not a file)")
-  try:
-    with open(path, encoding="utf-8") as f:
-      prompts = [line.rstrip("\n") for line in f if line.strip()]
-  except UnicodeDecodeError as e:
-    raise SystemExit(f"error: --prompts-file {path} is not UTF-8 text ({e.reason} at byte "
-                     f"{e.start}): save it as UTF-8") from None
-  if not prompts:
-    raise SystemExit(f"error: --prompts-file {path} has no prompts (it is empty or blank): "
-                     "write one prompt per line")
-  return prompts
 
 
 def read_prompts(args) -> list[str]:
   prompts = list(args.prompt or [])
   if args.prompts_file:
-    prompts += read_prompts_file(args.prompts_file)
+    prompts += cli.read_prompts_file(args.prompts_file)
   return prompts or list(DEFAULT_PROMPTS)
-
-
-def check_top_k(sampling, checkpoint: str | None, base: str | None) -> None:
-  """--top-k against the model's vocabulary, read from metadata before the weights load."""
-  if not sampling.top_k:
-    return
-  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.convert.mapping import WeightsError  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.decode.sampling import SamplingError  # pylint: disable=import-outside-toplevel
-  try:
-    sampling.check_vocab(pretrained.vocab_size(checkpoint, base))
-  except (SamplingError, WeightsError, FileNotFoundError, ValueError, RuntimeError) as e:
-    raise SystemExit(f"error: {e}") from None  # RuntimeError: assets.AssetError (not installed)
 
 
 def coloured(tokenizer, token_ids: list[int], groups: list[int], colour: bool) -> str:
@@ -129,52 +66,33 @@ def coloured(tokenizer, token_ids: list[int], groups: list[int], colour: bool) -
 def main(argv=None) -> int:
   args = parse_args(argv)
   # Imports after argument parsing so --help is instant.
-  from hamburger_jax import cache, pretrained
-  from hamburger_jax.decode.engine import Engine, GenerationError
-  from hamburger_jax.decode.sampling import SamplingError, SamplingParams
+  from hamburger_jax import cache, pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine, GenerationError  # pylint: disable=C0415
 
   cache.enable_compilation_cache(enabled=not args.no_compile_cache)
-  try:
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
-  except SamplingError as e:
-    raise SystemExit(f"error: {e}") from None
   prompts = read_prompts(args)
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
-  mode = args.mode or ("both" if checkpoint else "base")
-  if mode != "base" and checkpoint is None:
-    raise SystemExit("error: --mode hamburger needs a trained checkpoint (--checkpoint DIR); "
-                     "none is shipped at " + pretrained.DEFAULT_CHECKPOINT)
-  check_top_k(sampling, None if mode == "base" else checkpoint, args.base)
-  if mode == "base":
-    what = f"base {args.base or pretrained.DEFAULT_BASE}"
-    load = lambda: pretrained.load_llama(args.base or pretrained.DEFAULT_BASE)
-  else:
-    what = f"HAMburger {checkpoint}" + (f" on {args.base}" if args.base else "")
-    load = lambda: pretrained.load_hamburger(checkpoint, args.base)
-  try:
-    model, tok = phase(f"loading weights ({what})", load)
-  except (ValueError, RuntimeError, FileNotFoundError) as e:  # weights/config/asset errors
-    raise SystemExit(f"error: {e}") from None
+  mode = args.mode or pretrained.default_mode(checkpoint, both=True)
+  cli.check_top_k(args.sampling, None if mode == "base" else checkpoint, args.base)
+  model, tok = cli.load_model(mode, checkpoint, args.base)
   engine = Engine(model, tok)
   modes = ("base", "hamburger") if mode == "both" else (mode,)
   colour = sys.stdout.isatty() and not args.no_color
   results = {}
-  for m in modes:
-    try:
-      phase(f"compiling {m}", lambda: engine.compile(
-          prompts, max_new_tokens=args.max_new_tokens, mode=m, sampling=sampling))
-      results[m] = phase(f"generating {m}", lambda: engine.generate(
-          prompts, max_new_tokens=args.max_new_tokens, mode=m, sampling=sampling,
-          confidence=args.confidence, seed=args.seed, max_group=args.max_group))
-    except GenerationError as e:
-      raise SystemExit(f"error: {e}") from None
+  try:  # each prompt is templated once; both modes decode the same requests
+    requests = engine.requests(prompts, max_new_tokens=args.max_new_tokens,
+                               sampling=args.sampling, confidence=args.confidence,
+                               seed=args.seed, max_group=args.max_group)
+    for m in modes:
+      cli.phase(f"compiling {m}", lambda: engine.compile(requests, mode=m))
+      results[m] = cli.phase(f"generating {m}", lambda: engine.generate(requests, mode=m))
+  except GenerationError as e:
+    raise SystemExit(f"error: {e}") from None
   for i, prompt in enumerate(prompts):
     for m in modes:
       g = results[m][i]
       if args.json:
-        print(json.dumps({"prompt": prompt, "mode": m, **g.record(),
-                          **({"confidence": args.confidence, "max_group": args.max_group}
-                             if m == "hamburger" else {})}))
+        print(json.dumps({"prompt": prompt, "mode": m, **g.record(), **g.settings()}))
         continue
       if m == modes[0]:
         print(f"\n=== prompt {i + 1}: {prompt}")

@@ -17,7 +17,8 @@ import argparse
 import json
 import sys
 
-from hamburger_jax.config import DEFAULT_CONFIDENCE, DEFAULT_PREFIX_CACHE_TOKENS
+from hamburger_jax.config import DEFAULT_PREFIX_CACHE_TOKENS
+from infer import cli
 
 REQUEST_FIELDS = ("prompt", "max_new_tokens", "confidence", "max_group", "temperature",
                   "top_k", "top_p", "seed", "id")
@@ -33,17 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--block-size", type=int, default=16, help="KV entries per block")
   p.add_argument("--mode", choices=("hamburger", "base"), default=None,
                  help="default: hamburger when a checkpoint is available, else base")
-  p.add_argument("--checkpoint", default=None,
-                 help="HAMburger graft checkpoint directory (default: the shipped one)")
-  p.add_argument("--base", default=None, help="base model: smollm2 | file.gguf | HF directory")
-  p.add_argument("--max-new-tokens", type=int, default=128)
-  p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE)
-  p.add_argument("--max-group", type=int, default=None,
-                 help="the most tokens one macro step may emit, 1..K (default: the model's K)")
-  p.add_argument("--temperature", type=float, default=0.0)
-  p.add_argument("--top-k", type=int, default=0)
-  p.add_argument("--top-p", type=float, default=1.0)
-  p.add_argument("--seed", type=int, default=0)
+  cli.add_model_flags(p)
+  cli.add_decode_flags(p)  # every request's defaults; a .jsonl line may set its own
   p.add_argument("--json", action="store_true", help="one JSON object per finished request")
   p.add_argument("--prefix-cache-tokens", type=int, default=DEFAULT_PREFIX_CACHE_TOKENS,
                  help="KV entries of earlier turns kept for requests that repeat them "
@@ -52,19 +44,19 @@ def parse_args(argv=None) -> argparse.Namespace:
   args = p.parse_args(argv)
   if args.prefix_cache_tokens < 0:
     p.error("--prefix-cache-tokens must be >= 0 (0 turns prefix caching off)")
-  for name in ("slots", "block_size", "max_new_tokens"):
+  for name in ("slots", "block_size"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1")
   if args.kv_blocks is not None and args.kv_blocks < 2:
     p.error("--kv-blocks must be >= 2 (one block is reserved)")
+  cli.check_decode_flags(p, args)  # the defaults fail here, not once per request
   return args
 
 
 def read_requests(args) -> list[dict]:
   """Raw request dicts (checked later, one by one, so a bad one fails alone)."""
   if not args.prompts_file.endswith(".jsonl"):
-    from infer.generate import read_prompts_file  # pylint: disable=import-outside-toplevel
-    return [{"prompt": p} for p in read_prompts_file(args.prompts_file)]
+    return [{"prompt": p} for p in cli.read_prompts_file(args.prompts_file)]
   try:
     with open(args.prompts_file, encoding="utf-8") as f:
       lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
@@ -95,12 +87,12 @@ def read_requests(args) -> list[dict]:
 def to_request(raw: dict, index: int, args):
   """A Request, or (id, error) when its settings are invalid."""
   # pylint: disable=import-outside-toplevel
-  from hamburger_jax.decode.sampling import SamplingError, SamplingParams
-  from hamburger_jax.decode.requests import Request  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.sampling import SamplingError
+  from hamburger_jax.decode.requests import Request
   rid = raw.get("id", index)
   try:
-    sampling = SamplingParams(raw.get("temperature", args.temperature),
-                              raw.get("top_k", args.top_k), raw.get("top_p", args.top_p))
+    sampling = cli.sampling_params(raw.get("temperature", args.temperature),
+                                   raw.get("top_k", args.top_k), raw.get("top_p", args.top_p))
   except SamplingError as e:
     return rid, str(e)
   return Request(raw["prompt"], max_new_tokens=raw.get("max_new_tokens", args.max_new_tokens),
@@ -115,32 +107,18 @@ def main(argv=None) -> int:
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   from hamburger_jax import cache, pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine, GenerationError  # pylint: disable=C0415
-  from hamburger_jax.decode.sampling import SamplingError, SamplingParams  # pylint: disable=C0415
-  from infer.generate import check_top_k, phase  # pylint: disable=import-outside-toplevel
 
   cache.enable_compilation_cache(enabled=not args.no_compile_cache)
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
-  mode = args.mode or ("hamburger" if checkpoint else "base")
-  if mode == "hamburger" and checkpoint is None:
-    raise SystemExit("error: --mode hamburger needs a trained checkpoint (--checkpoint DIR)")
-  try:  # the flags are every request's defaults: wrong ones fail here, not once per request
-    defaults = SamplingParams(args.temperature, args.top_k, args.top_p)
-  except SamplingError as e:
-    raise SystemExit(f"error: {e}") from None
-  check_top_k(defaults, None if mode == "base" else checkpoint, args.base)
-  load = ((lambda: pretrained.load_llama(args.base or pretrained.DEFAULT_BASE)) if mode == "base"
-          else (lambda: pretrained.load_hamburger(checkpoint, args.base)))
-  try:
-    model, tok = phase(f"loading weights ({mode})", load)
-  except (ValueError, RuntimeError, FileNotFoundError) as e:
-    raise SystemExit(f"error: {e}") from None
+  mode = args.mode or pretrained.default_mode(checkpoint)
+  cli.check_top_k(args.sampling, None if mode == "base" else checkpoint, args.base)
+  model, tok = cli.load_model(mode, checkpoint, args.base)
   engine = Engine(model, tok, block_size=args.block_size,
                   prefix_cache_tokens=args.prefix_cache_tokens)
   requests, failed = [], []
   for i, raw in enumerate(raws):
     r = to_request(raw, i, args)
     (failed if isinstance(r, tuple) else requests).append(r)
-  settings = {r.id: {"confidence": r.confidence, "max_group": r.max_group} for r in requests}
   bar = tqdm(total=len(raws), desc=f"serving ({mode}, {args.slots} slots)", unit="req",
              file=sys.stderr)
   tokens = steps = errors = 0
@@ -156,7 +134,8 @@ def main(argv=None) -> int:
     errors += 1
     emit(rid, {"error": error})
   try:
-    for g in engine.serve(requests, slots=args.slots, kv_blocks=args.kv_blocks, mode=mode):
+    run = engine.serve(requests, slots=args.slots, kv_blocks=args.kv_blocks, mode=mode)
+    for g in run:
       if g.error:
         errors += 1
         emit(g.id, g.record())
@@ -164,16 +143,16 @@ def main(argv=None) -> int:
       tokens, steps = tokens + g.new_tokens, steps + g.macro_steps
       emit(g.id, {**g.record(), "queue_s": round(g.queue_s, 3),
                   "latency_s": round(g.latency_s, 3), "preemptions": g.preemptions,
-                  **(settings[g.id] if mode == "hamburger" else {})})
+                  **g.settings()})
   except GenerationError as e:
     raise SystemExit(f"error: {e}") from None
   finally:
     bar.close()
   elapsed = bar.format_dict["elapsed"]
-  stats = engine.last_serve
+  stats = run.stats
   in_flight = (f", {stats.mean_in_flight:.1f} requests in flight on average, "
                f"{stats.prefix_tokens} prompt tokens copied from the prefix cache"
-               if stats else "")
+               if stats.rounds else "")
   print(f"{len(raws) - errors} requests served ({errors} failed), {tokens} tokens in "
         f"{elapsed:.1f} s ({tokens / max(elapsed, 1e-9):.1f} tokens/s, "
         f"{tokens / max(steps, 1):.2f} tokens per macro step){in_flight}", file=sys.stderr)

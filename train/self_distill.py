@@ -25,6 +25,7 @@ from typing import Iterable, Iterator
 
 from hamburger_jax.data.sources import Conversation, sharegpt_conversations
 from hamburger_jax.evaluation import tasks as eval_tasks
+from infer import cli
 
 REASONING = {t.name: t for t in (eval_tasks.GSM_SYMBOLIC, eval_tasks.BASIC_ARITHMETIC,
                                  eval_tasks.CHAIN_SUM, eval_tasks.LETTER_COUNTING, eval_tasks.GCD,
@@ -141,7 +142,6 @@ def main(argv=None) -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--mix", required=True, help="e.g. gsm_symbolic:1000,sharegpt:1500")
   p.add_argument("--out", required=True, help="JSONL output (appended to; resumable)")
-  p.add_argument("--base", default="smollm2")
   p.add_argument("--max-new-tokens", type=int, default=160)
   p.add_argument("--max-prompt-tokens", type=int, default=96)
   p.add_argument("--batch", type=int, default=16, help="slots served at once (continuous batching)")
@@ -150,8 +150,8 @@ def main(argv=None) -> int:
   p.add_argument("--sharegpt-skip", type=int, default=0, metavar="N",
                  help="start after the first N ShareGPT prompts (with --seed: prompts that an "
                       "earlier run, e.g. the shipped graft's training data, did not use)")
-  p.add_argument("--checkpoint", default=None,
-                 help="a HAMburger graft: its own answers (on-policy) instead of the base's")
+  cli.add_model_flags(p, checkpoint_help="a HAMburger graft: its own answers (on-policy) "
+                     "instead of the base's")
   p.add_argument("--confidence", default=None,
                  help="with --checkpoint: confidences to decode at, cycled over the prompts "
                       "(e.g. 0.5,0.6,0.7)")
@@ -165,10 +165,8 @@ def main(argv=None) -> int:
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
 
   cache.enable_compilation_cache()
-  if args.checkpoint:
-    model, tok = pretrained.load_hamburger(args.checkpoint, base_source=args.base)
-  else:
-    model, tok = pretrained.load_llama(args.base)
+  model, tok = pretrained.load("hamburger" if args.checkpoint else "base", args.checkpoint,
+                               args.base)
   convs = interleave([list(sharegpt_prompts(n, tok, args.max_prompt_tokens, args.sharegpt_skip)
                            if name == "sharegpt" else reasoning_prompts(name, n, args.seed))
                       for name, n in parse_mix(args.mix)])

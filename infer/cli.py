@@ -1,0 +1,120 @@
+"""What the command-line entry points share: the model and decoding flags, reading prompts,
+checking settings before a model loads, loading with progress, and one-line errors.
+
+Heavy imports (jax, the models) happen inside the functions that need them, so that `--help`
+and argument errors answer at once.
+"""
+
+# pylint: disable=import-outside-toplevel
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any, Callable, TypeVar
+
+from hamburger_jax.config import DEFAULT_CONFIDENCE
+
+T = TypeVar("T")
+
+
+def add_model_flags(p: argparse.ArgumentParser, *, checkpoint_help: str | None = None) -> None:
+  """--checkpoint and --base: which graft and which base model to load."""
+  p.add_argument("--checkpoint", default=None,
+                 help=checkpoint_help or "HAMburger graft checkpoint directory (default: the "
+                 "shipped one)")
+  p.add_argument("--base", default=None, help="base model: smollm2 | file.gguf | HF directory")
+
+
+def add_decode_flags(p: argparse.ArgumentParser, *, max_new_tokens: int | None = 128,
+                     max_new_help: str | None = None, confidence: bool = True,
+                     sampling: bool = True) -> None:
+  """--max-new-tokens, --max-group, and (optionally) --confidence and the sampling flags."""
+  p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=max_new_help)
+  if confidence:
+    p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE,
+                   help="continue a group while P(continue) >= this (docs/method.md, section 3)")
+  p.add_argument("--max-group", type=int, default=None,
+                 help="the most tokens one macro step may emit, 1..K (default: the model's K); "
+                 "a smaller cap merges fewer tokens into each KV entry")
+  if sampling:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def check_decode_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """The decoding flags, checked by the rules every request is checked by (Request.check), so
+  that a wrong one fails before the model loads, as one line."""
+  from hamburger_jax.decode.requests import GenerationError, check_settings
+  from hamburger_jax.decode.sampling import SamplingError
+  try:
+    check_settings(1 if args.max_new_tokens is None else args.max_new_tokens,
+                   getattr(args, "confidence", DEFAULT_CONFIDENCE), args.max_group,
+                   getattr(args, "seed", 0))
+    if hasattr(args, "temperature"):
+      args.sampling = sampling_params(args.temperature, args.top_k, args.top_p)
+  except (GenerationError, SamplingError) as e:
+    p.exit(2, f"error: {e}\n")
+
+
+def sampling_params(temperature: float, top_k: int, top_p: float):
+  from hamburger_jax.decode.sampling import SamplingParams
+  return SamplingParams(temperature, top_k, top_p)
+
+
+def check_top_k(sampling, checkpoint: str | None, base: str | None) -> None:
+  """--top-k against the model's vocabulary, read from metadata before the weights load."""
+  if not sampling.top_k:
+    return
+  from hamburger_jax import pretrained
+  from hamburger_jax.convert.mapping import WeightsError
+  from hamburger_jax.decode.sampling import SamplingError
+  try:
+    sampling.check_vocab(pretrained.vocab_size(checkpoint, base))
+  except (SamplingError, WeightsError, FileNotFoundError, ValueError, RuntimeError) as e:
+    raise SystemExit(f"error: {e}") from None  # RuntimeError: assets.AssetError (not installed)
+
+
+def read_prompts_file(path: str) -> list[str]:
+  """One prompt per non-blank line of a UTF-8 text file; SystemExit saying what is wrong."""
+  if not os.path.isfile(path):
+    raise SystemExit(f"error: --prompts-file {path} does not exist (or is not a file)")
+  try:
+    with open(path, encoding="utf-8") as f:
+      prompts = [line.rstrip("\n") for line in f if line.strip()]
+  except UnicodeDecodeError as e:
+    raise SystemExit(f"error: --prompts-file {path} is not UTF-8 text ({e.reason} at byte "
+                     f"{e.start}): save it as UTF-8") from None
+  if not prompts:
+    raise SystemExit(f"error: --prompts-file {path} has no prompts (it is empty or blank): "
+                     "write one prompt per line")
+  return prompts
+
+
+def phase(what: str, fn: Callable[[], T]) -> T:
+  """Runs one phase of the run and says on stderr what it was and how long it took."""
+  print(f"{what} ...", end="", file=sys.stderr, flush=True)
+  t = time.perf_counter()
+  try:
+    out = fn()
+  except BaseException:
+    print(f" failed after {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    raise
+  print(f" {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+  return out
+
+
+def load_model(mode: str, checkpoint: str | None, base: str | None, *,
+               untrained_ok: bool = False, **overrides: Any):
+  """pretrained.load with a progress line; a model that cannot load is a one-line error."""
+  from hamburger_jax import pretrained
+  what = pretrained.describe(mode, checkpoint, base)
+  try:
+    return phase(f"loading weights ({what})", lambda: pretrained.load(
+        mode, checkpoint, base, untrained_ok=untrained_ok, **overrides))
+  except (ValueError, RuntimeError, FileNotFoundError) as e:  # weights/config/asset errors
+    raise SystemExit(f"error: {e}") from None
