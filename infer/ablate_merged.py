@@ -9,7 +9,7 @@ data with teacher signals) with every merged entry made three ways.
 - last_token: the group's last token alone through the exact base, its other tokens dropped:
   what one KV entry per group keeps with no learned merging (the entry keeps its position, the
   last token's, as in docs/SPEC.md 1.2).
-Prints a markdown table (EVALUATION.md, seventh session); --json writes the numbers.
+Prints a markdown table (the one in docs/results/fidelity.md); --json writes the numbers.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import contextlib
 import json
 import os
 import sys
+
+from infer import cli
 
 VARIANTS = ("graft", "no_adapters", "last_token")
 METRICS = ("merged", "unmerged", "s2", "s3", "s4")
@@ -53,12 +55,13 @@ def merged_entry(kind: str):
 
 def run(model, data_dir: str, split: str, limit: int | None, batch: int,
         variants=VARIANTS) -> dict[str, dict]:
-  """{variant: {"nll", "merged", "unmerged", "s2".., }} from infer.eval's eval_nll."""
-  from infer.eval import eval_nll  # pylint: disable=import-outside-toplevel
+  """{variant: {"nll", "merged", "unmerged", "s2".., }} from infer.eval's nll task
+  (teacher_forced.nll_task)."""
+  from hamburger_jax.evaluation.teacher_forced import nll_task  # pylint: disable=C0415
   out = {}
   for kind in variants:
     with merged_entry(kind):
-      r = eval_nll(model, data_dir, split, limit, batch)
+      r = nll_task(model, data_dir, split, limit, batch)
     agreement = r.get("teacher_agreement")
     if not agreement or "skipped" in agreement:
       raise ValueError(f"{data_dir} has no usable teacher signals "
@@ -77,7 +80,7 @@ def main(argv=None) -> int:
   p.add_argument("--split", default="validation")
   p.add_argument("--limit", type=int, default=48, help="records (default 48)")
   p.add_argument("--batch", type=int, default=8)
-  p.add_argument("--checkpoint", default=None, help="graft export (default: the shipped one)")
+  cli.add_model_flags(p, checkpoint_help="graft export (default: the shipped one)")
   p.add_argument("--json", default=None, help="also write the numbers to this file")
   args = p.parse_args(argv)
   if not os.path.isdir(args.data):
@@ -86,8 +89,7 @@ def main(argv=None) -> int:
     p.error("--limit and --batch must be >= 1")
   if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
     p.error(f"--checkpoint {args.checkpoint} does not exist")
-  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
-  model, _ = pretrained.load_hamburger(args.checkpoint)
+  model, _ = cli.load_model("hamburger", args.checkpoint, args.base)
   try:
     out = run(model, args.data, args.split, args.limit, args.batch)
   except ValueError as e:

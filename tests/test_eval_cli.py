@@ -1,9 +1,11 @@
 """`python -m infer.eval` end to end on the tiny random model (synthetic + nll tasks): the output
 files, the numbers' invariants, the disjointness check and clear errors for bad arguments. Also
-its statistics on known samples (bootstrap intervals, token agreement) and the teacher-agreement
-split of the nll task on a synthetic teacher dataset, against a direct computation.
+the statistics it reports on known samples (bootstrap intervals, token agreement), the
+teacher-agreement split of the nll task on a synthetic teacher dataset against a direct
+computation, and the trainer's validation reporting the nll task's numbers.
 
-The scorers themselves are tested on known strings in test_evaluation.py.
+The scorers themselves are tested on known strings in test_evaluation.py, the teacher-forced
+evaluator's pooling in test_teacher_forced.py.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import jax
 import numpy as np
@@ -24,11 +27,12 @@ import pytest
 from hamburger_jax import pretrained
 from hamburger_jax.data import pipeline
 from hamburger_jax.distillation import TRACKED_CONFIDENCES, micro_step_losses
+from hamburger_jax.evaluation import agreement, report, scoring, teacher_forced
+from hamburger_jax.evaluation.scoring import SyntheticTask
+from hamburger_jax.evaluation.statistics import bootstrap_ci, paired_bootstrap_ci
 from hamburger_jax.model.llama import causal_segment_mask
 from hamburger_jax.run_config import DistillConfig, load_run_config
 from hamburger_jax.testing import build_synthetic_teacher_dataset
-from infer import eval as ev
-from infer.eval import SyntheticTask
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -127,9 +131,9 @@ def test_results_md_and_generations(tiny_eval: Path):
   ids = list(base)
   scores = lambda c: [r["score"] for r in rows if r["confidence"] == c]
   low = {r["id"]: r["token_ids"] for r in rows if r["confidence"] == 0.3}
-  assert syn["base"]["ci95"] == list(ev.bootstrap_ci(scores(None)))
-  assert syn["hamburger"]["0.3"]["delta_ci95"] == list(ev.paired_bootstrap_ci(scores(0.3),
-                                                                               scores(None)))
+  assert syn["base"]["ci95"] == list(bootstrap_ci(scores(None)))
+  assert syn["hamburger"]["0.3"]["delta_ci95"] == list(paired_bootstrap_ci(scores(0.3),
+                                                                            scores(None)))
   prefix = [next((i for i, (a, b) in enumerate(zip(base[k], low[k])) if a != b),
                  min(len(base[k]), len(low[k]))) / max(len(base[k]), 1) for k in ids]
   assert syn["hamburger"]["0.3"]["identical"] == pytest.approx(
@@ -137,7 +141,7 @@ def test_results_md_and_generations(tiny_eval: Path):
   assert syn["hamburger"]["0.3"]["prefix_agreement"] == pytest.approx(
       np.mean([1.0 if base[k] == low[k] else p for k, p in zip(ids, prefix)]))
   groups = {r["id"]: r["groups"] for r in rows if r["confidence"] == 0.3}
-  split = ev.first_divergence([base[k] for k in ids], [low[k] for k in ids],
+  split = agreement.first_divergence([base[k] for k in ids], [low[k] for k in ids],
                               [groups[k] for k in ids])
   assert {k: syn["hamburger"]["0.3"][k] for k in split} == split
   lo, hi = syn["base"]["ci95"]
@@ -218,22 +222,22 @@ def _reference_percentile_ci(x: list[float], n_resamples: int, seed: int) -> tup
 
 
 def test_bootstrap_ci_known_cases():
-  assert ev.bootstrap_ci([0.7] * 50) == (pytest.approx(0.7), pytest.approx(0.7))
+  assert bootstrap_ci([0.7] * 50) == (pytest.approx(0.7), pytest.approx(0.7))
   coin = [0.0, 1.0] * 100  # mean 0.5, n = 200: 1.96 x sqrt(0.25 / 200) = 0.069 either side
-  lo, hi = ev.bootstrap_ci(coin)
+  lo, hi = bootstrap_ci(coin)
   assert lo == pytest.approx(0.5 - 0.069, abs=0.012) and hi == pytest.approx(0.5 + 0.069, abs=0.012)
-  assert ev.bootstrap_ci(coin) == (lo, hi)  # seeded
-  assert ev.bootstrap_ci(coin, seed=1) != (lo, hi)
-  assert all(math.isnan(v) for v in ev.bootstrap_ci([]))
+  assert bootstrap_ci(coin) == (lo, hi)  # seeded
+  assert bootstrap_ci(coin, seed=1) != (lo, hi)
+  assert all(math.isnan(v) for v in bootstrap_ci([]))
   with pytest.raises(ValueError, match="one number per example"):
-    ev.bootstrap_ci([[1.0, 2.0]])
+    bootstrap_ci([[1.0, 2.0]])
 
 
 def test_bootstrap_ci_matches_a_slow_reference_on_a_skewed_sample():
   # Skewed scores: the percentile interval is asymmetric about the mean (a normal approximation
   # would not be), and an independent resampler lands on the same interval.
   x = np.random.default_rng(3).lognormal(0.0, 1.5, 60).tolist()
-  lo, hi = ev.bootstrap_ci(x, n_resamples=4000)
+  lo, hi = bootstrap_ci(x, n_resamples=4000)
   ref_lo, ref_hi = _reference_percentile_ci(x, 4000, seed=0)
   width = ref_hi - ref_lo
   assert abs(lo - ref_lo) < 0.06 * width and abs(hi - ref_hi) < 0.06 * width
@@ -245,44 +249,43 @@ def test_paired_bootstrap_ci_resamples_pairs_together():
   rng = np.random.default_rng(0)
   base = rng.uniform(0.0, 1.0, 200)  # examples differ a lot in difficulty
   ham = base + rng.normal(0.05, 0.01, 200)  # HAMburger: a little better on each
-  lo, hi = ev.paired_bootstrap_ci(ham, base)
+  lo, hi = paired_bootstrap_ci(ham, base)
   assert lo < 0.05 < hi
   # Resampling the two sides independently would carry the examples' spread (width ~0.11).
-  base_lo, base_hi = ev.bootstrap_ci(base)
+  base_lo, base_hi = bootstrap_ci(base)
   assert hi - lo < 0.05 * (base_hi - base_lo)
-  assert (lo, hi) == ev.bootstrap_ci(ham - base)
-  assert ev.paired_bootstrap_ci([1.0, 0.5, 0.0], [0.5, 0.0, -0.5]) == (
+  assert (lo, hi) == bootstrap_ci(ham - base)
+  assert paired_bootstrap_ci([1.0, 0.5, 0.0], [0.5, 0.0, -0.5]) == (
       pytest.approx(0.5), pytest.approx(0.5))
   with pytest.raises(ValueError, match="one pair per example"):
-    ev.paired_bootstrap_ci([1.0, 0.0], [1.0])
+    paired_bootstrap_ci([1.0, 0.0], [1.0])
 
 
 def test_token_agreement():
-  from hamburger_jax.evaluation.agreement import token_agreement  # pylint: disable=import-outside-toplevel
-  assert ev.token_agreement is token_agreement  # infer.eval reports the library's measure
+  token_agreement = agreement.token_agreement
+  assert scoring.token_agreement is token_agreement  # infer.eval reports the library's measure
   base = [[1, 2, 3, 4], [5, 6], [7], [], [1, 2]]
   ham = [[1, 2, 3, 4], [5, 9, 9], [8], [], [1, 2, 3]]
   # identical: examples 0 and 3; prefixes 4/4, 1/2, 0/1, (both empty) 1, 2/2 (ham runs on).
-  assert ev.token_agreement(base, ham) == {"identical": pytest.approx(2 / 5),
+  assert token_agreement(base, ham) == {"identical": pytest.approx(2 / 5),
                                            "prefix_agreement": pytest.approx(3.5 / 5)}
   with pytest.raises(ValueError, match="compare the same examples"):
-    ev.token_agreement(base, ham[:2])
+    token_agreement(base, ham[:2])
 
 
 def test_first_divergence():
-  from hamburger_jax.evaluation import agreement  # pylint: disable=import-outside-toplevel
-  assert ev.first_divergence is agreement.first_divergence
+  assert scoring.first_divergence is agreement.first_divergence
   base = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4], [1, 2], [1, 2, 3]]
   ham = [[1, 2, 3, 4], [1, 9, 3, 4], [1, 2, 9, 4], [1, 2, 3, 9], [1, 2, 3], [1, 2, 3, 4, 5]]
   groups = [[4], [2, 2], [2, 2], [1, 1, 1, 1], [2, 1], [3, 1, 1]]
   # 0 identical; 1 differs at token 1, inside a group (micro token); 2 at token 2, the first of a
   # group after a merged one; 3 at token 3, after a single-token entry; 4 and 5 run past the
   # base's end (one is the other cut short): counted in none.
-  assert ev.first_divergence(base, ham, groups) == {
+  assert agreement.first_divergence(base, ham, groups) == {
       "diverge_micro_token": pytest.approx(1 / 6), "diverge_after_merged": pytest.approx(1 / 6),
       "diverge_after_single": pytest.approx(1 / 6)}
   with pytest.raises(ValueError, match="compare the same examples"):
-    ev.first_divergence(base, ham, groups[:2])
+    agreement.first_divergence(base, ham, groups[:2])
 
 
 # ----------------------------------------------------------------------------- teacher agreement
@@ -292,14 +295,14 @@ TEACHER_BATCH = 2  # rows per batch: several batches over the 16 validation reco
 
 @pytest.fixture(scope="module")
 def teacher_nll(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
-  """eval_nll of the tiny random model on a synthetic dataset carrying its base's teacher
+  """The nll task of the tiny random model on a synthetic dataset carrying its base's teacher
   signals (as tests/test_training.py's teacher_data_dir)."""
   cfg = load_run_config(TINY, ["graft.base_lora_rank=4"])
   data = build_synthetic_teacher_dataset(str(tmp_path_factory.mktemp("teacher") / "data"), cfg,
                                          n_train=4, n_val=16)
   model, _ = pretrained.build_run_model(cfg)
-  return SimpleNamespace(model=model, data=data,
-                         result=ev.eval_nll(model, data, "validation", None, TEACHER_BATCH))
+  return SimpleNamespace(model=model, data=data, result=teacher_forced.nll_task(
+      model, data, "validation", None, TEACHER_BATCH))
 
 
 def test_teacher_agreement_is_pooled_over_each_metrics_groups(teacher_nll: SimpleNamespace):
@@ -324,7 +327,7 @@ def test_teacher_agreement_is_pooled_over_each_metrics_groups(teacher_nll: Simpl
   records = [source[i] for i in range(len(source))]
   hits, counts = collections.Counter(), collections.Counter()
   batch_means = collections.defaultdict(list)
-  for batch in ev.nll_batches(records, k, TEACHER_BATCH):
+  for batch in teacher_forced.split_batches(records, k, TEACHER_BATCH):
     agree = np.asarray(agreement(batch))
     window = batch["window_size"]
     rows = np.arange(window.shape[0])[:, None]
@@ -374,7 +377,7 @@ def test_teacher_acceptance_replays_the_decoding_rule(teacher_nll: SimpleNamespa
   source = pipeline.open_split(teacher_nll.data, "validation", k)
   records = [source[i] for i in range(len(source))]
   groups, emitted, accepted, accepted_agree = (collections.Counter() for _ in range(4))
-  for batch in ev.nll_batches(records, k, TEACHER_BATCH):
+  for batch in teacher_forced.split_batches(records, k, TEACHER_BATCH):
     p_continue, agree = (np.asarray(x) for x in stop_and_agree(batch))
     size = batch["window_size"].reshape(-1)
     for c in TRACKED_CONFIDENCES:
@@ -397,9 +400,9 @@ def test_teacher_acceptance_replays_the_decoding_rule(teacher_nll: SimpleNamespa
   # The random graft continues about half the time: the confidences give different answers.
   lo, hi = TRACKED_CONFIDENCES[0], TRACKED_CONFIDENCES[-1]
   assert emitted[lo] / groups[lo] > emitted[hi] / groups[hi]
-  md = ev.markdown({"config": {"confidence": [0.5], "batch": TEACHER_BATCH}, "created": "now",
-                    "model": {"base": "random", "checkpoint": None},
-                    "command": "python -m infer.eval", "tasks": {"nll": teacher_nll.result}})
+  md = report.markdown({"config": {"confidence": [0.5], "batch": TEACHER_BATCH}, "created": "now",
+                        "model": {"base": "random", "checkpoint": None},
+                        "command": "python -m infer.eval", "tasks": {"nll": teacher_nll.result}})
   assert "| tokens per step | " + " | ".join(
       f"{emitted[c] / groups[c]:.3f}" for c in TRACKED_CONFIDENCES) + " |" in md
 
@@ -408,7 +411,7 @@ def test_teacher_agreement_in_results_md(teacher_nll: SimpleNamespace):
   results = {"config": {"confidence": [0.5], "batch": TEACHER_BATCH}, "created": "now",
              "model": {"base": "random", "checkpoint": None}, "command": "python -m infer.eval",
              "tasks": {"nll": teacher_nll.result}}
-  md = ev.markdown(results)
+  md = report.markdown(results)
   agree = teacher_nll.result["teacher_agreement"]
   assert "| merged | unmerged | s1 | s2 | s3 | s4 |" in md
   assert (f"| {agree['merged']:.3f} ({agree['groups']['merged']}) | "
@@ -416,19 +419,68 @@ def test_teacher_agreement_in_results_md(teacher_nll: SimpleNamespace):
 
 
 def test_teacher_signals_of_another_base_are_not_compared(teacher_nll: SimpleNamespace):
-  assert ev.teacher_mismatch(teacher_nll.model, teacher_nll.data) is None
+  assert teacher_forced.teacher_mismatch(teacher_nll.model, teacher_nll.data) is None
   # another random base
   other, _ = pretrained.build_run_model(load_run_config(TINY, ["train.seed=1"]))
-  assert "segmented with another base" in ev.teacher_mismatch(other, teacher_nll.data)
+  assert "segmented with another base" in teacher_forced.teacher_mismatch(other, teacher_nll.data)
   # layers 1, 3
   other, _ = pretrained.build_run_model(load_run_config(TINY, ["graft.num_features=2"]))
-  assert "stores the teacher's features of layers" in ev.teacher_mismatch(other, teacher_nll.data)
+  assert "stores the teacher's features of layers" in teacher_forced.teacher_mismatch(
+      other, teacher_nll.data)
+
+
+# ----------------------------------------------------------------------------- trainer agreement
+
+
+def _trainer_validation(cfg, records: list) -> dict[str, float]:
+  """Trainer.evaluate of a fresh trainer (its model is build_run_model's: the nll task's) over
+  `records` packed in the training shapes (2-row batches: several, for the pooling to matter),
+  not the nll task's."""
+  from train import trainer  # pylint: disable=import-outside-toplevel
+  tr = trainer.Trainer(cfg)
+  d = cfg.data
+  batches = pipeline.packed_dataset(records, batch_rows=tr.local_rows, entries=d.entries,
+                                    groups=d.groups, max_group=cfg.graft.max_group, seed=None,
+                                    num_epochs=1, prefetch=0)
+  return tr.evaluate(iter(batches), max_batches=len(records))
+
+
+def _assert_same_numbers(val: dict[str, float], nll: dict[str, Any]) -> None:
+  ham = nll["hamburger"]
+  assert val["val_lm_loss"] == pytest.approx(ham["score"], rel=1e-5)
+  names = [n for n in ham if n != "score"]
+  assert {"loss", "stop_bce", "stop_acc", "acc_s1", "acc_s4"} <= set(names)
+  for n in names:
+    assert val[f"val_{n}"] == pytest.approx(ham[n], rel=1e-5, abs=1e-6), n
+
+
+def test_trainer_validation_reports_the_nll_tasks_numbers(tiny_eval: Path, tiny_data_dir: str):
+  """The same model on the same records: the trainer's validation (2-row batches of the run's
+  shape) and infer.eval's nll task (4-row batches of its own shape, in results.json) agree on
+  every metric they share, whatever the packing."""
+  nll = json.loads((tiny_eval / "results.json").read_text())["tasks"]["nll"]
+  records = teacher_forced.read_records(tiny_data_dir, "validation", 4, LIMIT)
+  cfg = load_run_config(TINY, [f"data.dir={tiny_data_dir}", "data.rows=2"])
+  _assert_same_numbers(_trainer_validation(cfg, records), nll)
+
+
+def test_trainer_validation_reports_the_nll_tasks_teacher_numbers(teacher_nll: SimpleNamespace):
+  records = teacher_forced.read_records(teacher_nll.data, "validation", 4)
+  cfg = load_run_config(TINY, ["graft.base_lora_rank=4", f"data.dir={teacher_nll.data}",
+                               "data.rows=2"])
+  val = _trainer_validation(cfg, records)
+  _assert_same_numbers(val, teacher_nll.result)
+  agree = teacher_nll.result["teacher_agreement"]
+  for n in ("merged", "unmerged", "s1", "s2", "s3", "s4"):
+    assert val[f"val_agree_{n}"] == pytest.approx(agree[n], rel=1e-5), n
+  for n, v in teacher_nll.result["teacher_acceptance"].items():
+    assert val[f"val_{n}"] == pytest.approx(0.0 if v is None else v, rel=1e-5), n
 
 
 # ----------------------------------------------------------------------------- merged-entry ablation
 
 def test_ablation_graft_variant_is_the_nll_tasks_agreement(teacher_nll: SimpleNamespace):
-  """infer.ablate_merged's "graft" row is eval_nll's teacher agreement; with the adapters at
+  """infer.ablate_merged's "graft" row is the nll task's teacher agreement; with the adapters at
   zero (the fixture's fresh graft) "no_adapters" is the same model, and "last_token" is not."""
   from hamburger_jax.model.compositional_embedder import CompositionalEmbedder  # pylint: disable=C0415
   from infer import ablate_merged  # pylint: disable=import-outside-toplevel

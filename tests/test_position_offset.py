@@ -11,6 +11,7 @@ import numpy as np
 from hamburger_jax import assets, layout, pretrained, testing
 from hamburger_jax.data import pipeline
 from hamburger_jax.decode.engine import Engine
+from hamburger_jax.evaluation.teacher_forced import split_batches
 from hamburger_jax.run_config import load_run_config
 from infer import eval as ev
 from train import trainer
@@ -31,10 +32,10 @@ def _segments(batch) -> list[tuple[int, ...]]:
   return sorted(out)
 
 
-def test_nll_batches_follow_the_layout_rules(tiny_data_dir):
+def test_split_batches_follow_the_layout_rules(tiny_data_dir):
   records = _records(tiny_data_dir, 6)
   for offset in (0, 1):
-    batch = next(iter(ev.nll_batches(records, 4, 8, offset)))
+    batch = next(iter(split_batches(records, 4, 8, offset)))
     want = sorted(tuple(layout.merged_positions(int(r["prompt_len"]), np.asarray(r["groups"]),
                                                 offset).tolist()) for r in records)
     assert _segments(batch) == want

@@ -30,6 +30,7 @@ from hamburger_jax.config import ConfigError
 from hamburger_jax.data import pipeline
 from hamburger_jax.decode.requests import pooled_tokens_per_step
 from hamburger_jax.distillation import acceptance_metrics, distill_loss, micro_distill_loss
+from hamburger_jax.evaluation import teacher_forced
 from hamburger_jax.evaluation.agreement import token_agreement
 from hamburger_jax.losses import hamburger_loss
 from hamburger_jax.model.hamburger import Hamburger
@@ -250,15 +251,12 @@ class Trainer:
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   def _eval_step(self, params, frozen, batch):
-    _, metrics = self._loss(params, frozen, batch)
-    if "teacher_features" in batch and "agree_merged" not in metrics:
-      # One yardstick for every recipe and stage: HAMburger's teacher-forced agreement with the
-      # base's greedy tokens, after merged and after unmerged entries, and per micro step; and
-      # what decoding at a few confidences would accept (distillation.acceptance).
-      _, full = distill_loss(self._merge(params, frozen), batch, self.cfg.distill,
-                             self.cfg.train.ce_chunk)
-      metrics.update({k: v for k, v in full.items() if k.startswith(("agree_", "tf_", "n_tf_"))})
-    return metrics
+    # The recipe's own loss metrics; on teacher data also HAMburger's agreement with the base's
+    # greedy tokens and the teacher-forced acceptance (one yardstick for every recipe and stage).
+    return teacher_forced.batch_totals(
+        self._merge(params, frozen), batch, recipe=self.cfg.train.recipe,
+        loss_fn=lambda _, b: self._loss(params, frozen, b), distill=self.cfg.distill,
+        ce_chunk=self.cfg.train.ce_chunk)
 
   # ---------------------------------------------------------------- host side
 
@@ -277,28 +275,19 @@ class Trainer:
     self.state, metrics = self._step_fn(tuple(batch))(self.state, self.frozen, batch)
     return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
-  def evaluate(self, batches: Iterator[dict[str, np.ndarray]], max_batches: int) -> dict[str, float]:
-    """Token-weighted validation metrics over up to `max_batches` batches."""
-    totals: dict[str, float] = {}
-    counts: dict[str, float] = {}
-    weight = 0.0
+  def evaluate(self, batches: Iterator[dict[str, np.ndarray]],
+               max_batches: int) -> dict[str, float]:
+    """Validation metrics over up to `max_batches` batches, pooled by the rule of
+    hamburger_jax.evaluation.teacher_forced (each metric over its own items), as val_*."""
+    pool = teacher_forced.Pool()
     for i, b in enumerate(batches):
       if i >= max_batches:
         break
       batch = {k: v[0] for k, v in self.global_batch([b]).items()}
-      m = jax.device_get(self._eval_fn(self.state.params, self.frozen, batch))
-      w = float(m["tokens"])
-      for k, v in m.items():
-        if k.startswith("n_"):  # counts: summed, their ratios taken once at the end
-          counts[k] = counts.get(k, 0.0) + float(v)
-        elif k not in ("tokens", "groups"):
-          totals[k] = totals.get(k, 0.0) + float(v) * w
-      weight += w
-    out = {k: v / max(weight, 1.0) for k, v in totals.items()}
-    if counts:
-      out.update(counts)
-      out.update({k: float(v) for k, v in acceptance_metrics(counts).items()})
-    return {f"val_{k}": v for k, v in out.items()}
+      pool.add(self._eval_fn(self.state.params, self.frozen, batch))
+    # metrics.jsonl and TensorBoard take numbers: a metric with no items is logged as 0, and its
+    # count (val_n_tf_* for the acceptance shares) tells it apart, as train.curves reads it.
+    return {f"val_{k}": 0.0 if v is None else v for k, v in pool.result().items()}
 
   def current_model(self) -> Hamburger:
     """The model with the current params (host-gathered when the run spans processes)."""

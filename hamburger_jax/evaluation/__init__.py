@@ -1,2 +1,3 @@
-"""Evaluation tasks and scorers (reasoning-gym exact match, HumanEval pass@1, MT-Bench ROUGE-L)
-and the OS sandbox that runs model-written code. No model code here."""
+"""Evaluation: tasks and scorers (reasoning-gym exact match, HumanEval pass@1, MT-Bench ROUGE-L),
+the OS sandbox that runs model-written code, batched generation and its scoring, bootstrap
+intervals, the teacher-forced evaluator that training and `infer.eval` share, and results.md."""

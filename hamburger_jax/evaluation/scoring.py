@@ -1,0 +1,121 @@
+"""Scoring a generation task's runs: per-example scores of the base and of HAMburger at each
+confidence, and the entry results.json keeps for the task (score, bootstrap intervals, KV
+compression, speed ratio, agreement with the base's tokens)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator
+
+from hamburger_jax.evaluation import tasks as eval_tasks
+from hamburger_jax.evaluation.agreement import first_divergence, token_agreement
+from hamburger_jax.evaluation.generation import ModeRun, run_modes
+from hamburger_jax.evaluation.statistics import paired_bootstrap_ci
+from hamburger_jax.testing import synthetic_samples
+
+# Synthetic prompts come from this seed; build_synthetic_dataset's seeds (0, 1) stay below.
+SYNTHETIC_SEED = eval_tasks.EVAL_SEED
+# The tasks scored by ROUGE-L against the base's own answers (score_vs_base).
+VS_BASE_TASKS = ("mt_bench", "sharegpt_heldout")
+
+
+def ckey(c: float) -> str:
+  """A confidence as a results.json key: 0.6 -> "0.6"."""
+  return f"{c:g}"
+
+
+@dataclasses.dataclass
+class Scored:
+  """A generation task's runs and per-example scores."""
+  metric: str
+  examples: list  # tasks.Example
+  base: ModeRun
+  ham: dict[float, ModeRun]
+  base_scores: list[float]
+  ham_scores: dict[float, list[float]]
+
+  def result(self, max_new: int) -> dict[str, Any]:
+    """results.json's entry; speed ratio = HAMburger decode tokens/s over the base's; delta =
+    HAMburger's score minus the base's, with its paired interval; token agreement with the base."""
+    result = {"metric": self.metric, "n": len(self.examples), "max_new_tokens": max_new,
+              "base": self.base.summary(self.base_scores), "hamburger": {}}
+    base_ids = [g.token_ids for g in self.base.gens]
+    for c, run in self.ham.items():
+      summary = run.summary(self.ham_scores[c])
+      summary["speed_ratio"] = summary["tokens_per_s"] / result["base"]["tokens_per_s"]
+      summary["delta"] = summary["score"] - result["base"]["score"]
+      summary["delta_ci95"] = list(paired_bootstrap_ci(self.ham_scores[c], self.base_scores))
+      summary.update(token_agreement(base_ids, [g.token_ids for g in run.gens]))
+      summary.update(first_divergence(base_ids, [g.token_ids for g in run.gens],
+                                      [g.groups for g in run.gens]))
+      result["hamburger"][ckey(c)] = summary
+    return result
+
+  def records(self, task: str) -> Iterator[dict[str, Any]]:
+    """generations.jsonl lines: one per example and mode."""
+    runs = [("base", None, self.base, self.base_scores)] + [
+        ("hamburger", c, run, self.ham_scores[c]) for c, run in self.ham.items()]
+    for mode, c, run, scores in runs:
+      for ex, g, s in zip(self.examples, run.gens, scores):
+        yield {"task": task, "id": ex.id, "mode": mode, "confidence": c, "score": s,
+               "text": g.text, "token_ids": g.token_ids, "groups": g.groups,
+               "macro_steps": g.macro_steps, "prompt_tokens": g.prompt_tokens}
+
+
+def score_by_task(engine, task, examples, confidences, max_new, batch,
+                  max_group=None) -> Scored:
+  """reasoning-gym exact match and HumanEval pass@1: task.score(text, example) per generation."""
+  base, ham = run_modes(engine, examples, confidences, max_new, batch, task.name, max_group)
+  score = lambda run: [task.score(g.text, ex) for g, ex in zip(run.gens, examples)]
+  return Scored("pass@1" if task.name == "humaneval" else "exact_match", examples, base, ham,
+                score(base), {c: score(run) for c, run in ham.items()})
+
+
+def score_vs_base(engine, task, examples, confidences, max_new, batch, max_group=None) -> Scored:
+  """ROUGE-L of HAMburger's answers against the base's own answers (attached as references):
+  mt_bench and sharegpt_heldout (tasks.VsReferenceTask), which have no judge offline."""
+  base, ham = run_modes(engine, examples, confidences, max_new, batch, task.name, max_group)
+  examples = [task.with_reference(ex, g.text) for ex, g in zip(examples, base.gens)]
+  return Scored("rouge_l_vs_base", examples, base, ham,
+                [1.0] * len(examples),  # the base against itself, by definition
+                {c: [task.score(g.text, ex) for g, ex in zip(run.gens, examples)]
+                 for c, run in ham.items()})
+
+
+class SyntheticTask:
+  """Prompts of hamburger_jax.testing.synthetic_samples (token ids, for tokenizer-less models);
+  score = fraction of the expected continuation's first max_new tokens generated exactly."""
+
+  name = "synthetic"
+
+  def __init__(self, vocab: int, max_group: int):
+    self.vocab, self.max_group = vocab, max_group
+
+  def examples(self, n: int) -> list[eval_tasks.Example]:
+    samples = synthetic_samples(n, self.vocab, self.max_group, seed=SYNTHETIC_SEED)
+    # `messages` holds token ids here: the engine takes a list of ints as a raw prompt.
+    return [eval_tasks.Example(f"synthetic/{SYNTHETIC_SEED}/{i}",
+                               s["input_ids"][:s["prompt_len"]].tolist(),
+                               s["input_ids"][s["prompt_len"]:].tolist())
+            for i, s in enumerate(samples)]
+
+  @staticmethod
+  def score(token_ids: list[int], example, max_new: int) -> float:
+    expected = example.reference[:max_new]
+    return sum(a == b for a, b in zip(token_ids, expected)) / max(len(expected), 1)
+
+
+def score_synthetic(engine, task: SyntheticTask, examples, confidences, max_new, batch,
+                    max_group=None) -> Scored:
+  """Token match of the synthetic task (scored on ids: the model may have no tokenizer)."""
+  base, ham = run_modes(engine, examples, confidences, max_new, batch, task.name, max_group)
+  score = lambda run: [task.score(g.token_ids, ex, max_new) for g, ex in zip(run.gens, examples)]
+  return Scored("token_match", examples, base, ham, score(base),
+                {c: score(run) for c, run in ham.items()})
+
+
+def run_task(engine, task, examples, confidences, max_new, batch, max_group=None) -> Scored:
+  """Generates and scores one task by its family's rule (the three functions above)."""
+  family = (score_vs_base if task.name in VS_BASE_TASKS else
+            score_synthetic if task.name == "synthetic" else score_by_task)
+  return family(engine, task, examples, confidences, max_new, batch, max_group)
