@@ -131,6 +131,17 @@ class LlamaConfig:
     return cls(**kwargs)
 
 
+# Published architectures, by the name of the model's HF directory (its hub name): a config may
+# name a base that is not on this machine (configs/llama3_2_1b.yaml), and what needs only its
+# shapes (random weights, FLOP counts) reads them here. Llama-3.2-1B(-Instruct): its config.json.
+LLAMA_3_2_1B = LlamaConfig(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+    num_kv_heads=8, head_dim=64, rope_theta=500000.0,
+    rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192), tie_word_embeddings=True,
+    max_position_embeddings=131072)
+KNOWN_ARCHITECTURES = {"Llama-3.2-1B-Instruct": LLAMA_3_2_1B, "Llama-3.2-1B": LLAMA_3_2_1B}
+
+
 @dataclasses.dataclass(frozen=True)
 class GraftConfig:
   """The two HAMburger modules grafted around the base (docs/SPEC.md 1.1-1.4)."""

@@ -4,6 +4,8 @@ architecture."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ import gguf
 from gguf.quants import quantize
 
 from hamburger_jax import pretrained, segmentation
-from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig, RopeScaling
+from hamburger_jax.config import LLAMA_3_2_1B, GraftConfig, HamburgerConfig, LlamaConfig
 from hamburger_jax.data import prepare
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import causal_segment_mask
@@ -99,13 +101,9 @@ def tiny_decode_model():
 
 
 def llama_3_2_1b_config(**overrides) -> LlamaConfig:
-  """Llama-3.2-1B(-Instruct)'s architecture, its config.json in numbers: the paper's setting
+  """Llama-3.2-1B(-Instruct)'s architecture (config.LLAMA_3_2_1B): the paper's setting
   (configs/llama3_2_1b.yaml) for shape-only tests, without its weights."""
-  return LlamaConfig(**{
-      "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_layers": 16,
-      "num_heads": 32, "num_kv_heads": 8, "head_dim": 64, "rope_theta": 500000.0,
-      "rope_scaling": RopeScaling(32.0, 1.0, 4.0, 8192), "tie_word_embeddings": True,
-      "max_position_embeddings": 131072, **overrides})
+  return dataclasses.replace(LLAMA_3_2_1B, **overrides)
 
 
 # Grafted params of HAMburger on Llama-3.2-1B with the paper's graft (K = 4, 4 fresh micro-decoder

@@ -3,6 +3,9 @@
   python -m infer.bench                      # our base decode vs transformers' generate
   python -m infer.bench --mode hamburger     # HAMburger vs base in our engine (+ ceiling)
   python -m infer.bench --mode serve         # continuous batching: base vs HAMburger, slots, pool
+  python -m infer.bench --config configs/llama3_2_1b.yaml --random-weights --batches 1,8
+                                             # a config's model, random weights: FLOPs, MFU,
+                                             # roofline (docs/results/accelerator_benches.md)
 
 Every row decodes exactly --new-tokens tokens (EOS ignored) so tokens/s compare like with like.
 Times exclude compilation (reported separately); each figure is the best of --repeats runs.
@@ -37,18 +40,6 @@ PROMPTS = [
     "What are the main differences between a list and a tuple in Python?",
     "Write a short poem about the autumn rain.",
 ]
-
-
-def copy_bandwidth_gb_s(size_mb: int = 512, repeats: int = 5) -> float:
-  """Memory bandwidth of a memcpy (read + write) between two preallocated large buffers.
-
-  Preallocated on purpose: a jitted copy allocates (and page-faults) a fresh output every call,
-  which measured ~5x below this machine's real bandwidth."""
-  src = np.ones(size_mb * 2**20 // 4, np.float32)
-  dst = np.empty_like(src)
-  np.copyto(dst, src)
-  best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
-  return 2 * src.nbytes / best / 1e9
 
 
 def _timed(fn) -> float:
@@ -89,6 +80,7 @@ def bench_base(args) -> None:
   import transformers  # pylint: disable=import-outside-toplevel
   from hamburger_jax import assets, pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.roofline import copy_bandwidth_gb_s  # pylint: disable=C0415
 
   model, tok = pretrained.load("base", dtype=args.dtype, param_dtype=args.dtype)
   engine = Engine(model, tok, stop_ids=())  # exactly n new tokens per row
@@ -413,17 +405,162 @@ def plot_serve(slots: list[int], curve: dict[str, list[float]], path: str) -> No
   fig.savefig(path)
 
 
+def bench_random(args) -> None:
+  """A run config's model with random weights (no weight files): one macro step timed alone,
+  with its FLOPs counted (ours and XLA's), MFU and the fraction of the memory roofline; and the
+  engine's decode speed on random prompts, HAMburger with forced K-token groups (confidence 0:
+  random weights make no groups worth stopping)."""
+  from hamburger_jax import pretrained, roofline  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.run_config import load_run_config  # pylint: disable=C0415
+
+  dtypes = [f"model.dtype={args.dtype}", f"model.param_dtype={args.dtype}"] if args.dtype else []
+  try:
+    cfg = roofline.random_run_config(load_run_config(args.config, dtypes + ["train.init_from=''"],
+                                                     shared_only=True))
+  except (ConfigError, RuntimeError) as e:  # RuntimeError: an asset (the GGUF) not installed
+    raise SystemExit(f"error: {e}") from None
+  first_peak = peak_for(args, cfg.model.dtype)
+  model, _ = cli.phase("building random weights", lambda: pretrained.build_run_model(cfg))
+  hcfg = model.cfg
+  k = model.max_group
+  engine = None if args.no_engine else Engine(model, None, stop_ids=())
+  modes = [args.mode] if args.mode else ["base", "hamburger"]
+  rng = np.random.default_rng(0)
+  results = []
+  for b in args.batches:
+    engine_s = {}
+    if engine is not None:
+      ids = rng.integers(0, hcfg.base.vocab_size, (b, args.prompt_len)).tolist()
+      engine_s = cli.phase(f"engine, batch {b}", lambda: engine_decode_s(
+          engine, ids, args.new_tokens, args.repeats,
+          {m: {"mode": m, "confidence": 0.0 if m == "hamburger" else 1.0} for m in modes}))
+    for mode in modes:
+      written = args.new_tokens if mode == "base" else -(-args.new_tokens // k)
+      kv_len = args.prompt_len + written
+      r = cli.phase(f"{mode} step, batch {b}",
+                    lambda: time_decode_step(model, mode, b, kv_len, args.repeats))
+      results.append((mode, b, kv_len, r, engine_s.get(mode)))
+  peak = first_peak.best(peak_for(args, cfg.model.dtype))  # measured again, after the steps
+
+  graft = sum(roofline.graft_params(hcfg).values())
+  print(f"{args.config}: random weights, base {roofline.base_params(hcfg.base) / 1e6:.1f}M + "
+        f"graft {graft / 1e6:.1f}M params, {cfg.model.param_dtype} weights, {cfg.model.dtype} "
+        f"compute; prompts of {args.prompt_len} random tokens, {args.new_tokens} new tokens/row "
+        f"(EOS ignored); HAMburger: forced {k}-token groups")
+  print(f"device: {peak.name}; peak {peak.flops / 1e12:.3g} TFLOP/s, {peak.bandwidth / 1e9:.3g} "
+        f"GB/s ({peak.source})")
+  print("step: one macro step alone, its KV cache holding what the decode writes (prompt + "
+        "one entry per step); MFU = our FLOPs / step time / peak; roofline = bytes the step "
+        "must read (weights per pass + KV cache) / step time / peak bandwidth; engine: "
+        "Engine.generate, wall time less the prompts' prefill")
+  print("\n| mode | batch | tokens/step | KV entries | step ms | step tok/s | engine tok/s | "
+        "FLOPs/token (ours) | FLOPs/token (XLA) | XLA / ours | MFU | MB read/step | roofline | "
+        "bound | compile s (step, engine) |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  for mode, b, kv_len, r, engine_r in results:
+    per_step = b * (k if mode == "hamburger" else 1)
+    ours = roofline.decode_step_flops(hcfg, mode, b, kv_len)
+    read = roofline.decode_step_bytes(hcfg, mode, b, kv_len)
+    engine_tps, engine_c = "-", "-"
+    if engine_r is not None:
+      engine_tps, engine_c = f"{b * args.new_tokens / engine_r[0]:.1f}", f"{engine_r[1]:.0f}"
+    print(f"| {mode} | {b} | {per_step} | {kv_len} | {1e3 * r['step_s']:.1f} | "
+          f"{per_step / r['step_s']:.1f} | {engine_tps} | {ours / per_step / 1e6:.1f}M | "
+          f"{r['xla'] / per_step / 1e6:.1f}M | {r['xla'] / ours:.3f} | "
+          f"{roofline.mfu(ours, r['step_s'], peak):.1%} | {read / 1e6:.0f} | "
+          f"{roofline.roofline_fraction(read, r['step_s'], peak):.1%} | "
+          f"{roofline.bound(ours, read, peak)} | {r['compile_s']:.0f}, {engine_c} |")
+
+
+def engine_decode_s(engine, ids, n_new: int, repeats: int,
+                    runs: dict[str, dict]) -> dict[str, tuple[float, float]]:
+  """name -> (best decode seconds of the batch, compile seconds) of engine.generate under each
+  setting, interleaved as run_interleaved does. Decode seconds: the call's wall time less its
+  prompts' prefill times (the rows are prefilled one by one before the batch decodes, so a
+  row's own decode_s would count its batch mates' prefills)."""
+  def decode_s(kw) -> float:
+    t = time.perf_counter()
+    gens = engine.generate(ids, max_new_tokens=n_new, **kw)
+    return time.perf_counter() - t - sum(g.prefill_s for g in gens)
+
+  compile_s = {name: engine.generate(ids, max_new_tokens=n_new, **kw)[0].compile_s
+               for name, kw in runs.items()}
+  best = {name: float("inf") for name in runs}
+  for _ in range(repeats):
+    for name, kw in runs.items():
+      best[name] = min(best[name], decode_s(kw))
+  return {name: (best[name], compile_s[name]) for name in runs}
+
+
+def peak_for(args, dtype: str):
+  """The device's peaks (roofline.device_peak: a CPU's measured now), or --peak-tflops and
+  --peak-gb-s."""
+  from hamburger_jax import roofline  # pylint: disable=import-outside-toplevel
+  try:
+    return cli.phase("the device's peaks", lambda: roofline.device_peak(
+        dtype, tflops=args.peak_tflops, gb_s=args.peak_gb_s))
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None
+
+
+def time_decode_step(model, mode: str, batch: int, kv_len: int, repeats: int) -> dict[str, float]:
+  """roofline.decode_step_program compiled (seconds) and timed (the best mean step time of
+  `repeats` runs, each long enough to average over calls), with XLA's FLOPs for it."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import roofline  # pylint: disable=import-outside-toplevel
+  step, (params, cache, feats) = roofline.decode_step_program(model, mode, batch, kv_len)
+  t = time.perf_counter()
+  compiled = step.lower(params, cache, feats).compile()  # the calls below reuse it
+  compile_s = time.perf_counter() - t
+  # The cache is donated: each call takes the previous one's. Its length runs past kv_len; the
+  # writes past the end are dropped and the step reads all kv_len slots either way.
+  state = {"cache": cache}
+
+  def run(n: int) -> float:
+    t = time.perf_counter()
+    for _ in range(n):
+      state["cache"] = step(params, state["cache"], feats)[3]
+    jax.block_until_ready(state["cache"])
+    return (time.perf_counter() - t) / n
+
+  run(1)  # the first call places the arguments
+  calls = max(1, min(20, int(0.5 / run(1))))
+  step_s = min(run(calls) for _ in range(repeats))
+  return {"step_s": step_s, "compile_s": compile_s, "xla": roofline.xla_flops(compiled)}
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--mode", choices=("base", "hamburger", "serve"), default="base")
+  p.add_argument("--mode", choices=("base", "hamburger", "serve"), default=None,
+                 help="default: base (with --random-weights: base and hamburger)")
   p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                 help="comma-separated batch sizes (default: 1,8 for base; 1,8,32 for hamburger)")
-  p.add_argument("--new-tokens", type=int, default=128)
+                 help="comma-separated batch sizes (default: 1,8 for base and --random-weights; "
+                 "1,8,32 for hamburger)")
+  p.add_argument("--new-tokens", type=int, default=None,
+                 help="new tokens per row (default 128; --random-weights: 32)")
   p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                 help="weights and compute (default float32; --random-weights: the config's)")
   cli.add_model_flags(p, checkpoint_help="hamburger / serve: graft checkpoint (default: the "
                      "shipped one, else an untrained graft)")
+  p.add_argument("--config", default=None,
+                 help="--random-weights: the run config whose model (base architecture, graft) "
+                 "to build, e.g. configs/llama3_2_1b.yaml")
+  p.add_argument("--random-weights", action="store_true",
+                 help="random weights of --config's model (no weight files): step FLOPs (ours "
+                 "and XLA's), MFU, memory roofline, engine tokens/s")
+  p.add_argument("--prompt-len", type=int, default=64,
+                 help="--random-weights: random prompt tokens per row")
+  p.add_argument("--no-engine", action="store_true",
+                 help="--random-weights: time the step alone (skips compiling the engine)")
+  p.add_argument("--peak-tflops", type=float, default=None,
+                 help="--random-weights: the device's peak TFLOP/s (default: the known "
+                 "accelerator's dense bf16 figure; a CPU's is measured)")
+  p.add_argument("--peak-gb-s", type=float, default=None,
+                 help="--random-weights: the device's memory bandwidth, GB/s (default: as above)")
   p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE)
   p.add_argument("--max-group", type=int, default=None,
                  help="hamburger / serve: cap HAMburger's groups at this many tokens (1..K)")
@@ -441,22 +578,61 @@ def main(argv=None) -> int:
   p.add_argument("--round-steps", type=lambda s: [int(x) for x in s.split(",")], default=[],
                  help="serve (c): refill every K macro steps, against refill at each finish")
   args = p.parse_args(argv)
-  if args.mode == "base" and args.base:
+  check_random_weights_flags(p, args)
+  if not args.random_weights:
+    args.mode = args.mode or "base"
+  if args.mode == "base" and args.base and not args.random_weights:
     p.error("--base applies to --mode hamburger and serve: --mode base compares our decode of "
             "SmolLM2 with transformers' on the same GGUF file")
   if not args.parts or not set(args.parts) <= {"a", "b", "p"}:
     p.error(f"--parts={args.parts!r}: use any of a, b and p (e.g. ab)")
   if any(k < 1 for k in args.round_steps):
     p.error(f"--round-steps {args.round_steps}: each K must be >= 1")
+  if args.batches is not None and (not args.batches or min(args.batches) < 1):
+    p.error(f"--batches {args.batches}: each batch size must be >= 1")
+  if args.repeats < 1:
+    p.error(f"--repeats {args.repeats} must be >= 1")
+  args.new_tokens = args.new_tokens or (32 if args.random_weights else 128)
   try:
     check_settings(args.new_tokens, args.confidence, args.max_group)
   except GenerationError as e:
     p.error(str(e))
-  args.batches = args.batches or ([1, 8] if args.mode == "base" else [1, 8, 32])
   from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
   cache.enable_compilation_cache()
+  if args.random_weights:
+    args.batches = args.batches or [1, 8]
+    bench_random(args)
+    return 0
+  args.dtype = args.dtype or "float32"
+  args.batches = args.batches or ([1, 8] if args.mode == "base" else [1, 8, 32])
   {"base": bench_base, "hamburger": bench_hamburger, "serve": bench_serve}[args.mode](args)
   return 0
+
+
+def check_random_weights_flags(p: argparse.ArgumentParser, args) -> None:
+  """--random-weights and the flags that go (or never go) with it: one-line errors."""
+  if not args.random_weights:
+    only = [f for f, v in (("--config", args.config), ("--no-engine", args.no_engine),
+                           ("--peak-tflops", args.peak_tflops), ("--peak-gb-s", args.peak_gb_s))
+            if v]
+    if only:
+      p.error(f"{only[0]} applies with --random-weights: add --random-weights (and --config "
+              "CONFIG) to bench a config's model with random weights")
+    return
+  if not args.config:
+    p.error("--random-weights builds a run config's model: add --config CONFIG (e.g. "
+            "configs/llama3_2_1b.yaml)")
+  if args.mode == "serve":
+    p.error("--mode serve streams real chat requests through a tokenizer: with "
+            "--random-weights use --mode base or hamburger (default: both)")
+  if args.checkpoint or args.base:
+    p.error("--random-weights builds --config's model with random weights: drop --checkpoint "
+            "and --base (without --random-weights they load real weights)")
+  if args.prompt_len < 1:
+    p.error(f"--prompt-len {args.prompt_len} must be >= 1")
+  for flag, v in (("--peak-tflops", args.peak_tflops), ("--peak-gb-s", args.peak_gb_s)):
+    if v is not None and not v > 0:
+      p.error(f"{flag} {v} must be > 0")
 
 
 if __name__ == "__main__":

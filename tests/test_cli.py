@@ -55,7 +55,7 @@ def test_json_side_by_side(graft_checkpoint):
     (["--mode", "hamburger", "--checkpoint", "/nonexistent"], "not a HAMburger checkpoint"),
     (["--prompt", " "], "empty prompt"),
     (["--confidence", "1.5"], "confidence must be in [0, 1], got 1.5"),
-    (["--max-group", "0"], "max_group=0 must be an integer >= 1"),
+    (["--max-group", "0"], "max_group=0 must be an integer in [1, K]"),
     (["--top-k", "60000", "--temperature", "1"], "top_k=60000 exceeds the vocabulary (49152"),
 ])
 def test_errors_are_one_line(args, match):

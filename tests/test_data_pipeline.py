@@ -199,6 +199,29 @@ def test_tfds_interrupted_build_leaves_nothing_that_looks_complete(tmp_path):
   assert len(tfds.builder_from_directory(str(tmp_path / "ds")).as_data_source()["train"]) == 2
 
 
+def test_tfds_join_links_the_parts_in_order(tmp_path):
+  """join_datasets: one dataset whose splits are the parts' splits one after another (a part may
+  lack one), its files hard links to the parts' (no copy of the data), written atomically."""
+  records, val = _records(11), _records(3, seed=1)
+  parts = [_build(tmp_path / "p0", records[:4], val[:2]), _build(tmp_path / "p1", records[4:9]),
+           _build(tmp_path / "p2", records[9:], val[2:])]
+  out = tfds_builder.join_datasets(str(tmp_path / "ds"), parts, max_group=K,
+                                   metadata={"strategy": "fixed:2"})
+  builder = tfds.builder_from_directory(out)
+  assert builder.info.metadata == {"max_group": K, "strategy": "fixed:2"}
+  data = builder.as_data_source()
+  for split, want in (("train", records), ("validation", val)):
+    assert [data[split][i]["input_ids"].tolist() for i in range(len(data[split]))] == [
+        r["input_ids"].tolist() for r in want]
+  files = [f for f in os.listdir(out) if ".array_record-" in f]
+  assert len(files) == 5 and all(os.stat(os.path.join(out, f)).st_nlink == 2 for f in files)
+  with pytest.raises(DatasetExistsError):
+    tfds_builder.join_datasets(out, parts, max_group=K)
+  tfds_builder.join_datasets(out, parts[1:], max_group=K, overwrite=True)
+  assert len(tfds.builder_from_directory(out).as_data_source()["train"]) == 7
+  assert sorted(os.listdir(tmp_path)) == ["ds", "p0", "p1", "p2"]  # no work directory left
+
+
 def test_tfds_rejects_groups_not_summing_to_the_response(tmp_path):
   bad = _records(3)
   bad[1] = dict(bad[1], groups=np.asarray(list(bad[1]["groups"]) + [1], np.int32))

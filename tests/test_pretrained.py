@@ -1,4 +1,5 @@
-"""Graft checkpoints: save/load round trip, atomic export, and mismatches caught with clear errors."""
+"""Graft checkpoints: save/load round trip (one file or shards of a size limit), atomic export,
+and mismatches or damage caught with clear errors."""
 
 from __future__ import annotations
 
@@ -152,3 +153,219 @@ def test_shipped_checkpoint_loads_is_trained_and_is_the_base_at_confidence_1():
   one = engine.generate(prompts, max_new_tokens=24, mode="hamburger", confidence=1.0)
   for b, h in zip(base, one):
     assert h.token_ids == b.token_ids and h.groups == [1] * h.new_tokens
+
+
+# ----------------------------------------------------------------------------- sharded exports
+
+# 32 KiB shards of a model whose largest tensors are 64 KiB in float32 (32 KiB in bfloat16): tens
+# of files per table, the largest tensors split across files, in either dtype.
+SHARD_MB = 1 / 32
+WIDE = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=256, num_layers=4,
+                   num_heads=4, num_kv_heads=2)
+
+
+def _wide(seed: int) -> Hamburger:
+  return Hamburger(HamburgerConfig(WIDE, GraftConfig(merger_head_dim=16)), rngs=nnx.Rngs(seed))
+
+
+def _files(path) -> dict[str, int]:
+  return {n: os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)}
+
+
+def _saved_tensors(path) -> dict[str, dict[str, np.ndarray]]:
+  meta = pretrained.read_meta(path)
+  names = ["graft"] + (["base"] if meta.get("include_base") else [])
+  return {n: pretrained.read_tensors(path, n, meta) for n in names}
+
+
+@pytest.mark.parametrize("include_base", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sharded_export_loads_the_same_params_as_one_file(tmp_path, include_base, dtype):
+  src = _wide(0)
+  one, sharded = str(tmp_path / "one"), str(tmp_path / "sharded")
+  pretrained.save_graft(src, one, "random", dtype=dtype, include_base=include_base)
+  pretrained.save_graft(src, sharded, "random", dtype=dtype, include_base=include_base,
+                        max_shard_mb=SHARD_MB)
+  files, limit = _files(sharded), int(SHARD_MB * 2**20)
+  tables = ["graft"] + (["base"] if include_base else [])
+  meta = pretrained.read_meta(sharded)
+  assert set(meta["shards"]) == set(tables)
+  for name in tables:
+    listed = [f["file"] for f in meta["shards"][name]["files"]]
+    n = len(listed)
+    assert n > 1 and listed == [f"{name}-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert meta["shards"][name]["split"], "tensors larger than a shard must be split"
+  assert set(files) == {"hamburger.json"} | {f["file"] for t in tables
+                                             for f in meta["shards"][t]["files"]}
+  over = {n: s for n, s in files.items() if s > limit}
+  assert not over, f"files over the {limit}-byte limit: {over}"
+  assert not os.path.exists(sharded + ".tmp") and not os.path.exists(sharded + ".old")
+  # The same tensors, bit for bit, as the one-file export.
+  want, got = _saved_tensors(one), _saved_tensors(sharded)
+  for name in tables:
+    assert got[name].keys() == want[name].keys()
+    for k, v in want[name].items():
+      assert got[name][k].dtype == v.dtype
+      np.testing.assert_array_equal(got[name][k], v, err_msg=k)
+  # load_graft reads either form into identical params.
+  a, b = _wide(1), _wide(1)
+  pretrained.load_graft(a, one)
+  pretrained.load_graft(b, sharded)
+  pa, pb = _params(a, nnx.Param), _params(b, nnx.Param)
+  for p, v in pa.items():
+    np.testing.assert_array_equal(pb[p], v, err_msg=str(p))
+
+
+def test_reshard_round_trip_is_bit_exact(tmp_path):
+  path = str(tmp_path / "c")
+  pretrained.save_graft(_wide(0), path, "random", dtype="float32", include_base=True)
+  want = _saved_tensors(path)
+  meta = pretrained.read_meta(path)
+  assert pretrained.reshard_graft(path, max_shard_mb=SHARD_MB) == path  # in place
+  assert len(_files(path)) > 3 and "graft.safetensors" not in _files(path)
+  copy = pretrained.reshard_graft(path, str(tmp_path / "one"), max_shard_mb=None)
+  assert sorted(_files(copy)) == ["base.safetensors", "graft.safetensors", "hamburger.json"]
+  assert pretrained.read_meta(copy) == meta  # the metadata survives, the index goes
+  for tensors in (_saved_tensors(path), _saved_tensors(copy)):
+    for name, table in want.items():
+      for k, v in table.items():
+        np.testing.assert_array_equal(tensors[name][k], v, err_msg=k)
+  assert not [n for n in os.listdir(tmp_path) if n.endswith((".tmp", ".old"))]
+
+
+@pytest.fixture(name="sharded")
+def _sharded(tmp_path):
+  path = tmp_path / "ckpt"
+  pretrained.save_graft(_wide(0), str(path), "random", dtype="float32", max_shard_mb=SHARD_MB)
+  return path
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("missing", "is missing: the checkpoint is incomplete"),
+    ("truncated", "the file is truncated or was not copied whole"),
+    ("flipped", "is corrupted"),
+])
+def test_damaged_shard_is_named(sharded, damage, message):
+  meta = pretrained.read_meta(str(sharded))
+  shard = sharded / meta["shards"]["graft"]["files"][1]["file"]
+  data = shard.read_bytes()
+  if damage == "missing":
+    shard.unlink()
+  elif damage == "truncated":
+    shard.write_bytes(data[:len(data) // 2])
+  else:  # same size, one byte of tensor data changed: only the checksum sees it
+    shard.write_bytes(data[:-5] + bytes([data[-5] ^ 0xFF]) + data[-4:])
+  with pytest.raises(WeightsError) as info:
+    pretrained.load_graft(_wide(1), str(sharded))
+  assert str(shard) in str(info.value) and message in str(info.value)
+
+
+def test_damaged_shard_index_is_named(sharded):
+  meta_path = sharded / "hamburger.json"
+  meta = json.loads(meta_path.read_text())
+  for bad in ({"graft": {"files": "graft-00001-of-00002.safetensors", "split": {}}},  # not a list
+              {"graft": {"files": [{"file": "../escape.safetensors", "bytes": 1, "sha256": "0"}],
+                         "split": {}}},
+              ["graft"]):
+    meta_path.write_text(json.dumps({**meta, "shards": bad}))
+    with pytest.raises(WeightsError) as info:
+      pretrained.load_graft(_wide(1), str(sharded))
+    assert str(meta_path) in str(info.value)
+  # A shard of another export (valid file, right checksum, other split): the join is refused.
+  files = meta["shards"]["graft"]["files"]
+  meta_path.write_text(json.dumps({**meta, "shards": {"graft": {
+      "files": files[:1] + files[2:], "split": meta["shards"]["graft"]["split"]}}}))
+  with pytest.raises(WeightsError, match="graft-\\*-of-"):
+    pretrained.load_graft(_wide(1), str(sharded))
+
+
+def test_export_over_a_checkpoint_is_atomic(sharded, monkeypatch):
+  """A failed export leaves the previous checkpoint as it was and nothing beside it; a good one
+  replaces it whole (no shard of the old one stays)."""
+  before = _files(sharded)
+  calls = []
+
+  def failing(tensors, path, *a, **k):
+    calls.append(path)
+    if len(calls) == 2:
+      raise OSError("disk full")
+    return real(tensors, path, *a, **k)
+
+  real = pretrained.save_file
+  monkeypatch.setattr(pretrained, "save_file", failing)
+  with pytest.raises(OSError, match="disk full"):
+    pretrained.save_graft(_wide(2), str(sharded), "random", dtype="float32",
+                          max_shard_mb=SHARD_MB)
+  assert _files(sharded) == before
+  assert sorted(os.listdir(sharded.parent)) == ["ckpt"]
+  monkeypatch.setattr(pretrained, "save_file", real)
+  pretrained.save_graft(_wide(2), str(sharded), "random", dtype="float32")  # one file now
+  assert sorted(_files(sharded)) == ["graft.safetensors", "hamburger.json"]
+  assert sorted(os.listdir(sharded.parent)) == ["ckpt"]
+  with pytest.raises(ValueError, match="too small"):
+    pretrained.save_graft(_wide(2), str(sharded), "random",
+                          max_shard_mb=pretrained.MIN_SHARD_BYTES / 2**21)
+
+
+def test_sharded_checkpoint_loads_on_its_gguf_base(monkeypatch, tmp_path):
+  """load_hamburger reads a sharded graft (with adapters) exactly as the one-file form."""
+  from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.testing import write_tiny_llama_gguf  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv(cache.NO_WEIGHT_CACHE_ENV, "1")
+  base_path = str(tmp_path / "tiny.gguf")
+  write_tiny_llama_gguf(base_path)
+  graft = GraftConfig(num_features=2, merger_head_dim=16, micro_layers=1, base_lora_rank=4)
+  src, _ = pretrained.load_hamburger(pretrained.UNTRAINED, base_path, graft=graft, seed=3)
+  ckpt = str(tmp_path / "ckpt")
+  pretrained.save_graft(src, ckpt, base_path, dtype="float32", max_shard_mb=SHARD_MB)
+  assert "graft.safetensors" not in os.listdir(ckpt)
+  loaded, _ = pretrained.load_hamburger(ckpt)
+  got, saved = _params(loaded, nnx.Param), _params(src, nnx.Param)
+  for p, v in saved.items():
+    np.testing.assert_array_equal(got[p], v, err_msg=str(p))
+
+
+def test_shipped_checkpoint_reshards_into_16_mib_files(tmp_path):
+  """The shipped (one-file) checkpoint reads unchanged, and its 16 MiB shards hold the same
+  tensors: what leaves a machine whose transfers cap each file at 16 MiB."""
+  ckpt = pretrained.DEFAULT_CHECKPOINT
+  meta = pretrained.read_meta(ckpt)
+  assert "shards" not in meta
+  want = pretrained.read_tensors(ckpt, "graft", meta)
+  out = pretrained.reshard_graft(ckpt, str(tmp_path / "out"), max_shard_mb=16)
+  sizes = _files(out)
+  assert len(sizes) >= 3 and max(sizes.values()) <= 16 * 2**20, sizes
+  got = pretrained.read_tensors(out, "graft", pretrained.read_meta(out))
+  assert got.keys() == want.keys()
+  for k, v in want.items():
+    np.testing.assert_array_equal(got[k], v, err_msg=k)
+  assert _files(ckpt) == {"graft.safetensors": os.path.getsize(os.path.join(
+      ckpt, "graft.safetensors")), "hamburger.json": os.path.getsize(os.path.join(
+          ckpt, "hamburger.json"))}
+
+
+def test_train_main_export_shard_mb(tmp_path, monkeypatch, capsys):
+  """`train.main ... --export-shard-mb MB` leaves the export in files of at most MB MiB, and
+  refuses a limit no shard can keep before any training."""
+  from train import main as train_main, trainer  # pylint: disable=import-outside-toplevel
+  export = str(tmp_path / "export")
+
+  def fake_export_step(cfg, step):  # the real one restores a run's checkpoint first
+    pretrained.save_graft(_wide(0), export, "random", dtype="float32")
+    return export
+
+  monkeypatch.setattr(trainer, "export_step", fake_export_step)
+  config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                        "tiny.yaml")
+  args = ["--config", config, "--set", f"checkpoint.dir={tmp_path / 'run'}", "--export-step", "5"]
+  assert train_main.main(args + ["--export-shard-mb", str(SHARD_MB)]) == 0
+  sizes = _files(export)
+  assert "graft.safetensors" not in sizes and len(sizes) > 3
+  assert max(sizes.values()) <= SHARD_MB * 2**20
+  assert "files of at most" in capsys.readouterr().out
+  pretrained.load_graft(_wide(1), export)
+  for bad in ("0", "-1", "nan"):
+    with pytest.raises(SystemExit):
+      train_main.parse_args(args + ["--export-shard-mb", bad])
+  with pytest.raises(SystemExit, match="too small"):
+    train_main.main(args + ["--export-shard-mb", "0.001"])

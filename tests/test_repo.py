@@ -33,10 +33,14 @@ CASES = [(os.path.basename(c), stage) for c in CONFIGS for stage in stage_names(
 
 # Configs whose base is not in this repository (a path the user fills in): the architecture
 # from the model's published config instead of its files.
-ABSENT_BASES = {"llama3_2_1b.yaml": llama_3_2_1b_config}
+ABSENT_BASES = {"llama3_2_1b.yaml": llama_3_2_1b_config,
+                "llama3_2_1b_h100.yaml": llama_3_2_1b_config,
+                "llama3_2_1b_tpu_v5p.yaml": llama_3_2_1b_config}
 # Grafted param counts that the paper's setting fixes (checked part by part in
 # test_hamburger_model.test_parameter_counts_at_llama_3_2_1b).
-GRAFT_PARAMS = {"llama3_2_1b.yaml": LLAMA_3_2_1B_GRAFT_PARAMS}
+GRAFT_PARAMS = {"llama3_2_1b.yaml": LLAMA_3_2_1B_GRAFT_PARAMS,
+                "llama3_2_1b_h100.yaml": LLAMA_3_2_1B_GRAFT_PARAMS,
+                "llama3_2_1b_tpu_v5p.yaml": LLAMA_3_2_1B_GRAFT_PARAMS}
 
 
 @functools.lru_cache(maxsize=None)

@@ -39,6 +39,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--export-step", type=int, default=None, metavar="STEP",
                  help="train nothing: export the checkpoint saved at STEP (e.g. the best by the "
                  "generation check) to checkpoint.export, or checkpoint.dir/export")
+  p.add_argument("--export-shard-mb", type=float, default=None, metavar="MB",
+                 help="write the export in files of at most MB MiB (graft-00001-of-0000N"
+                 ".safetensors ..., indexed in hamburger.json; e.g. 16 where files leave a "
+                 "machine in transfers capped per file); loading reads either form")
   args = p.parse_args(argv)
   if args.max_steps is not None and args.max_steps < 1:
     p.error(f"--max-steps={args.max_steps} must be a positive number of steps (leave it out to "
@@ -49,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"--export-step={args.export_step} must be a saved step (>= 1)")
   if args.max_cpu_minutes is not None and not args.max_cpu_minutes >= 0:
     p.error(f"--max-cpu-minutes={args.max_cpu_minutes} must be >= 0 (0: stop after one step)")
+  if args.export_shard_mb is not None and not args.export_shard_mb > 0:
+    p.error(f"--export-shard-mb={args.export_shard_mb} must be a positive size in MiB (leave it "
+            "out for one file per table)")
   return args
 
 
@@ -84,13 +91,19 @@ def main(argv=None) -> int:
   from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
   cache.enable_compilation_cache()
   init_distributed(args)
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
   from train import trainer  # pylint: disable=import-outside-toplevel
+  try:
+    pretrained.check_shard_limit(args.export_shard_mb)  # before hours of training, not after
+  except ValueError as e:
+    raise SystemExit(f"error: --export-shard-mb: {e}") from None
   if args.export_step is not None:
     try:
       export_dir = trainer.export_step(cfg, args.export_step)
     except (ConfigError, FileNotFoundError) as e:
       raise SystemExit(f"error: {e}") from None
-    print(f"done: step {args.export_step} exported to {export_dir}")
+    print(f"done: step {args.export_step} exported to {export_dir}" + shard_export(args,
+                                                                               export_dir))
     return 0
   try:
     result = trainer.run(cfg, max_steps=args.max_steps, max_minutes=args.max_minutes,
@@ -99,8 +112,21 @@ def main(argv=None) -> int:
   except (ConfigError, FileNotFoundError) as e:
     raise SystemExit(f"error: {e}") from None
   print(f"done: {result.steps_done} steps this run, at step {result.final_step}/{cfg.train.steps}"
-        + (f"; export in {result.export_dir}" if result.export_dir else ""))
+        + (f"; export in {result.export_dir}" + shard_export(args, result.export_dir)
+           if result.export_dir else ""))
   return 0
+
+
+def shard_export(args, export_dir: str) -> str:
+  """With --export-shard-mb, rewrites the export just written in files of at most that size (by
+  the process that wrote it); returns what to add to the closing line."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  if args.export_shard_mb is None or jax.process_index() != 0:
+    return ""
+  pretrained.reshard_graft(export_dir, max_shard_mb=args.export_shard_mb)
+  n = len([f for f in os.listdir(export_dir) if f.endswith(".safetensors")])
+  return f" ({n} files of at most {args.export_shard_mb:g} MiB)"
 
 
 if __name__ == "__main__":

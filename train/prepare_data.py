@@ -7,11 +7,23 @@ Config keys read: model (the base: smollm2 | file.gguf | HF directory | random) 
 graft.max_group, from the same run config that train.main takes. The output is a tfds
 array_record directory for hamburger_jax.data.pipeline. --self-distill replaces each response by
 the base model's own greedy response (see train/self_distill.py for a resumable JSONL version).
+
+The work goes in shards (--shard-size samples each) under OUT.shards/, joined into OUT at the end;
+a rerun after a kill skips the finished shards. Several processes (one per host, or several on
+one machine) share it without talking to each other: each reads all the sources and computes
+every N-th shard, and the last one to finish joins them (or: --join OUT):
+
+  python -m train.prepare_data ... --out OUT --num-processes 2 --process-id 0 &
+  python -m train.prepare_data ... --out OUT --num-processes 2 --process-id 1
+
+Each forward pass holds --batch-tokens tokens per device, its rows split over this process's
+devices; the records do not depend on the number of processes or devices.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hamburger_jax.assets import AssetError
@@ -26,8 +38,8 @@ from hamburger_jax.segmentation import get_strategy
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="python -m train.prepare_data", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", required=True, help="YAML run config (its model: and graft:)")
-  p.add_argument("--source", required=True, action="append",
+  p.add_argument("--config", help="YAML run config (its model: and graft:)")
+  p.add_argument("--source", action="append",
                  help=f"one of: {', '.join(sources.SOURCE_SPECS)}, optionally SPEC@N for at most "
                  "N of its conversations; repeat to mix sources (read in the order given)")
   p.add_argument("--limit", type=int, default=None,
@@ -44,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--seed", type=int, default=0,
                  help="validation split and gsm_symbolic problems (must be < 10000)")
   p.add_argument("--batch-tokens", type=int, default=2048,
-                 help="tokens per entropy forward batch (padding included)")
+                 help="tokens per forward pass and device (padding included)")
   p.add_argument("--self-distill", action="store_true",
                  help="replace responses with the base model's own greedy responses")
   p.add_argument("--distill-tokens", type=int, default=256,
@@ -60,12 +72,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       "--val-fraction, so a model trained on DIR meets none of its training "
                       "prompts in the new validation split")
   p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-  p.add_argument("--out", required=True, help="output dataset directory")
-  return p.parse_args(argv)
+  p.add_argument("--out", help="output dataset directory")
+  p.add_argument("--shard-size", type=int, default=256,
+                 help="samples per shard: the unit of resuming and of the work shared between "
+                 "processes (default 256)")
+  p.add_argument("--num-processes", type=int, default=None,
+                 help="processes sharing the work (default: JAX_NUM_PROCESSES, else 1); every "
+                 "process gets the same flags")
+  p.add_argument("--process-id", type=int, default=None,
+                 help="this process, 0 .. N-1 (default: JAX_PROCESS_ID, else 0)")
+  p.add_argument("--cpu-devices", type=int, default=None,
+                 help="fake this many CPU devices (testing the data-parallel pass on one CPU)")
+  p.add_argument("--join", metavar="OUT",
+                 help="only join the finished shards of OUT (OUT.shards/) into the dataset OUT")
+  args = p.parse_args(argv)
+  if args.join:
+    given = [f for f in ("config", "source", "out") if getattr(args, f)]
+    if given:
+      p.error(f"--join takes the dataset directory alone (and --overwrite), not "
+              f"--{', --'.join(given)}")
+    return args
+  missing = [f"--{f}" for f in ("config", "source", "out") if not getattr(args, f)]
+  if missing:
+    p.error(f"the following arguments are required: {', '.join(missing)}")
+  env = os.environ
+  if args.num_processes is None:
+    args.num_processes = int(env.get("JAX_NUM_PROCESSES") or 1)
+  if args.process_id is None:
+    args.process_id = int(env.get("JAX_PROCESS_ID") or 0)
+  if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+    p.error(f"--process-id {args.process_id} must be in [0, --num-processes "
+            f"{args.num_processes})")
+  if args.shard_size < 1:
+    p.error(f"--shard-size={args.shard_size} must be positive")
+  if args.self_distill and args.num_processes > 1:
+    p.error("--self-distill runs in one process: write the answers with python -m "
+            "train.self_distill first, then prepare them (jsonl:PATH) in several processes")
+  return args
 
 
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
+  if args.join:
+    return _join(args)
   try:
     # Cheap checks first: a typo should not cost a model load.
     check_output_dir(args.out, args.overwrite)
@@ -85,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
   cache.enable_compilation_cache()
+  if args.cpu_devices:
+    import jax  # pylint: disable=import-outside-toplevel
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
   tfds.disable_progress_bar()  # ours below is the one that means something
   try:
     model, tokenizer = prepare.load_base(cfg.model)
@@ -114,11 +166,28 @@ def main(argv: list[str] | None = None) -> int:
           seed=args.seed, overwrite=args.overwrite, batch_tokens=args.batch_tokens,
           metadata={"source": ",".join(args.source), "config": args.config,
                     "base": cfg.model.base},
-          teacher=teacher, keep_split=keep_split, progress=bar.update)
-  except (sources.SourceError, LayoutError, DatasetExistsError) as e:  # bad data, named
+          teacher=teacher, keep_split=keep_split, progress=bar.update,
+          chunk_size=args.shard_size, process_id=args.process_id,
+          num_processes=args.num_processes)
+  except (sources.SourceError, LayoutError, DatasetExistsError, prepare.ShardsError) as e:
+    return _fail(e)  # bad data or a mismatched run, named
+  print(stats.summary())
+  if stats.joined:
+    print(f"wrote {args.out}")
+  elif not stats.shards_missing:
+    print(f"{args.out} was joined by another process")
+  else:
+    print(f"when every process is done: python -m train.prepare_data --join {args.out}")
+  return 0
+
+
+def _join(args: argparse.Namespace) -> int:
+  try:
+    stats = prepare.join_shards(args.join, overwrite=args.overwrite)
+  except (prepare.ShardsError, DatasetExistsError) as e:
     return _fail(e)
   print(stats.summary())
-  print(f"wrote {args.out}")
+  print(f"wrote {args.join}")
   return 0
 
 

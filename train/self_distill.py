@@ -11,6 +11,10 @@ With --checkpoint the answers are a trained HAMburger's own (on-policy), at the 
 (cycled over the prompts), and each line records the groups it emitted them in: prepared with
 `train.prepare_data --strategy given`, the teacher then teaches the graft on the text and the
 merged entries its own decoding produces, not only on the base's.
+
+With --config the base is a run config's (configs/tiny.yaml: a random model without tokenizer,
+whose prompts are the token ids of `--mix synthetic:N`, its answers rendered as their numbers);
+--max-minutes stops cleanly at a time budget (a rerun goes on where it stopped).
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from infer import cli
 REASONING = {t.name: t for t in (eval_tasks.GSM_SYMBOLIC, eval_tasks.BASIC_ARITHMETIC,
                                  eval_tasks.CHAIN_SUM, eval_tasks.LETTER_COUNTING, eval_tasks.GCD,
                                  eval_tasks.LCM)}
-MIX_SOURCES = ("sharegpt", *REASONING)
+MIX_SOURCES = ("sharegpt", *REASONING, "synthetic")
+# Prompt lengths of the token-id prompts (hamburger_jax.testing's draw: [low, high)).
+SYNTHETIC_PROMPT_LEN = (4, 12)
 
 
 def reasoning_prompts(name: str, n: int, seed: int = 0) -> Iterator[Conversation]:
@@ -53,6 +59,21 @@ def sharegpt_prompts(n: int, tokenizer, max_prompt_tokens: int,
     seen += 1
     if seen > skip:
       yield conv
+
+
+def synthetic_prompts(n: int, vocab_size: int, seed: int = 0) -> Iterator[Conversation]:
+  """Token-id prompts for a model without tokenizer: those of the synthetic training data."""
+  from hamburger_jax.testing import synthetic_samples  # pylint: disable=import-outside-toplevel
+  samples = synthetic_samples(n, vocab_size, 1, seed, prompt_len=SYNTHETIC_PROMPT_LEN)
+  for i, s in enumerate(samples):
+    ids = tuple(int(t) for t in s["input_ids"][:s["prompt_len"]])
+    yield Conversation([{"role": "user", "content": render_ids(ids)}], "", "synthetic",
+                       f"synthetic/{seed + i}", prompt_ids=ids)
+
+
+def render_ids(ids) -> str:
+  """Token ids as text, where there is no tokenizer to decode them (JSONL needs text)."""
+  return " ".join(str(int(i)) for i in ids)
 
 
 def parse_mix(spec: str) -> list[tuple[str, int]]:
@@ -98,12 +119,15 @@ def distill(conversations: Iterable[Conversation], engine, tokenizer, *, max_new
   `confidences` (the engine's model a HAMburger): its own greedy responses instead, prompt i at
   confidences[i % len], with the groups it emitted them in. Served with continuous batching over
   `batch` slots: a finished row takes the next prompt at once instead of waiting for the slowest
-  row of a batch, so the output order is the order in which answers finish.
+  row of a batch, so the output order is the order in which answers finish. A conversation
+  with `prompt_ids` is served as those ids; `tokenizer` None (a model without one) renders the
+  answers as their numbers.
   """
   from hamburger_jax.decode.requests import Request  # pylint: disable=import-outside-toplevel
   convs = list(conversations)
   conf = (lambda i: confidences[i % len(confidences)]) if confidences else (lambda i: None)
-  reqs = [Request(tokenizer.apply_chat_template(c.prompt_messages, tokenize=True),
+  reqs = [Request(list(c.prompt_ids) if c.prompt_ids is not None else
+                  tokenizer.apply_chat_template(c.prompt_messages, tokenize=True),
                   max_new_tokens=max_new_tokens, id=i,
                   **({"confidence": conf(i)} if confidences else {}))
           for i, c in enumerate(convs)]
@@ -111,8 +135,9 @@ def distill(conversations: Iterable[Conversation], engine, tokenizer, *, max_new
     conv = convs[g.id]
     if g.error:
       raise ValueError(f"{conv.id}: {g.error}")
-    yield dataclasses.replace(conv, response=tokenizer.decode(g.token_ids,
-                                                              skip_special_tokens=True),
+    text = (render_ids(g.token_ids) if tokenizer is None else
+            tokenizer.decode(g.token_ids, skip_special_tokens=True))
+    yield dataclasses.replace(conv, response=text,
                               prompt_ids=tuple(int(i) for i in reqs[g.id].prompt),
                               response_ids=tuple(g.token_ids),
                               groups=tuple(g.groups) if confidences else None), conf(g.id)
@@ -137,10 +162,18 @@ def parse_confidences(spec: str | None, checkpoint: str | None) -> tuple[float, 
   return out
 
 
-def main(argv=None) -> int:
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+  prompts: int  # in the mix
+  answers: int  # in --out after this run
+  stopped: bool  # at --max-minutes, with prompts left (a rerun goes on)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="python -m train.self_distill", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--mix", required=True, help="e.g. gsm_symbolic:1000,sharegpt:1500")
+  p.add_argument("--mix", required=True,
+                 help="e.g. gsm_symbolic:1000,sharegpt:1500 (synthetic:N: token-id prompts)")
   p.add_argument("--out", required=True, help="JSONL output (appended to; resumable)")
   p.add_argument("--max-new-tokens", type=int, default=160)
   p.add_argument("--max-prompt-tokens", type=int, default=96)
@@ -152,31 +185,71 @@ def main(argv=None) -> int:
                       "earlier run, e.g. the shipped graft's training data, did not use)")
   cli.add_model_flags(p, checkpoint_help="a HAMburger graft: its own answers (on-policy) "
                      "instead of the base's")
+  p.add_argument("--config", default=None,
+                 help="the base of this run config instead of --base (e.g. configs/tiny.yaml)")
   p.add_argument("--confidence", default=None,
                  help="with --checkpoint: confidences to decode at, cycled over the prompts "
                       "(e.g. 0.5,0.6,0.7)")
+  p.add_argument("--max-minutes", type=float, default=None,
+                 help="stop after the first answer that ends past this many minutes (a rerun "
+                      "goes on)")
   args = p.parse_args(argv)
   if args.sharegpt_skip < 0:
     p.error(f"--sharegpt-skip={args.sharegpt_skip} must be >= 0 (how many prompts to skip)")
-  confidences = parse_confidences(args.confidence, args.checkpoint)
+  if args.max_minutes is not None and not args.max_minutes >= 0:
+    p.error(f"--max-minutes={args.max_minutes} must be >= 0 (0: stop after one answer)")
+  if args.config and (args.base or args.checkpoint):
+    p.error("--config names the base: leave out --base and --checkpoint")
+  args.confidences = parse_confidences(args.confidence, args.checkpoint)
+  return args
 
+
+def load_model(args):
+  """(model, tokenizer or None) to answer with."""
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  if args.config:
+    from hamburger_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
+    from hamburger_jax.run_config import load_run_config  # pylint: disable=import-outside-toplevel
+    try:
+      cfg = load_run_config(args.config, shared_only=True)
+    except (ConfigError, FileNotFoundError) as e:
+      raise SystemExit(f"error: {e}") from None
+    # The seed the trainer builds a random base with: the answers are that base's.
+    return pretrained.load_base_for_run(cfg.model, cfg.train.seed)
+  return pretrained.load("hamburger" if args.checkpoint else "base", args.checkpoint, args.base)
+
+
+def prompts(mix: list[tuple[str, int]], args, tok, vocab_size: int) -> list[Conversation]:
+  if tok is None and any(name != "synthetic" for name, _ in mix):
+    raise SystemExit("error: this model has no tokenizer: its prompts are token ids (--mix "
+                     "synthetic:N)")
+  return interleave([
+      list(synthetic_prompts(n, vocab_size, args.seed)) if name == "synthetic" else
+      list(sharegpt_prompts(n, tok, args.max_prompt_tokens, args.sharegpt_skip))
+      if name == "sharegpt" else list(reasoning_prompts(name, n, args.seed)) for name, n in mix])
+
+
+def run(args: argparse.Namespace) -> Outcome:
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-  from hamburger_jax import cache, pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
 
+  mix = parse_mix(args.mix)
+  start = time.monotonic()  # the budget counts the model's load too
   cache.enable_compilation_cache()
-  model, tok = pretrained.load("hamburger" if args.checkpoint else "base", args.checkpoint,
-                               args.base)
-  convs = interleave([list(sharegpt_prompts(n, tok, args.max_prompt_tokens, args.sharegpt_skip)
-                           if name == "sharegpt" else reasoning_prompts(name, n, args.seed))
-                      for name, n in parse_mix(args.mix)])
+  model, tok = load_model(args)
+  vocab = (model.base if hasattr(model, "base") else model).cfg.vocab_size
+  convs = prompts(mix, args, tok, vocab)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   done = read_done(args.out)
   todo = [c for c in convs if c.id not in done]
   print(f"{len(convs)} prompts, {len(done)} already done, {len(todo)} to generate",
         file=sys.stderr)
   engine = Engine(model, tok)
-  t0, new_tokens = time.time(), 0
+  t0, new_tokens, answered = time.time(), 0, 0
+  deadline = None if args.max_minutes is None else start + 60 * args.max_minutes
+  confidences = args.confidences
+  stop_ids = tok.stop_ids if tok is not None else ()
   with open(args.out, "a") as f, tqdm(total=len(todo), unit="prompt") as bar:
     for conv, confidence in distill(todo, engine, tok, max_new_tokens=args.max_new_tokens,
                                     batch=args.batch, confidences=confidences,
@@ -185,13 +258,23 @@ def main(argv=None) -> int:
           "id": conv.id, "source": conv.source,
           "messages": [*conv.prompt_messages, {"role": "assistant", "content": conv.response}],
           "prompt_ids": list(conv.prompt_ids), "response_ids": list(conv.response_ids),
-          "finished": conv.response_ids[-1] in tok.stop_ids}
+          "finished": conv.response_ids[-1] in stop_ids}
       if confidences:
         record.update(groups=list(conv.groups), confidence=confidence, checkpoint=args.checkpoint)
       f.write(json.dumps(record) + "\n")
       f.flush()
+      answered += 1
       new_tokens += len(conv.response_ids)
       bar.set_postfix(tok_s=f"{new_tokens / (time.time() - t0):.0f}")
+      if deadline is not None and time.monotonic() >= deadline and answered < len(todo):
+        print(f"--max-minutes={args.max_minutes} reached after {answered} answers: stopping "
+              "(run again to go on)", file=sys.stderr)
+        break
+  return Outcome(len(convs), len(done) + answered, answered < len(todo))
+
+
+def main(argv=None) -> int:
+  run(parse_args(argv))
   return 0
 
 

@@ -230,7 +230,8 @@ class Trainer:
     def micro(acc, xs):
       mb, w = xs
       (_, metrics), grads = grad_fn(state.params, frozen, mb)
-      scaled = (jax.tree.map(lambda g: g * w, grads),
+      # In the gradient's dtype: a float32 weight would promote bfloat16 params' gradients.
+      scaled = (jax.tree.map(lambda g: g * w.astype(g.dtype), grads),
                 {m: weight(m, v, w) for m, v in metrics.items() if m not in skip})
       return jax.tree.map(jnp.add, acc, scaled), None
 

@@ -10,6 +10,7 @@ iterator is checkpointable: `get_state()` / `set_state()` resume mid-epoch exact
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any, Iterator, Mapping, Sequence
 
 import grain
@@ -170,6 +171,12 @@ def _builder(data_dir: str):
   try:
     return tfds.builder_from_directory(data_dir)
   except Exception as e:  # pylint: disable=broad-except
+    shards = os.path.abspath(data_dir) + ".shards"  # prepare.SHARDS_SUFFIX (no jax import here)
+    if os.path.isdir(shards):
+      raise FileNotFoundError(
+          f"{data_dir} is not written yet: its shards are in {shards}; let every "
+          "train.prepare_data process finish (the last one joins them), or run python -m "
+          f"train.prepare_data --join {data_dir}") from None
     raise FileNotFoundError(f"{data_dir} is not a dataset written by train.prepare_data ({e}); "
                             "build one with: python -m train.prepare_data ... --out DIR") from None
 

@@ -5,8 +5,11 @@ Per sample: input_ids (prompt + response), prompt_len, groups (sizes summing to 
 length, docs/SPEC.md 2.1), source. The builder writes whatever samples the caller hands it; building
 is atomic (`build_dataset`): a temp directory next to the output, renamed at the end.
 
-Work directories beside the output (`.NAME.samples-*` of prepare_dataset, `.NAME.tmp-*` of
-build_dataset) are held under a lock while their run lives; one that a killed run left behind is
+`join_datasets` makes one dataset of several (the shards of a sharded `train.prepare_data`) by
+linking their files, records in order, without rewriting them.
+
+Work directories beside the output (`.NAME.samples-*`, `.NAME.tmp-*` of build_dataset and
+join_datasets) are held under a lock while their run lives; one that a killed run left behind is
 removed by the next run for the same output (`check_output_dir`), never a live run's and never a
 complete dataset (a dataset a killed --overwrite had moved aside is put back).
 """
@@ -20,12 +23,14 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
 import tensorflow_datasets as tfds
+from tensorflow_datasets.core import naming as tfds_naming
 from tensorflow_datasets.core import shuffle as tfds_shuffle
+from tensorflow_datasets.core import splits as tfds_splits
 
 from hamburger_jax.layout import LayoutError, check_groups
 
@@ -77,6 +82,14 @@ class HamburgerSft(tfds.core.GeneratorBasedBuilder):
         metadata=tfds.core.MetadataDict(max_group=self._max_group, **self._metadata),
         # Records keep the generator's order; the training pipeline shuffles.
         disable_shuffling=True)
+
+  # tfds prints "Downloading and preparing dataset ... to <temp dir>" around every build: nothing
+  # is downloaded, the directory is a temporary one, and a sharded build makes one per shard.
+  def _log_download_bytes(self) -> None:
+    pass
+
+  def _log_download_done(self) -> None:
+    pass
 
   def _split_generators(self, dl_manager):
     del dl_manager
@@ -155,13 +168,71 @@ def _build(out: str, tmp: str, splits: Mapping[str, Callable[[], Iterable[Sample
     builder = HamburgerSft(splits=splits, max_group=max_group, metadata=metadata,
                            teacher=teacher, data_dir=tmp, file_format="array_record")
     builder.download_and_prepare()
-    built = os.fspath(builder.data_dir)  # tmp/hamburger_sft/1.0.0
-    if os.path.exists(out):  # overwrite: move the old one aside first, delete it after
-      old = os.path.join(tmp, "replaced")
-      os.rename(out, old)
-    os.rename(built, out)
+    _install(out, os.fspath(builder.data_dir), tmp)  # built in tmp/hamburger_sft/1.1.0
   finally:
     tfds_shuffle.MAX_MEM_BUFFER_SIZE = spill_limit
+
+
+def _install(out: str, built: str, tmp: str) -> None:
+  """Renames `built` (inside the work directory `tmp`) to `out`; an existing `out` (overwrite) is
+  moved into `tmp` first and goes with it (a kill in between: clean_stale_work_dirs puts it
+  back)."""
+  if os.path.exists(out):
+    os.rename(out, os.path.join(tmp, "replaced"))
+  os.rename(built, out)
+
+
+def join_datasets(out_dir: str, parts: Sequence[str], *, max_group: int,
+                  metadata: Mapping[str, Any] | None = None, overwrite: bool = False,
+                  teacher: Mapping[str, int] | None = None) -> str:
+  """Writes at `out_dir` the dataset whose every split is the parts' splits one after another
+  (records in order), from datasets that build_dataset wrote with the same features; returns
+  out_dir. A part may lack a split.
+
+  The parts' array_record files are hard-linked (copied where the filesystem refuses links), not
+  rewritten, so joining costs no pass over the data and leaves the parts intact. Atomic like
+  build_dataset: nothing appears at `out_dir` until the whole dataset is there.
+  """
+  out = os.path.abspath(out_dir)
+  check_output_dir(out, overwrite)
+  infos = [tfds.builder_from_directory(os.fspath(p)).info for p in parts]
+  with work_dir_beside(out, "tmp") as tmp:
+    built = os.path.join(tmp, "joined")
+    os.makedirs(built)
+    builder = HamburgerSft(max_group=max_group, metadata=metadata, teacher=teacher,
+                           data_dir=os.path.join(tmp, "unused"), file_format="array_record")
+    split_infos = []
+    for split in SPLITS:
+      files, lengths, num_bytes = [], [], 0
+      for info in infos:
+        if split in info.splits:
+          part = info.splits[split]
+          files += [os.fspath(f) for f in part.filepaths]
+          lengths += [int(n) for n in part.shard_lengths]
+          num_bytes += int(part.num_bytes)
+      if not files:
+        continue
+      template = tfds_naming.ShardedFileTemplate(
+          data_dir=built, template=tfds_naming.DEFAULT_FILENAME_TEMPLATE,
+          dataset_name=builder.name, split=split, filetype_suffix="array_record")
+      for src, dst in zip(files, template.sharded_filepaths(len(files))):
+        _link_or_copy(src, os.fspath(dst))
+      split_infos.append(tfds_splits.SplitInfo(name=split, shard_lengths=lengths,
+                                               num_bytes=num_bytes, filename_template=template))
+    if not split_infos:
+      raise ValueError(f"nothing to join: the {len(parts)} parts hold no records")
+    info = builder.info
+    info.set_splits(tfds_splits.SplitDict(split_infos))
+    info.write_to_directory(built)
+    _install(out, built, tmp)
+  return out
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+  try:
+    os.link(src, dst)
+  except OSError:  # a filesystem without hard links, or another device
+    shutil.copyfile(src, dst)
 
 
 WORK_KINDS = ("samples", "tmp")

@@ -1,0 +1,584 @@
+"""What a step of this model costs, against what the device can do: model FLOPs, bytes a decode
+step must read, the device's peaks, MFU and the memory-bandwidth roofline.
+
+FLOPs are counted analytically: every matmul and attention einsum the model runs, 2 FLOPs per
+multiply-add, at the static shapes a compiled step runs (padded rows and dense attention masks
+included: XLA computes them). `traced_matmul_flops` counts the same thing from the traced
+program, so the two must agree exactly. XLA's `cost_analysis()` also counts elementwise work
+(norms, RoPE, softmax, SiLU, residuals, the optimiser: about one FLOP per element), which this
+count leaves out: XLA reads 1-6% above it at the tiny test width (D = 64) and 0.1-1.5% at
+D = 2048, where matmuls are O(D^2) per token and elementwise work O(D). (A backend that runs
+bfloat16 dots in float32, as XLA:CPU does, adds the converts of the weights: one FLOP each.)
+XLA counts a while loop's body once (it does not know trip counts): compare it only with steps
+whose loops run once (the benches compile such a twin where the step has a chunked loop).
+
+"Model FLOPs" (MFU's numerator) leave out the rematerialised LM-head forward of the chunked loss
+(`losses._chunk_stats` recomputes the logits in the backward pass rather than storing them):
+that is hardware work, not model work, as in the PaLM paper's definition of MFU. Backward
+passes count what autodiff must compute: the input gradient of a layer whose input depends on
+a trained parameter, the weight gradient of a trained parameter.
+
+Peaks: dense bf16 matmul throughput and HBM bandwidth of known accelerators (datasheets, cited
+beside each), detected from `jax.devices()[0].device_kind`; on a CPU, both are measured (a
+jitted large matmul in the compute dtype; a memcpy between preallocated buffers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import platform
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.extend import core
+
+from hamburger_jax import pretrained
+from hamburger_jax.config import KNOWN_ARCHITECTURES, ConfigError, HamburgerConfig, LlamaConfig
+from hamburger_jax.convert import gguf, hf
+from hamburger_jax.model.kv_cache import KVCache
+
+# ----------------------------------------------------------------------------- architecture
+
+
+def architecture(model_cfg) -> LlamaConfig:
+  """The base architecture of a run config's `model:` section (a RunConfig.model), with the
+  run's dtypes, read without any weights: the random config itself, a GGUF file's metadata
+  ("smollm2" or a .gguf path), an HF directory's config.json, or, for a directory that does not
+  exist here, the published architecture its name gives (config.KNOWN_ARCHITECTURES)."""
+  dtypes = {"dtype": model_cfg.dtype, "param_dtype": model_cfg.param_dtype}
+  source = model_cfg.base
+  if source == "random":
+    return dataclasses.replace(model_cfg.random, **dtypes)
+  try:
+    kind, path = pretrained.resolve_base(source)
+  except FileNotFoundError:
+    name = os.path.basename(os.path.normpath(source))
+    if name in KNOWN_ARCHITECTURES:
+      return dataclasses.replace(KNOWN_ARCHITECTURES[name], **dtypes)
+    raise ConfigError(
+        f"model.base {source!r} does not exist here and its name is none of the known "
+        f"architectures ({', '.join(sorted(KNOWN_ARCHITECTURES))}): point it at the model's "
+        "GGUF file or HF directory (config.json is enough for --random-weights)") from None
+  base = gguf.GGUFFile(path).config() if kind == "gguf" else hf.read_config(path)
+  return dataclasses.replace(base, **dtypes)
+
+
+def random_run_config(cfg):
+  """`cfg` (a RunConfig) with its base replaced by random weights of the same architecture:
+  what the benches' --random-weights build (no weight files needed)."""
+  model = dataclasses.replace(cfg.model, base="random", random=architecture(cfg.model))
+  return dataclasses.replace(cfg, model=model)
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+@dataclasses.dataclass(frozen=True)
+class FlopCount:
+  """FLOPs of one step: forward, backward and the rematerialised forward the backward reruns."""
+  forward: int = 0
+  backward: int = 0
+  remat: int = 0
+
+  @property
+  def model(self) -> int:
+    """What the model needs: MFU's numerator."""
+    return self.forward + self.backward
+
+  @property
+  def executed(self) -> int:
+    """What runs, remat included: what XLA's cost analysis (and `traced_matmul_flops`) see."""
+    return self.forward + self.backward + self.remat
+
+  def __add__(self, other: "FlopCount") -> "FlopCount":
+    return FlopCount(self.forward + other.forward, self.backward + other.backward,
+                     self.remat + other.remat)
+
+  def __mul__(self, n: int) -> "FlopCount":
+    return FlopCount(self.forward * n, self.backward * n, self.remat * n)
+
+
+def _linear(rows: int, n_in: int, n_out: int, *, d_in: bool = False,
+            d_w: bool = False) -> FlopCount:
+  """y = x @ W over `rows` rows; backward: dx = dy W^T where `d_in`, dW = x^T dy where `d_w`."""
+  f = 2 * rows * n_in * n_out
+  return FlopCount(f, f * (d_in + d_w))
+
+
+def _lora(rows: int, n_in: int, n_out: int, rank: int, *, d_in: bool, d_w: bool) -> FlopCount:
+  """delta = (x @ a) @ b. Backward: d(xa) = dy b^T whenever anything below needs it, db where
+  trained, da where trained, dx = d(xa) a^T where the input needs a gradient."""
+  fwd = 2 * rows * rank * (n_in + n_out)
+  bwd = 0
+  if d_in or d_w:
+    bwd += 2 * rows * rank * n_out  # d(xa)
+  if d_w:
+    bwd += 2 * rows * rank * (n_out + n_in)  # db, da
+  if d_in:
+    bwd += 2 * rows * n_in * rank  # dx
+  return FlopCount(fwd, bwd)
+
+
+def _layer_linears(cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
+  d, f, qd, kvd = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim,
+                   cfg.num_kv_heads * cfg.head_dim)
+  return {"q": (d, qd), "k": (d, kvd), "v": (d, kvd), "o": (qd, d), "gate": (d, f), "up": (d, f),
+          "down": (f, d)}
+
+
+def layer_flops(cfg: LlamaConfig, rows: int, keys: int, *, lora_rank: int = 0,
+                grad_in: bool = False, train_w: bool = False,
+                train_lora: bool = False) -> FlopCount:
+  """One decoder layer (model/llama.py: DecoderLayer) over `rows` query rows (all batch rows
+  together), each attending `keys` key slots (dense: masked slots cost the same).
+
+  `lora_rank`: merged-entry adapters computed on every row (the layer computes them wherever a
+  merged mask is passed, and selects per row). Backward: `grad_in`, the layer's input needs a
+  gradient; `train_w`, its kernels and norms are trained; `train_lora`, its adapters are."""
+  act = grad_in or train_w or train_lora  # activations past the input carry gradients
+  out = FlopCount()
+  for name, (n_in, n_out) in _layer_linears(cfg).items():
+    # q, k and v read the input norm, whose weight trains with the kernels.
+    d_in = (grad_in or train_w) if name in ("q", "k", "v") else act
+    out += _linear(rows, n_in, n_out, d_in=d_in, d_w=train_w)
+    if lora_rank:
+      out += _lora(rows, n_in, n_out, lora_rank, d_in=d_in, d_w=train_lora)
+  attn = 4 * rows * keys * cfg.num_heads * cfg.head_dim  # scores and probs @ values
+  return out + FlopCount(attn, 2 * attn if act else 0)  # dP, dV, dQ, dK
+
+
+def stack_flops(cfg: LlamaConfig, layers: int, rows: int, keys: int, *, lora_rank: int = 0,
+                grad_in: bool = False, train_w: bool = False,
+                train_lora: bool = False) -> FlopCount:
+  """`layers` decoder layers in a row (layer_flops): past the first, the input carries a
+  gradient wherever an earlier layer trains."""
+  kw = dict(lora_rank=lora_rank, train_w=train_w, train_lora=train_lora)
+  if layers == 0:
+    return FlopCount()
+  return (layer_flops(cfg, rows, keys, grad_in=grad_in, **kw)
+          + layer_flops(cfg, rows, keys, grad_in=grad_in or train_w or train_lora, **kw)
+          * (layers - 1))
+
+
+def head_flops(cfg: LlamaConfig, rows: int) -> int:
+  """The LM head (tied or not) over `rows` rows."""
+  return 2 * rows * cfg.hidden_size * cfg.vocab_size
+
+
+def stop_head_flops(d: int, rows: int, *, grad_in: bool = False,
+                    train_w: bool = False) -> FlopCount:
+  """micro_step_decoder.StopHead: Linear(D, D) - SiLU - Linear(D, D) - SiLU - Linear(D, 1)."""
+  return (_linear(rows, d, d, d_in=grad_in, d_w=train_w)
+          + _linear(rows, d, d, d_in=grad_in or train_w, d_w=train_w)
+          + _linear(rows, d, 1, d_in=grad_in or train_w, d_w=train_w))
+
+
+def embedder_flops(d: int, k: int, groups: int, *, grad_embeddings: bool = False,
+                   train_w: bool = False) -> FlopCount:
+  """compositional_embedder.CompositionalEmbedder over `groups` groups of K slots (it runs on
+  every group, single tokens too, and selects after). Keys and values read [embedding ;
+  position] of D + D/2; the heads span D. Backward: the position table and kernels where
+  trained, the token embeddings where `grad_embeddings` (a trained embedding table)."""
+  kv_in = d + d // 2
+  act = train_w or grad_embeddings
+  out = (_linear(groups, d, d, d_in=grad_embeddings, d_w=train_w)  # q_proj of the mean
+         + _linear(groups * k, kv_in, d, d_in=act, d_w=train_w) * 2  # k_proj, v_proj
+         + _linear(groups, d, d, d_in=act, d_w=train_w))  # out_proj
+  attn = 4 * groups * k * d
+  return out + FlopCount(attn, 2 * attn if act else 0)
+
+
+def base_forward_flops(cfg: LlamaConfig, batch: int, tokens: int) -> int:
+  """The uncached base forward `Llama.__call__` (a prefill): `tokens` per row attending to each
+  other densely, the LM head on every position."""
+  rows = batch * tokens
+  return (cfg.num_layers * layer_flops(cfg, rows, tokens).forward + head_flops(cfg, rows))
+
+
+def decode_step_flops(hcfg: HamburgerConfig, mode: str, batch: int, kv_len: int) -> int:
+  """One macro step at decode, as `decode_step_program` (and the engine) run it: the LM head on
+  each row's predicting features; in HAMburger mode the stop head there, all K - 1 micro steps
+  (forced groups: each with its LM head and stop head; step 1 reads the F features and e(t0) in
+  one pass), the group smashed into one input; then the base forward of that one entry over
+  `kv_len` cache slots (with the merged-entry adapters in HAMburger mode)."""
+  b, g = hcfg.base, hcfg.graft
+  d = b.hidden_size
+  rank = g.base_lora_rank if mode == "hamburger" else 0
+  base = b.num_layers * layer_flops(b, batch, kv_len, lora_rank=rank).forward
+  if mode == "base":
+    return head_flops(b, batch) + base
+  k, f = g.max_group, g.num_features
+  micro = 0
+  if k > 1:
+    slots = f + k - 1
+    micro = g.micro_layers * (layer_flops(b, batch * (f + 1), slots).forward
+                              + (k - 2) * layer_flops(b, batch, slots).forward)
+    micro += k * stop_head_flops(d, batch).forward
+  return (k * head_flops(b, batch) + micro + embedder_flops(d, k, batch).forward + base)
+
+
+TRAINED_EMBEDDER = ("graft", "all", "merger")
+TRAINED_MICRO = ("graft", "all", "micro")
+TRAINED_STOP = ("graft", "all", "micro", "stop")
+
+
+def lm_head_rows(rows: int, ce_chunk: int) -> int:
+  """Rows the chunked loss (losses.chunked_token_stats) runs the LM head on: `rows` padded to
+  whole chunks."""
+  chunk = min(ce_chunk, rows)
+  return -(-rows // chunk) * chunk
+
+
+def train_step_flops(hcfg: HamburgerConfig, rows: int, entries: int, groups: int,
+                     trainable: str, ce_chunk: int) -> FlopCount:
+  """One optimiser step of train/trainer.py on one micro-batch of `rows` packed rows of
+  `entries` base-input entries and `groups` predicted groups, either recipe (the distill
+  recipe's extra terms are elementwise). Stage `micro` runs no base forward."""
+  b, g = hcfg.base, hcfg.graft
+  d, k, f = b.hidden_size, g.max_group, g.num_features
+  train_base = trainable == "all"
+  train_graft = trainable in TRAINED_EMBEDDER  # the embedder and the merged-entry adapters
+  out = FlopCount()
+  base_grads = False  # the base's features carry a gradient
+  if trainable != "micro":
+    out += embedder_flops(d, k, rows * entries, grad_embeddings=train_base, train_w=train_graft)
+    base_grads = train_base or train_graft
+    out += stack_flops(b, b.num_layers, rows * entries, entries, lora_rank=g.base_lora_rank,
+                       grad_in=base_grads, train_w=train_base,
+                       train_lora=train_graft and g.base_lora_rank > 0)
+  n = rows * groups  # predicted groups; the micro decoder reads F + K - 1 inputs for each
+  micro_w = trainable in TRAINED_MICRO
+  micro_in = base_grads or train_base  # features, and the teacher tokens' embeddings
+  t = f + k - 1
+  if k > 1:
+    out += stack_flops(b, g.micro_layers, n * t, t, grad_in=micro_in, train_w=micro_w)
+  h_grad = micro_in or micro_w  # the hidden states the heads read carry a gradient
+  head_rows = lm_head_rows(n * k, ce_chunk)
+  head = head_flops(b, head_rows)
+  head_bwd = head * (h_grad + train_base)  # dh; the (tied or untied) head matrix in "all"
+  out += FlopCount(head, head_bwd, head if head_bwd else 0)
+  out += stop_head_flops(d, n * k, grad_in=h_grad, train_w=trainable in TRAINED_STOP)
+  return out
+
+
+def sft_step_flops(cfg: LlamaConfig, rows: int, width: int, ce_chunk: int) -> FlopCount:
+  """train.bench's baseline: plain SFT of the whole base on rows of `width` tokens."""
+  out = stack_flops(cfg, cfg.num_layers, rows * width, width, grad_in=True, train_w=True)
+  head = head_flops(cfg, lm_head_rows(rows * width, ce_chunk))
+  return out + FlopCount(head, 2 * head, head)
+
+
+# ----------------------------------------------------------------------------- params, bytes
+
+
+def layer_params(cfg: LlamaConfig) -> int:
+  return sum(i * o for i, o in _layer_linears(cfg).values()) + 2 * cfg.hidden_size
+
+
+def base_params(cfg: LlamaConfig) -> int:
+  """Parameters of the base (a tied head counted once)."""
+  vd = cfg.vocab_size * cfg.hidden_size
+  return vd * (1 if cfg.tie_word_embeddings else 2) + cfg.num_layers * layer_params(
+      cfg) + cfg.hidden_size
+
+
+def graft_params(hcfg: HamburgerConfig) -> dict[str, int]:
+  """Grafted parameters by module: embedder, micro decoder layers, stop head, base adapters."""
+  b, g = hcfg.base, hcfg.graft
+  d = b.hidden_size
+  kv_in = d + d // 2
+  return {"embedder": g.max_group * (d // 2) + 2 * (d * d + d) + 2 * (kv_in * d + d),
+          "micro": g.micro_layers * layer_params(b),
+          "stop_head": 2 * (d * d + d) + d + 1,
+          "adapters": b.num_layers * g.base_lora_rank * sum(
+              i + o for i, o in _layer_linears(b).values())}
+
+
+def kv_bytes(cfg: LlamaConfig, layers: int, batch: int, entries: int) -> int:
+  """Bytes of `entries` KV-cache entries (keys and values, every layer) for each of `batch`
+  rows, in the compute dtype (the engine's cache dtype)."""
+  return (2 * layers * batch * entries * cfg.num_kv_heads * cfg.head_dim
+          * np.dtype(_np_dtype(cfg.dtype)).itemsize)
+
+
+def decode_step_bytes(hcfg: HamburgerConfig, mode: str, batch: int, kv_len: int) -> int:
+  """Bytes one macro step (as `decode_step_flops` counts it) must read from memory: every
+  weight it multiplies by, once per pass that uses it (the LM head and the micro decoder once
+  per micro step: a step cannot start before the previous token is chosen), and the KV cache in
+  use. Gathers of a few embedding rows and the activations are left out (kilobytes)."""
+  b, g = hcfg.base, hcfg.graft
+  p = np.dtype(_np_dtype(b.param_dtype)).itemsize
+  vd = b.vocab_size * b.hidden_size
+  body = base_params(b) - vd * (1 if b.tie_word_embeddings else 2)  # layers and final norm
+  kv = kv_bytes(b, b.num_layers, batch, kv_len)
+  if mode == "base":
+    return (body + vd) * p + kv
+  k, f = g.max_group, g.num_features
+  graft = graft_params(hcfg)
+  weights = body + graft["adapters"] + graft["embedder"] + k * vd
+  micro_kv = 0
+  if k > 1:
+    weights += (k - 1) * graft["micro"] + k * graft["stop_head"]
+    micro_kv = (k - 1) * kv_bytes(b, g.micro_layers, batch, f + k - 1)
+  return weights * p + kv + micro_kv
+
+
+def _np_dtype(name: str):
+  return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+# ----------------------------------------------------------------------------- peaks
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+  """What a device can do at best: matmul FLOP/s and memory bandwidth (bytes/s)."""
+  name: str
+  flops: float
+  bandwidth: float
+  source: str  # a datasheet, or "measured ..."
+
+  def best(self, other: "Peak") -> "Peak":
+    """The higher of two measurements of one machine: on a shared CPU the load moves both, and
+    a peak measured below what a step then reaches would read as MFU over 100%."""
+    return dataclasses.replace(self, flops=max(self.flops, other.flops),
+                               bandwidth=max(self.bandwidth, other.bandwidth))
+
+
+T, G = 1e12, 1e9
+# Dense (no structured sparsity) bf16 matmul peaks and HBM bandwidths, per chip.
+ACCELERATORS = {
+    # NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100): SXM 1,979
+    # TFLOPS bf16 "with sparsity" (989.5 dense), 3.35 TB/s; PCIe 1,513 (756.5 dense), 2 TB/s;
+    # NVL 1,671 (835.5 dense), 3.9 TB/s.
+    "H100 SXM": Peak("NVIDIA H100 SXM", 989.5 * T, 3350 * G, "NVIDIA H100 datasheet"),
+    "H100 PCIe": Peak("NVIDIA H100 PCIe", 756.5 * T, 2000 * G, "NVIDIA H100 datasheet"),
+    "H100 NVL": Peak("NVIDIA H100 NVL", 835.5 * T, 3900 * G, "NVIDIA H100 datasheet"),
+    # NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200): SXM 1,979
+    # TFLOPS bf16 with sparsity (989.5 dense), 4.8 TB/s HBM3e.
+    "H200": Peak("NVIDIA H200 SXM", 989.5 * T, 4800 * G, "NVIDIA H200 datasheet"),
+    # cloud.google.com/tpu/docs/v4: 275 TFLOPS bf16, 1,200 GB/s HBM2 per chip.
+    "TPU v4": Peak("TPU v4", 275 * T, 1200 * G, "cloud.google.com/tpu/docs/v4"),
+    # cloud.google.com/tpu/docs/v5e: 197 TFLOPS bf16, 819 GB/s per chip.
+    "TPU v5e": Peak("TPU v5e", 197 * T, 819 * G, "cloud.google.com/tpu/docs/v5e"),
+    # cloud.google.com/tpu/docs/v5p: 459 TFLOPS bf16, 2,765 GB/s per chip.
+    "TPU v5p": Peak("TPU v5p", 459 * T, 2765 * G, "cloud.google.com/tpu/docs/v5p"),
+    # cloud.google.com/tpu/docs/v6e: 918 TFLOPS bf16, 1,640 GB/s per chip.
+    "TPU v6e": Peak("TPU v6e", 918 * T, 1640 * G, "cloud.google.com/tpu/docs/v6e"),
+}
+
+
+def accelerator_key(device_kind: str) -> str | None:
+  """`jax.Device.device_kind` -> its ACCELERATORS key; None for a kind not in the table.
+
+  Kinds as JAX reports them: "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "NVIDIA H100
+  NVL", "NVIDIA H200", "TPU v4", "TPU v5 lite" (v5e), "TPU v5" (v5p), "TPU v6 lite" (v6e)."""
+  kind = device_kind.strip()
+  if "H200" in kind:
+    return None if "NVL" in kind else "H200"  # H200 NVL runs at a lower clock: not tabled
+  if "H100" in kind:
+    return "H100 PCIe" if "PCIe" in kind else "H100 NVL" if "NVL" in kind else "H100 SXM"
+  tpu = {"TPU v4": "TPU v4", "TPU v5 lite": "TPU v5e", "TPU v5e": "TPU v5e", "TPU v5": "TPU v5p",
+         "TPU v5p": "TPU v5p", "TPU v6 lite": "TPU v6e", "TPU v6e": "TPU v6e"}
+  return tpu.get(kind)
+
+
+def cpu_model() -> str:
+  """The CPU's model name as the kernel reports it (what `lscpu` prints), else the platform's."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or "CPU"
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+  t = time.perf_counter()
+  fn()
+  return time.perf_counter() - t
+
+
+def copy_bandwidth_gb_s(size_mb: int = 512, repeats: int = 5) -> float:
+  """Memory bandwidth of a memcpy (read + write) between two preallocated large buffers.
+
+  Preallocated on purpose: a jitted copy allocates (and page-faults) a fresh output every call,
+  which measured ~5x below this machine's real bandwidth."""
+  src = np.ones(size_mb * 2**20 // 4, np.float32)
+  dst = np.empty_like(src)
+  np.copyto(dst, src)
+  best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
+  return 2 * src.nbytes / best / 1e9
+
+
+def matmul_flops_per_s(dtype: str = "float32", n: int = 2048, repeats: int = 5) -> float:
+  """FLOP/s of a jitted [n, n] @ [n, n] matmul in `dtype` on the default device, the best of
+  `repeats` (each a chain of 4, so dispatch does not count)."""
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype) / math.sqrt(n)
+  b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype) / math.sqrt(n)
+  chain = jax.jit(lambda a, b: ((((a @ b) @ b) @ b) @ b))
+  jax.block_until_ready(chain(a, b))
+  best = min(_timed(lambda: jax.block_until_ready(chain(a, b))) for _ in range(repeats))
+  return 4 * 2 * n**3 / best
+
+
+def device_peak(dtype: str = "bfloat16", device=None, tflops: float | None = None,
+                gb_s: float | None = None) -> Peak:
+  """The peak to measure against. An accelerator in ACCELERATORS: its datasheet figures (dense
+  bf16, whatever `dtype` the model runs). A CPU: this machine measured now (a matmul in
+  `dtype`, a memcpy). `tflops` / `gb_s` (TFLOP/s, GB/s) override either; an accelerator not in
+  the table needs both."""
+  device = device or jax.devices()[0]
+  kind = device.device_kind
+  flops = tflops * T if tflops else None
+  bandwidth = gb_s * G if gb_s else None
+  if device.platform == "cpu":
+    source = "given" if flops and bandwidth else "measured: " + ", ".join(
+        [f"jitted 2048^2 {dtype} matmul" if not flops else "FLOP/s given",
+         "512 MB memcpy" if not bandwidth else "bandwidth given"])
+    return Peak(f"{cpu_model()}, {os.cpu_count()} cores", flops or matmul_flops_per_s(dtype),
+                bandwidth or copy_bandwidth_gb_s() * G, source)
+  key = accelerator_key(kind)
+  if key is None:
+    if not (flops and bandwidth):
+      raise ValueError(f"no peak figures for device kind {kind!r}: pass its dense bf16 peak "
+                       "and memory bandwidth (--peak-tflops, --peak-gb-s)")
+    return Peak(kind, flops, bandwidth, "given")
+  peak = ACCELERATORS[key]
+  if flops or bandwidth:
+    peak = dataclasses.replace(peak, flops=flops or peak.flops,
+                               bandwidth=bandwidth or peak.bandwidth, source="given")
+  return peak
+
+
+def mfu(flops_per_step: float, step_s: float, peak: Peak) -> float:
+  """Model FLOPs utilisation: model FLOPs done per second over the peak."""
+  return flops_per_step / step_s / peak.flops
+
+
+def roofline_fraction(bytes_per_step: float, step_s: float, peak: Peak) -> float:
+  """Bytes a step must read per second over the peak bandwidth: 1.0 is the memory roofline."""
+  return bytes_per_step / step_s / peak.bandwidth
+
+
+def bound(flops_per_step: float, bytes_per_step: float, peak: Peak) -> str:
+  """Which roof is lower for this step: "compute" when its FLOPs take longer at peak than its
+  bytes do, else "memory"."""
+  return "compute" if flops_per_step / peak.flops >= bytes_per_step / peak.bandwidth else "memory"
+
+
+# ----------------------------------------------------------------------------- XLA, traced
+
+
+def xla_flops(compiled) -> float:
+  """FLOPs of a compiled program (`jax.jit(f).lower(...).compile()`) by XLA's cost analysis."""
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older jax: one dict per program
+    cost = cost[0]
+  return float(cost["flops"])
+
+
+def traced_matmul_flops(fn: Callable, *args, **kwargs) -> int:
+  """Matmul FLOPs (every dot_general: 2 x output elements x contracted size) of the program `fn`
+  traces to, scan bodies times their length, the costliest branch of a cond. A while loop's
+  trip count is unknown at trace time: one is refused."""
+  return _jaxpr_matmul_flops(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr)
+
+
+def _jaxpr_matmul_flops(jaxpr) -> int:
+  total = 0
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "dot_general":
+      (contract, _), _ = eqn.params["dimension_numbers"]
+      lhs = eqn.invars[0].aval.shape
+      out = eqn.outvars[0].aval.shape
+      total += 2 * math.prod(out) * math.prod(lhs[i] for i in contract)
+      continue
+    if name == "while":
+      raise ValueError("a while loop's trip count is unknown at trace time: count a program "
+                       "without one")
+    subs = [_jaxpr_matmul_flops(j) for j in _subjaxprs(eqn.params)]
+    if name == "cond":
+      total += max(subs, default=0)
+    elif name == "scan":
+      total += eqn.params["length"] * sum(subs)
+    else:
+      total += sum(subs)
+  return total
+
+
+def _subjaxprs(params: dict) -> list:
+  out = []
+  for value in params.values():
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(v, core.ClosedJaxpr):
+        out.append(v.jaxpr)
+      elif isinstance(v, core.Jaxpr):
+        out.append(v)
+  return out
+
+
+# ----------------------------------------------------------------------------- programs
+
+
+def decode_step_program(model, mode: str, batch: int, kv_len: int):
+  """One macro step at decode as the engine's loop body runs it (greedy), standalone, so that its
+  time, its XLA cost and `decode_step_flops` describe the same program. Returns (step, args):
+  `step(*args)` -> (group [B, K], stop logits, next features, cache), with the cache donated
+  (written in place, as in the engine).
+
+  HAMburger mode forces every group to K tokens (the micro steps all run: what confidence 0
+  decodes). The base cache is dense, `kv_len` slots, all of them read: the step writes the last
+  one."""
+  if mode not in ("base", "hamburger"):
+    raise ValueError(f"mode={mode!r}: use base or hamburger")
+  cfg = model.cfg.base
+  graphdef, params = nnx.split(model)
+  k = model.max_group if mode == "hamburger" else 1
+  f = model.num_features if mode == "hamburger" else 1
+  dtype = jnp.dtype(cfg.dtype)
+
+  def step(params, cache, feats):
+    m = nnx.merge(graphdef, params)
+    base = m.base
+    h0 = feats[:, -1]
+    tokens = [jnp.argmax(base.logits(h0), axis=-1).astype(jnp.int32)]
+    if mode == "base":
+      out = base.forward(base.embed(tokens[0])[:, None], cache.length[:, None],
+                         cache.mask(cache.length[:, None]), cache, cache.length[:, None])
+      new_feats, cache, stops = out.hidden, out.cache, jnp.zeros((feats.shape[0], 0))
+    else:
+      stops = []  # as in the engine, no stop head when K = 1: nothing could follow token 0
+      if k > 1:
+        stops.append(m.stop_logits(h0))
+        x = jnp.concatenate([feats, base.embed(tokens[0][:, None])], axis=1)
+        micro_cache = m.micro_cache(feats.shape[0])
+        for i in range(1, k):
+          h, micro_cache = m.micro_step(i, x, micro_cache)
+          tokens.append(jnp.argmax(base.logits(h), axis=-1).astype(jnp.int32))
+          stops.append(m.stop_logits(h))
+          x = base.embed(tokens[-1][:, None])
+      group = jnp.stack(tokens, axis=1)
+      x = m.smash(group, jnp.full((group.shape[0],), k, jnp.int32))
+      pos = cache.length[:, None]
+      merged = jnp.full(pos.shape, k >= 2)
+      new_feats, cache = m.base_features(x[:, None], pos, cache.mask(pos), cache, pos, merged)
+      stops = jnp.stack(stops, axis=1) if stops else jnp.zeros((feats.shape[0], 0))
+    cache = cache.replace(length=cache.length + 1)
+    return jnp.stack(tokens, axis=1), stops, new_feats[:, 0], cache
+
+  cache = KVCache.init(cfg.num_layers, batch, kv_len, cfg.num_kv_heads, cfg.head_dim, dtype)
+  cache = cache.replace(length=jnp.full((batch,), kv_len - 1, jnp.int32))
+  feats = jax.random.normal(jax.random.key(0), (batch, f, cfg.hidden_size), jnp.float32)
+  return jax.jit(step, donate_argnums=(1,)), (params, cache, feats.astype(dtype))
+
