@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -212,7 +212,7 @@ def segment_positions(segment_ids_bt: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("teacher",))
-def _stats_jit(graphdef: nnx.GraphDef, state: nnx.State, ids_bt: jax.Array,
+def token_stats_program(graphdef: nnx.GraphDef, state: nnx.State, ids_bt: jax.Array,
                segment_ids_bt: jax.Array, teacher: TeacherSpec | None = None) -> tuple:
   """Entropy at every position and the probability given to the token at the next position;
   with `teacher`, also the top-k (ids, log-probs) and the features at every position."""
@@ -238,7 +238,7 @@ def position_entropies(model: nnx.Module, ids_bt, segment_ids_bt) -> np.ndarray:
   Rows may pack several samples (segment ids 1.., 0 = padding; positions restart per segment).
   """
   graphdef, state = nnx.split(model)
-  return np.asarray(_stats_jit(graphdef, state, jnp.asarray(ids_bt, jnp.int32),
+  return np.asarray(token_stats_program(graphdef, state, jnp.asarray(ids_bt, jnp.int32),
                                jnp.asarray(segment_ids_bt, jnp.int32))[0])
 
 
@@ -246,6 +246,53 @@ def response_entropies(model: nnx.Module, samples: Sequence[tuple[Sequence[int],
                        **kwargs) -> list[np.ndarray]:
   """Teacher-forced entropies of each sample's response tokens. One array [R] per sample."""
   return [s.entropy for s in response_token_stats(model, samples, **kwargs)]
+
+
+def pack_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
+  """Sample indices per row of `row_len` tokens: longest first, first fit."""
+  rows: list[list[int]] = []
+  free: list[int] = []  # tokens left per row
+  for k in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+    r = next((r for r, f in enumerate(free) if f >= lengths[k]), None)
+    if r is None:
+      rows.append([])
+      free.append(row_len)
+      r = len(rows) - 1
+    rows[r].append(k)
+    free[r] -= lengths[k]
+  return rows
+
+
+def packed_token_stats(forward: Callable, samples: Sequence[tuple[Sequence[int], Sequence[int]]],
+                       row_len: int, rows_per_pass: int, teacher: TeacherSpec | None,
+                       progress: Callable[[int], None] | None = None
+                       ) -> Iterator[tuple[int, TokenStats]]:
+  """(index in `samples`, its TokenStats) of every (prompt ids, response ids) sample, packed
+  by pack_rows into passes of `rows_per_pass` rows; `forward(ids, seg, teacher)` runs one pass
+  (token_stats_program's outputs as numpy, on one device or split over a mesh)."""
+  seqs = [np.concatenate([np.asarray(p, np.int32), np.asarray(r, np.int32)]) for p, r in samples]
+  rows = pack_rows([len(x) for x in seqs], row_len)
+  for first in range(0, len(rows), rows_per_pass):
+    batch = rows[first:first + rows_per_pass]
+    ids = np.zeros((rows_per_pass, row_len), np.int32)
+    seg = np.zeros((rows_per_pass, row_len), np.int32)
+    starts = {}
+    for r, row in enumerate(batch):
+      t = 0
+      for j, k in enumerate(row, start=1):
+        ids[r, t:t + len(seqs[k])] = seqs[k]
+        seg[r, t:t + len(seqs[k])] = j
+        starts[k] = (r, t)
+        t += len(seqs[k])
+    arrays = forward(ids, seg, teacher)
+    for row in batch:
+      for k in row:
+        r, t = starts[k]
+        p, n = len(samples[k][0]), len(samples[k][1])
+        span = slice(t + p - 1, t + p - 1 + n)  # row j predicts response token j
+        yield k, TokenStats(*(a[r, span].copy() for a in arrays))
+    if progress is not None:
+      progress(sum(len(row) for row in batch))
 
 
 def response_token_stats(model: nnx.Module,
@@ -262,14 +309,11 @@ def response_token_stats(model: nnx.Module,
   shape, so one compilation serves all calls with the same row_len, and little is padding.
   `progress(n)` is called after each pass with the number of samples it held.
   """
-  seqs = []
-  for p, r in samples:
-    if len(p) == 0 or len(r) == 0:
-      raise SegmentationError("every sample needs a non-empty prompt and response")
-    seqs.append(np.concatenate([np.asarray(p, np.int32), np.asarray(r, np.int32)]))
-  if not seqs:
+  if any(len(p) == 0 or len(r) == 0 for p, r in samples):
+    raise SegmentationError("every sample needs a non-empty prompt and response")
+  if not samples:
     return []
-  longest = max(len(x) for x in seqs)
+  longest = max(len(p) + len(r) for p, r in samples)
   if row_len is None:
     row_len = -(-longest // bucket) * bucket
   if longest > row_len:
@@ -277,37 +321,10 @@ def response_token_stats(model: nnx.Module,
                             "row_len or drop longer samples first")
   rows_per_pass = max(1, batch_tokens // row_len)
   graphdef, state = nnx.split(model)
-  rows: list[list[int]] = []  # sample indices per row
-  free: list[int] = []  # tokens left per row
-  for k in sorted(range(len(seqs)), key=lambda i: -len(seqs[i])):
-    r = next((r for r, f in enumerate(free) if f >= len(seqs[k])), None)
-    if r is None:
-      rows.append([])
-      free.append(row_len)
-      r = len(rows) - 1
-    rows[r].append(k)
-    free[r] -= len(seqs[k])
-  out: list[TokenStats | None] = [None] * len(seqs)
-  for first in range(0, len(rows), rows_per_pass):
-    batch = rows[first:first + rows_per_pass]
-    ids = np.zeros((rows_per_pass, row_len), np.int32)
-    seg = np.zeros((rows_per_pass, row_len), np.int32)
-    starts = {}
-    for r, row in enumerate(batch):
-      t = 0
-      for j, k in enumerate(row, start=1):
-        ids[r, t:t + len(seqs[k])] = seqs[k]
-        seg[r, t:t + len(seqs[k])] = j
-        starts[k] = (r, t)
-        t += len(seqs[k])
-    arrays = [np.asarray(a) for a in _stats_jit(graphdef, state, jnp.asarray(ids),
-                                                 jnp.asarray(seg), teacher)]
-    for row in batch:
-      for k in row:
-        r, t = starts[k]
-        p, n = len(samples[k][0]), len(samples[k][1])
-        span = slice(t + p - 1, t + p - 1 + n)
-        out[k] = TokenStats(*(a[r, span].copy() for a in arrays))
-    if progress is not None:
-      progress(sum(len(row) for row in batch))
+  forward = lambda ids, seg, teacher: [np.asarray(a) for a in token_stats_program(
+      graphdef, state, jnp.asarray(ids), jnp.asarray(seg), teacher)]
+  out: list[TokenStats | None] = [None] * len(samples)
+  for k, stats in packed_token_stats(forward, samples, row_len, rows_per_pass, teacher,
+                                     progress):
+    out[k] = stats
   return out  # type: ignore[return-value]

@@ -448,22 +448,6 @@ def _shard_marker(shards: str, k: int, plan_id: str) -> dict[str, Any] | None:
   return marker
 
 
-def _pack_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
-  """Sample indices per row: longest first, first fit (segmentation.response_token_stats's
-  packing)."""
-  rows: list[list[int]] = []
-  free: list[int] = []
-  for k in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-    r = next((r for r, f in enumerate(free) if f >= lengths[k]), None)
-    if r is None:
-      rows.append([])
-      free.append(row_len)
-      r = len(rows) - 1
-    rows[r].append(k)
-    free[r] -= lengths[k]
-  return rows
-
-
 @dataclasses.dataclass
 class _Forward:
   """The base split for jit, its weights replicated over a data-parallel mesh of this process's
@@ -491,7 +475,7 @@ class _Forward:
           teacher: segmentation.TeacherSpec | None) -> tuple[jax.Array, ...]:
     """segmentation's jitted forward (the one every statistic of this project comes from) on
     rows that arrive split over the mesh: each device runs its rows_per_device rows."""
-    return segmentation._stats_jit(  # pylint: disable=protected-access
+    return segmentation.token_stats_program(
         self.graphdef, self.state, jax.device_put(ids, self.rows_sharding),
         jax.device_put(seg, self.rows_sharding), teacher)
 
@@ -505,30 +489,9 @@ def _teacher_pass(forward: _Forward, samples: Sequence[TokenizedSample], row_len
                   progress: Callable[[int], None] | None
                   ) -> Iterator[tuple[int, segmentation.TokenStats]]:
   """(index in `samples`, its TokenStats) of every sample, a forward pass at a time."""
-  seqs = [np.concatenate([s.prompt_ids, s.response_ids]) for s in samples]
-  rows = _pack_rows([len(x) for x in seqs], row_len)
-  n = forward.rows_per_pass
-  for first in range(0, len(rows), n):
-    batch = rows[first:first + n]
-    ids = np.zeros((n, row_len), np.int32)
-    seg = np.zeros((n, row_len), np.int32)
-    starts = {}
-    for r, row in enumerate(batch):
-      t = 0
-      for j, k in enumerate(row, start=1):
-        ids[r, t:t + len(seqs[k])] = seqs[k]
-        seg[r, t:t + len(seqs[k])] = j
-        starts[k] = (r, t)
-        t += len(seqs[k])
-    arrays = forward(ids, seg, teacher)
-    for row in batch:
-      for k in row:
-        r, t = starts[k]
-        p, m = len(samples[k].prompt_ids), len(samples[k].response_ids)
-        span = slice(t + p - 1, t + p - 1 + m)  # row j predicts response token j
-        yield k, segmentation.TokenStats(*(a[r, span].copy() for a in arrays))
-    if progress is not None:
-      progress(sum(len(row) for row in batch))
+  return segmentation.packed_token_stats(
+      forward, [(s.prompt_ids, s.response_ids) for s in samples], row_len,
+      forward.rows_per_pass, teacher, progress)
 
 
 def _write_shard(shards: str, k: int, plan: Mapping[str, Any], plan_id: str,
