@@ -421,7 +421,7 @@ def bench_random(args) -> None:
                                                      shared_only=True))
   except (ConfigError, RuntimeError) as e:  # RuntimeError: an asset (the GGUF) not installed
     raise SystemExit(f"error: {e}") from None
-  first_peak = peak_for(args, cfg.model.dtype)
+  first_peak = cli.device_peak(args, cfg.model.dtype)
   model, _ = cli.phase("building random weights", lambda: pretrained.build_run_model(cfg))
   hcfg = model.cfg
   k = model.max_group
@@ -442,7 +442,7 @@ def bench_random(args) -> None:
       r = cli.phase(f"{mode} step, batch {b}",
                     lambda: time_decode_step(model, mode, b, kv_len, args.repeats))
       results.append((mode, b, kv_len, r, engine_s.get(mode)))
-  peak = first_peak.best(peak_for(args, cfg.model.dtype))  # measured again, after the steps
+  peak = first_peak.best(cli.device_peak(args, cfg.model.dtype))  # measured again, after the steps
 
   graft = sum(roofline.graft_params(hcfg).values())
   print(f"{args.config}: random weights, base {roofline.base_params(hcfg.base) / 1e6:.1f}M + "
@@ -492,17 +492,6 @@ def engine_decode_s(engine, ids, n_new: int, repeats: int,
     for name, kw in runs.items():
       best[name] = min(best[name], decode_s(kw))
   return {name: (best[name], compile_s[name]) for name in runs}
-
-
-def peak_for(args, dtype: str):
-  """The device's peaks (roofline.device_peak: a CPU's measured now), or --peak-tflops and
-  --peak-gb-s."""
-  from hamburger_jax import roofline  # pylint: disable=import-outside-toplevel
-  try:
-    return cli.phase("the device's peaks", lambda: roofline.device_peak(
-        dtype, tflops=args.peak_tflops, gb_s=args.peak_gb_s))
-  except ValueError as e:
-    raise SystemExit(f"error: {e}") from None
 
 
 def time_decode_step(model, mode: str, batch: int, kv_len: int, repeats: int) -> dict[str, float]:
@@ -556,11 +545,7 @@ def main(argv=None) -> int:
                  help="--random-weights: random prompt tokens per row")
   p.add_argument("--no-engine", action="store_true",
                  help="--random-weights: time the step alone (skips compiling the engine)")
-  p.add_argument("--peak-tflops", type=float, default=None,
-                 help="--random-weights: the device's peak TFLOP/s (default: the known "
-                 "accelerator's dense bf16 figure; a CPU's is measured)")
-  p.add_argument("--peak-gb-s", type=float, default=None,
-                 help="--random-weights: the device's memory bandwidth, GB/s (default: as above)")
+  cli.add_peak_flags(p, when="--random-weights: ")
   p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE)
   p.add_argument("--max-group", type=int, default=None,
                  help="hamburger / serve: cap HAMburger's groups at this many tokens (1..K)")
@@ -630,9 +615,7 @@ def check_random_weights_flags(p: argparse.ArgumentParser, args) -> None:
             "and --base (without --random-weights they load real weights)")
   if args.prompt_len < 1:
     p.error(f"--prompt-len {args.prompt_len} must be >= 1")
-  for flag, v in (("--peak-tflops", args.peak_tflops), ("--peak-gb-s", args.peak_gb_s)):
-    if v is not None and not v > 0:
-      p.error(f"{flag} {v} must be > 0")
+  cli.check_peak_flags(p, args)
 
 
 if __name__ == "__main__":

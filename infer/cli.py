@@ -118,3 +118,31 @@ def load_model(mode: str, checkpoint: str | None, base: str | None, *,
         mode, checkpoint, base, untrained_ok=untrained_ok, **overrides))
   except (ValueError, RuntimeError, FileNotFoundError) as e:  # weights/config/asset errors
     raise SystemExit(f"error: {e}") from None
+
+
+def add_peak_flags(p: argparse.ArgumentParser, when: str = "") -> None:
+  """--peak-tflops and --peak-gb-s: the device's peaks for MFU and the roofline, where the
+  known-accelerator table or a CPU's measurement is not what the user wants. `when` prefixes
+  their help (e.g. "--random-weights: ")."""
+  p.add_argument("--peak-tflops", type=float, default=None,
+                 help=f"{when}the device's peak TFLOP/s for MFU (default: the known "
+                 "accelerator's dense bf16 figure; a CPU's is measured)")
+  p.add_argument("--peak-gb-s", type=float, default=None,
+                 help=f"{when}the device's memory bandwidth, GB/s (default: as above)")
+
+
+def check_peak_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  for flag, v in (("--peak-tflops", args.peak_tflops), ("--peak-gb-s", args.peak_gb_s)):
+    if v is not None and not v > 0:
+      p.error(f"{flag} {v} must be > 0")
+
+
+def device_peak(args: argparse.Namespace, dtype: str):
+  """The device's peaks (roofline.device_peak: a CPU's measured now), or --peak-tflops and
+  --peak-gb-s."""
+  from hamburger_jax import roofline
+  try:
+    return phase("the device's peaks", lambda: roofline.device_peak(
+        dtype, tflops=args.peak_tflops, gb_s=args.peak_gb_s))
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None

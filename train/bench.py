@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from hamburger_jax.run_config import RECIPES, TRAINABLE
+from infer import cli
 
 
 def sft_rows(rows, width: int) -> dict[str, np.ndarray]:
@@ -148,18 +149,6 @@ def hamburger_xla_flops(trainer, batch, head_rows: int) -> float:
   return roofline.xla_flops(compiled) * trainer.mesh.size
 
 
-def peak_for(args, dtype: str):
-  """The device's peaks (roofline.device_peak: a CPU's measured now), or --peak-tflops and
-  --peak-gb-s."""
-  from hamburger_jax import roofline  # pylint: disable=import-outside-toplevel
-  from infer import cli  # pylint: disable=import-outside-toplevel
-  try:
-    return cli.phase("the device's peaks", lambda: roofline.device_peak(
-        dtype, tflops=args.peak_tflops, gb_s=args.peak_gb_s))
-  except ValueError as e:
-    raise SystemExit(f"error: {e}") from None
-
-
 def check_flags(p: argparse.ArgumentParser, args) -> None:
   for flag in ("steps", "rows", "entries", "groups", "input_batches"):
     v = getattr(args, flag)
@@ -168,9 +157,7 @@ def check_flags(p: argparse.ArgumentParser, args) -> None:
   if args.entries and args.groups and args.groups > args.entries:
     p.error(f"--groups {args.groups} > --entries {args.entries}: each predicted group needs its "
             "own entry; lower --groups")
-  for flag, v in (("--peak-tflops", args.peak_tflops), ("--peak-gb-s", args.peak_gb_s)):
-    if v is not None and not v > 0:
-      p.error(f"{flag} {v} must be > 0")
+  cli.check_peak_flags(p, args)
 
 
 def shape_overrides(args, raw_data: dict) -> list[str]:
@@ -212,11 +199,7 @@ def main(argv=None) -> int:
                  help="skip the SFT baseline (a second optimiser state of the whole base)")
   p.add_argument("--input-batches", type=int, default=20,
                  help="batches the input pipeline's rate is timed over")
-  p.add_argument("--peak-tflops", type=float, default=None,
-                 help="the device's peak TFLOP/s for MFU (default: the known accelerator's "
-                 "dense bf16 figure; a CPU's is measured)")
-  p.add_argument("--peak-gb-s", type=float, default=None,
-                 help="the device's memory bandwidth, GB/s (default: as above)")
+  cli.add_peak_flags(p)
   args = p.parse_args(argv)
   check_flags(p, args)
 
@@ -254,11 +237,10 @@ def run(args, cfg, tmp: str) -> None:
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from hamburger_jax import layout, roofline  # pylint: disable=import-outside-toplevel
   from hamburger_jax.data import pipeline  # pylint: disable=import-outside-toplevel
-  from infer import cli  # pylint: disable=import-outside-toplevel
   from train.trainer import Trainer  # pylint: disable=import-outside-toplevel
 
   d, k = cfg.data, cfg.graft.max_group
-  first_peak = peak_for(args, cfg.model.dtype)
+  first_peak = cli.device_peak(args, cfg.model.dtype)
   trainer = cli.phase("building the model" + (" (random weights)" if args.random_weights else ""),
                       lambda: Trainer(cfg))
   hcfg = trainer.model.cfg
@@ -328,7 +310,7 @@ def run(args, cfg, tmp: str) -> None:
 
   rate, token_rate = cli.phase("timing the input pipeline",
                                lambda: input_rate(data_dir, cfg, args.input_batches))
-  peak = first_peak.best(peak_for(args, cfg.model.dtype))  # measured again, after the steps
+  peak = first_peak.best(cli.device_peak(args, cfg.model.dtype))  # measured again, after the steps
 
   print(f"{args.config}{' (random weights)' if args.random_weights else ''}: {d.rows} rows/step,"
         f" HAMburger rows of {d.entries} entries / {d.groups} groups, SFT rows of {width} tokens;"
