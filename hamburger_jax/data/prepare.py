@@ -134,7 +134,6 @@ class PrepareStats:
 def load_base(model_cfg):
   """(model, tokenizer) for a run config's `model:` section (RunConfig.model); a random base
   (tests) is paired with the default tokenizer, whose vocabulary it must hold."""
-  # Imported here: the tokenizer pulls in jinja2 and the GGUF reader, unneeded to read data.
   model, tokenizer = pretrained.load_base_for_run(model_cfg)
   tokenizer = tokenizer or load_default_tokenizer()
   if tokenizer.vocab_size > model.cfg.vocab_size:

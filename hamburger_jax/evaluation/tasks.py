@@ -111,6 +111,8 @@ def numbers_equal(answer: str | None, reference: str) -> bool:
 
 
 def _reasoning_gym():
+  # On use, not at the top: importing reasoning_gym takes ~1.4 s (data/sources.py says the same),
+  # which the tasks that do not need it should not pay.
   try:
     import reasoning_gym  # pylint: disable=import-outside-toplevel
   except ImportError as e:
