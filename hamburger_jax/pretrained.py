@@ -24,6 +24,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from hamburger_jax import assets
+from hamburger_jax import micro_vocab as micro_vocab_lib
 from hamburger_jax.config import (ConfigError, GraftConfig, HamburgerConfig, LlamaConfig,
                                   from_dict, to_dict)
 from hamburger_jax.convert import gguf, hf, mapping
@@ -355,7 +356,8 @@ def default_mode(checkpoint: str | None = None, *, both: bool = False) -> str:
 
 
 def load(mode: str = "hamburger", checkpoint: str | None = None, base: str | None = None, *,
-         untrained_ok: bool = False, **overrides: Any) -> tuple[Llama | Hamburger, Tokenizer]:
+         untrained_ok: bool = False, micro_vocab: int | None = None,
+         **overrides: Any) -> tuple[Llama | Hamburger, Tokenizer]:
   """The model and tokenizer an Engine serves in `mode`; the one load sequence of every entry
   point.
 
@@ -363,16 +365,30 @@ def load(mode: str = "hamburger", checkpoint: str | None = None, base: str | Non
   "both": the graft checkpoint (default: the shipped one) on its own base or on `base`; an
   engine decodes such a model in either mode. With no checkpoint given nor shipped, an untrained
   graft where `untrained_ok` (smoke tests: its groups mean nothing), else a WeightsError.
-  `overrides` set LlamaConfig fields (e.g. dtype)."""
+  `micro_vocab` N: micro steps choose among the first N ids of the checkpoint's stored list
+  (hamburger_jax/micro_vocab.py), checked before the weights load. `overrides` set LlamaConfig
+  fields (e.g. dtype)."""
   if mode not in MODES:
     raise ValueError(f"mode={mode!r}: use one of {', '.join(MODES)}")
   if mode == "base":
+    if micro_vocab is not None:
+      raise micro_vocab_lib.MicroVocabError("a micro vocabulary applies to HAMburger's micro "
+                                            "steps: the base alone has none (drop it)")
     return load_llama(base or DEFAULT_BASE, **overrides)
   resolved = resolve_checkpoint(checkpoint)
   if resolved is None and not untrained_ok:
     raise WeightsError(f"mode {mode!r} needs a trained graft checkpoint and none is shipped at "
                        f"{DEFAULT_CHECKPOINT}: pass a checkpoint directory (--checkpoint DIR)")
-  return load_hamburger(resolved or UNTRAINED, base, **overrides)
+  ids = None
+  if micro_vocab is not None:
+    if resolved is None:
+      raise micro_vocab_lib.MicroVocabError("a micro vocabulary is stored with a trained graft "
+                                            "checkpoint, and none is given or shipped")
+    ids = micro_vocab_lib.load(resolved, micro_vocab, vocab_size(resolved, base))
+  model, tok = load_hamburger(resolved or UNTRAINED, base, **overrides)
+  if ids is not None:
+    model.set_micro_vocab(ids)
+  return model, tok
 
 
 def describe(mode: str, checkpoint: str | None = None, base: str | None = None) -> str:

@@ -181,12 +181,13 @@ def _reference_micro(model, x_btd):
 
 
 def reference_hamburger(model, prompt: list[int], max_new: int, confidence: float,
-                        stop: int, pad: int = 64,
-                        max_group: int | None = None) -> tuple[list[int], list[int]]:
+                        stop: int, pad: int = 64, max_group: int | None = None,
+                        micro_ids: list[int] | None = None) -> tuple[list[int], list[int]]:
   """HAMburger decoding (docs/method.md section 3) as a plain per-row Python loop that
   recomputes everything from scratch each step (no KV cache): the decode tests' reference.
   `pad`: the fixed length of its (jitted) uncached forwards; `max_group`: a cap on the tokens
-  of one macro step (None: K)."""
+  of one macro step (None: K); `micro_ids`: the tokens micro steps 1..K-1 may choose (the best
+  of the full head's logits among them; None: any)."""
   k, f = model.max_group, model.num_features
   cap = max_group or k
   offset = model.cfg.graft.position_offset
@@ -209,7 +210,10 @@ def reference_hamburger(model, prompt: list[int], max_new: int, confidence: floa
         padded = jnp.zeros((1, f + k - 1, model.cfg.base.hidden_size)).at[0, :len(seq)].set(seq)
         logits, stop_logit = _reference_micro(model, padded)
         logits, stop_logit = logits[0, len(seq) - 1], stop_logit[0, len(seq) - 1]
-      tok = int(jnp.argmax(logits))
+      if i and micro_ids is not None:
+        tok = int(micro_ids[int(jnp.argmax(logits[jnp.asarray(micro_ids)]))])
+      else:
+        tok = int(jnp.argmax(logits))
       group.append(tok)
       p_continue = float(jax.nn.sigmoid(-stop_logit))
       if (tok == stop or len(tokens) + len(group) >= max_new or confidence >= 1.0

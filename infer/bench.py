@@ -3,6 +3,7 @@
   python -m infer.bench                      # our base decode vs transformers' generate
   python -m infer.bench --mode hamburger     # HAMburger vs base in our engine (+ ceiling)
   python -m infer.bench --mode serve         # continuous batching: base vs HAMburger, slots, pool
+  python -m infer.bench --mode widths        # a w-row base forward vs a 1-row one, bandwidth
   python -m infer.bench --config configs/llama3_2_1b.yaml --random-weights --batches 1,8
                                              # a config's model, random weights: FLOPs, MFU,
                                              # roofline (docs/results/accelerator_benches.md)
@@ -59,17 +60,20 @@ def chat_ids(tok, prompts: list[str]) -> list[list[int]]:
           for p in prompts]
 
 
-def run_interleaved(engine, ids, n_new: int, repeats: int, runs: dict[str, dict]):
+def run_interleaved(engine, ids, n_new: int, repeats: int, runs: dict[str, dict],
+                    engines: dict | None = None):
   """Decodes one batch under each of several engine.generate settings (`runs`: name -> its
-  keyword arguments): each is compiled and run once, then `repeats` rounds run each once in
-  turn, so the machine's drift hits them alike (run one after the other, a ~10% drift on this
-  CPU showed up in their ratio). Returns name -> (best decode s, compile s, generations)."""
-  gen = lambda kw: engine.generate(ids, max_new_tokens=n_new, **kw)
-  first = {name: gen(kw) for name, kw in runs.items()}
+  keyword arguments; `engines`: name -> another engine for that run): each is compiled and run
+  once, then `repeats` rounds run each once in turn, so the machine's drift hits them alike (run
+  one after the other, a ~10% drift on this CPU showed up in their ratio). Returns name -> (best
+  decode s, compile s, generations)."""
+  engines = engines or {}
+  gen = lambda name, kw: engines.get(name, engine).generate(ids, max_new_tokens=n_new, **kw)
+  first = {name: gen(name, kw) for name, kw in runs.items()}
   best = {name: (float("inf"), None) for name in runs}
   for _ in range(repeats):
     for name, kw in runs.items():
-      g = gen(kw)
+      g = gen(name, kw)
       if g[0].decode_s < best[name][0]:
         best[name] = (g[0].decode_s, g)
   return {name: (best[name][0], first[name][0].compile_s, best[name][1]) for name in runs}
@@ -137,7 +141,8 @@ def bench_base(args) -> None:
 def step_costs(model, repeats: int, batch: int = 1) -> dict[str, float]:
   """Seconds of one jitted decode step at this batch size, each with its LM head: "base" (an
   unmerged input: the exact base), "merged" (a merged input: the base with its merged-entry
-  adapters acting, unfolded; equal to "base" without adapters) and "micro" (one micro step).
+  adapters acting, unfolded; equal to "base" without adapters) and "micro" (one micro step, with
+  the model's micro-step head: the full one, or its reduced vocabulary).
   r = micro / base is docs/SPEC.md 6's cost ratio in the ceiling k / (1 + (k - 1) r)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -157,7 +162,7 @@ def step_costs(model, repeats: int, batch: int = 1) -> dict[str, float]:
   def micro_step(params, cache, x):
     m = nnx.merge(graphdef, params)
     h, cache = m.micro_step(1, x, cache)  # the engine's micro step (one new input)
-    return m.logits(h), m.stop_logits(h), cache
+    return m.micro_token(jnp.argmax(m.micro_logits(h), axis=-1)), m.stop_logits(h), cache
 
   x = jnp.zeros((batch, 1, cfg.hidden_size), jnp.float32)
   base_cache = KVCache.init(cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
@@ -175,38 +180,66 @@ def step_costs(model, repeats: int, batch: int = 1) -> dict[str, float]:
   return out
 
 
+def with_micro_vocab(model, checkpoint: str | None, size: int):
+  """A second HAMburger sharing `model`'s weights whose micro steps use the checkpoint's first
+  `size` micro-vocabulary ids; a missing or unfit list is a one-line error."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import micro_vocab  # pylint: disable=import-outside-toplevel
+  try:
+    if checkpoint is None:
+      raise micro_vocab.MicroVocabError("--micro-vocab needs a trained graft checkpoint")
+    ids = micro_vocab.load(checkpoint, size, model.cfg.base.vocab_size)
+  except micro_vocab.MicroVocabError as e:
+    raise SystemExit(f"error: {e}") from None
+  reduced = nnx.merge(*nnx.split(model))
+  reduced.set_micro_vocab(ids)
+  return reduced
+
+
 def bench_hamburger(args) -> None:
   from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
 
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
-  model, tok = pretrained.load("both", checkpoint, args.base, untrained_ok=True)
+  model, tok = cli.load_model("both", checkpoint, args.base, untrained_ok=True)
   label = checkpoint or "UNTRAINED graft (random weights; use --confidence 0 to force K-token steps)"
   engine = Engine(model, tok, stop_ids=())
+  models, engines = {"full": model}, {}
+  if args.micro_vocab is not None:
+    models["reduced"] = with_micro_vocab(model, checkpoint, args.micro_vocab)
+    engines["reduced"] = Engine(models["reduced"], tok, stop_ids=())
   print(f"HAMburger on SmolLM2-135M-Instruct: {label}")
   print(f"greedy, {args.new_tokens} new tokens/row (EOS ignored), confidence {args.confidence}"
         f"{group_cap(args.max_group)}; r = micro step / base step, measured at each batch size")
   print("adapter cost = a base step reading a merged entry (merged-entry adapters acting, "
-        "unfolded) vs an unmerged one")
-  print("\n| batch | base tok/s | HAMburger tok/s | ratio | tokens/step k | KV entries/token | r | "
-        "adapter cost | ceiling | of ceiling | compile s (base, ham) |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+        "unfolded) vs an unmerged one; micro vocab = the ids micro steps choose among (full: "
+        "the whole vocabulary); same tokens = rows whose tokens equal the full vocabulary's")
+  print("\n| batch | micro vocab | base tok/s | HAMburger tok/s | ratio | tokens/step k | "
+        "KV entries/token | r | adapter cost | ceiling | of ceiling | same tokens | "
+        "compile s (base, ham) |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  ham = {"mode": "hamburger", "confidence": args.confidence, "max_group": args.max_group}
   for b in args.batches:
     ids = chat_ids(tok, (PROMPTS * (b // len(PROMPTS) + 1))[:b])
-    out = run_interleaved(engine, ids, args.new_tokens, args.repeats, {
-        "base": {"mode": "base"},
-        "hamburger": {"mode": "hamburger", "confidence": args.confidence,
-                      "max_group": args.max_group}})
-    (base_s, base_c, _), (ham_s, ham_c, gens) = out["base"], out["hamburger"]
-    cost = step_costs(model, args.repeats, b)
-    r = cost["micro"] / cost["base"]
-    k = b * args.new_tokens / sum(g.macro_steps for g in gens)
-    ceiling = args.new_tokens / lockstep_cost(gens, r)
-    ratio = base_s / ham_s
-    print(f"| {b} | {b * args.new_tokens / base_s:.1f} | {b * args.new_tokens / ham_s:.1f} | "
-          f"{ratio:.2f}x | {k:.2f} | {1 / k:.2f} | {r:.3f} | "
-          f"{cost['merged'] / cost['base'] - 1:+.1%} | {ceiling:.2f}x | "
-          f"{ratio / ceiling:.0%} | {base_c:.0f}, {ham_c:.0f} |")
+    runs = {"base": {"mode": "base"}, "full": ham}
+    if "reduced" in models:
+      runs["reduced"] = ham
+    out = run_interleaved(engine, ids, args.new_tokens, args.repeats, runs, engines)
+    base_s, base_c, _ = out["base"]
+    full_tokens = [g.token_ids for g in out["full"][2]]
+    for name, m in models.items():
+      ham_s, ham_c, gens = out[name]
+      cost = step_costs(m, args.repeats, b)
+      r = cost["micro"] / cost["base"]
+      k = b * args.new_tokens / sum(g.macro_steps for g in gens)
+      ceiling = args.new_tokens / lockstep_cost(gens, r)
+      ratio = base_s / ham_s
+      same = sum(g.token_ids == t for g, t in zip(gens, full_tokens))
+      vocab = "full" if name == "full" else str(args.micro_vocab)
+      print(f"| {b} | {vocab} | {b * args.new_tokens / base_s:.1f} | "
+            f"{b * args.new_tokens / ham_s:.1f} | {ratio:.2f}x | {k:.2f} | {1 / k:.2f} | "
+            f"{r:.3f} | {cost['merged'] / cost['base'] - 1:+.1%} | {ceiling:.2f}x | "
+            f"{ratio / ceiling:.0%} | {same}/{b} | {base_c:.0f}, {ham_c:.0f} |")
 
 
 def group_cap(max_group: int | None) -> str:
@@ -276,7 +309,8 @@ def bench_serve(args) -> None:
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
 
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
-  model, tok = pretrained.load("both", checkpoint, args.base, untrained_ok=True)
+  model, tok = cli.load_model("both", checkpoint, args.base, untrained_ok=True,
+                              micro_vocab=args.micro_vocab)
   engine = Engine(model, tok, stop_ids=())  # every request runs its full max_new_tokens
   workload = serve_workload(tok, args.requests, args.new_range)
   prompt_lens = [len(ids) for ids, _ in workload]
@@ -523,7 +557,7 @@ def time_decode_step(model, mode: str, batch: int, kv_len: int, repeats: int) ->
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--mode", choices=("base", "hamburger", "serve"), default=None,
+  p.add_argument("--mode", choices=("base", "hamburger", "serve", "widths"), default=None,
                  help="default: base (with --random-weights: base and hamburger)")
   p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=None,
                  help="comma-separated batch sizes (default: 1,8 for base and --random-weights; "
@@ -534,7 +568,7 @@ def main(argv=None) -> int:
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="weights and compute (default float32; --random-weights: the config's)")
   cli.add_model_flags(p, checkpoint_help="hamburger / serve: graft checkpoint (default: the "
-                     "shipped one, else an untrained graft)")
+                     "shipped one, else an untrained graft)", micro_vocab=True)
   p.add_argument("--config", default=None,
                  help="--random-weights: the run config whose model (base architecture, graft) "
                  "to build, e.g. configs/llama3_2_1b.yaml")
@@ -589,9 +623,37 @@ def main(argv=None) -> int:
     bench_random(args)
     return 0
   args.dtype = args.dtype or "float32"
-  args.batches = args.batches or ([1, 8] if args.mode == "base" else [1, 8, 32])
-  {"base": bench_base, "hamburger": bench_hamburger, "serve": bench_serve}[args.mode](args)
+  default_batches = {"base": [1, 8], "widths": list(WIDTHS)}.get(args.mode, [1, 8, 32])
+  args.batches = args.batches or default_batches
+  {"base": bench_base, "hamburger": bench_hamburger, "serve": bench_serve,
+   "widths": bench_widths}[args.mode](args)
   return 0
+
+
+WIDTHS = (1, 2, 4, 8, 16)
+
+
+def bench_widths(args) -> None:
+  """A base forward of w rows against one of 1 row (infer/widths.py): the decode loop's cost
+  and bandwidth per width, then the layers' projections alone in other layouts and dtypes."""
+  from hamburger_jax import pretrained, roofline  # pylint: disable=import-outside-toplevel
+  from infer import widths  # pylint: disable=import-outside-toplevel
+  base, _ = cli.load_model("base", None, args.base, dtype=args.dtype, param_dtype=args.dtype)
+  bw = cli.phase("copy bandwidth", roofline.copy_bandwidth_gb_s)
+  costs = cli.phase("w-row forwards", lambda: widths.measure(
+      base, args.batches, widths.KV_ENTRIES, args.repeats))
+  bw = max(bw, roofline.copy_bandwidth_gb_s())  # measured again, after the forwards
+  print(f"{pretrained.describe('base', None, args.base)}, {args.dtype} weights and compute; "
+        f"{roofline.cpu_model()}, {os.cpu_count()} cores; copy bandwidth {bw:.1f} GB/s (the roofline)")
+  print(f"step = a base forward with its LM head and argmax, KV cache of "
+        f"{widths.KV_ENTRIES} entries, {widths.STEPS} steps per jitted call, best of "
+        f"{args.repeats} interleaved rounds; MB read = weights once + each sequence's KV cache")
+  print("\n" + "\n".join(widths.report(costs, bw)))
+  best = cli.phase("projection variants", lambda: widths.measure_variants(
+      base.cfg, args.batches, args.repeats))
+  print("\nthe decoder layers' projections alone (random weights, no attention, norms or "
+        "cache), per layout and weight dtype:\n")
+  print("\n".join(widths.report_variants(base.cfg, best, bw)))
 
 
 def check_random_weights_flags(p: argparse.ArgumentParser, args) -> None:

@@ -20,12 +20,19 @@ from hamburger_jax.config import DEFAULT_CONFIDENCE
 T = TypeVar("T")
 
 
-def add_model_flags(p: argparse.ArgumentParser, *, checkpoint_help: str | None = None) -> None:
-  """--checkpoint and --base: which graft and which base model to load."""
+def add_model_flags(p: argparse.ArgumentParser, *, checkpoint_help: str | None = None,
+                    micro_vocab: bool = False) -> None:
+  """--checkpoint and --base: which graft and which base model to load; with `micro_vocab`,
+  --micro-vocab N (the checkpoint's reduced micro-step vocabulary)."""
   p.add_argument("--checkpoint", default=None,
                  help=checkpoint_help or "HAMburger graft checkpoint directory (default: the "
                  "shipped one)")
   p.add_argument("--base", default=None, help="base model: smollm2 | file.gguf | HF directory")
+  if micro_vocab:
+    p.add_argument("--micro-vocab", type=int, default=None, metavar="N",
+                   help="micro steps choose among the N most frequent answer tokens stored with "
+                   "the checkpoint (micro_vocab.json, built by train.micro_vocab); token 0 of a "
+                   "group keeps the full vocabulary (default: the full vocabulary throughout)")
 
 
 def add_decode_flags(p: argparse.ArgumentParser, *, max_new_tokens: int | None = 128,

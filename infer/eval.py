@@ -86,7 +86,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--limit", type=int, default=None,
                  help="examples per task (nll: validation records); default: the whole task")
   cli.add_model_flags(p, checkpoint_help="HAMburger graft checkpoint directory (default: the "
-                      "shipped one if present, else an UNTRAINED graft, for smoke tests only)")
+                      "shipped one if present, else an UNTRAINED graft, for smoke tests only)",
+                     micro_vocab=True)
   p.add_argument("--config", default=None,
                  help="build the model of this run config (e.g. configs/tiny.yaml) instead")
   p.add_argument("--batch", type=int, default=8, help="prompts decoded together")
@@ -163,6 +164,13 @@ def load_model(args) -> tuple[Any, Any, dict[str, Any]]:
                            lambda: pretrained.build_run_model(cfg))
     if args.checkpoint:
       pretrained.load_graft(model, args.checkpoint)
+    if args.micro_vocab is not None:
+      from hamburger_jax import micro_vocab
+      try:
+        model.set_micro_vocab(micro_vocab.load(args.checkpoint or "", args.micro_vocab,
+                                               model.cfg.base.vocab_size))
+      except micro_vocab.MicroVocabError as e:
+        raise SystemExit(f"error: {e}") from None
     return model, tok, {"config": args.config, "base": cfg.model.base,
                         "checkpoint": args.checkpoint, "trained": bool(args.checkpoint)}
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
@@ -171,7 +179,8 @@ def load_model(args) -> tuple[Any, Any, dict[str, Any]]:
           "evaluating an UNTRAINED graft; its HAMburger scores are meaningless except at c = 1",
           file=sys.stderr)
   # "both": one HAMburger model, decoded in base mode and in HAMburger mode.
-  model, tok = cli.load_model("both", checkpoint, args.base, untrained_ok=True)
+  model, tok = cli.load_model("both", checkpoint, args.base, untrained_ok=True,
+                              micro_vocab=args.micro_vocab)
   return model, tok, {"base": args.base or pretrained.DEFAULT_BASE, "checkpoint": checkpoint,
                       "trained": checkpoint is not None}
 

@@ -34,7 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--prompts-file", help="a text file with one prompt per line")
   p.add_argument("--mode", choices=("both", "hamburger", "base"), default=None,
                  help="default: both when a HAMburger checkpoint is available, else base")
-  cli.add_model_flags(p)
+  cli.add_model_flags(p, micro_vocab=True)
   cli.add_decode_flags(p)
   p.add_argument("--json", action="store_true", help="one JSON object per prompt and mode")
   p.add_argument("--no-color", action="store_true")
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
   mode = args.mode or pretrained.default_mode(checkpoint, both=True)
   cli.check_top_k(args.sampling, None if mode == "base" else checkpoint, args.base)
-  model, tok = cli.load_model(mode, checkpoint, args.base)
+  model, tok = cli.load_model(mode, checkpoint, args.base, micro_vocab=args.micro_vocab)
   engine = Engine(model, tok)
   modes = ("base", "hamburger") if mode == "both" else (mode,)
   colour = sys.stdout.isatty() and not args.no_color

@@ -34,7 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--block-size", type=int, default=16, help="KV entries per block")
   p.add_argument("--mode", choices=("hamburger", "base"), default=None,
                  help="default: hamburger when a checkpoint is available, else base")
-  cli.add_model_flags(p)
+  cli.add_model_flags(p, micro_vocab=True)
   cli.add_decode_flags(p)  # every request's defaults; a .jsonl line may set its own
   p.add_argument("--json", action="store_true", help="one JSON object per finished request")
   p.add_argument("--prefix-cache-tokens", type=int, default=DEFAULT_PREFIX_CACHE_TOKENS,
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
   mode = args.mode or pretrained.default_mode(checkpoint)
   cli.check_top_k(args.sampling, None if mode == "base" else checkpoint, args.base)
-  model, tok = cli.load_model(mode, checkpoint, args.base)
+  model, tok = cli.load_model(mode, checkpoint, args.base, micro_vocab=args.micro_vocab)
   engine = Engine(model, tok, block_size=args.block_size,
                   prefix_cache_tokens=args.prefix_cache_tokens)
   requests, failed = [], []

@@ -305,7 +305,7 @@ class Engine:
       def micro_step(i, x_btd, cache, tokens, count, cont):
         """Runs inputs ending with e(t_{i-1}) and emits t_i where `cont`."""
         h, cache = model.micro_step(i, x_btd, cache)
-        ti = self._sample(base.logits(h), rs, i, stochastic)
+        ti = model.micro_token(self._sample(model.micro_logits(h), rs, i, stochastic))
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, jnp.where(cont, ti, 0)[:, None], i,
                                                      1)
         count = count + cont

@@ -23,6 +23,11 @@ def continues(stop_logit: jax.Array, confidence: jax.Array | float) -> jax.Array
   return (confidence < 1.0) & (jax.nn.sigmoid(-stop_logit) >= confidence)
 
 
+class MicroVocab(nnx.Variable):
+  """The reduced micro-step vocabulary (hamburger_jax/micro_vocab.py): its token ids and their
+  LM-head rows, copied from the base's head. Derived at load time: never trained nor exported."""
+
+
 class Hamburger(nnx.Module):
 
   def __init__(self, cfg: HamburgerConfig, *, rngs: nnx.Rngs, base: Llama | None = None):
@@ -40,6 +45,8 @@ class Hamburger(nnx.Module):
                                           dtype=dtype_of(b.dtype))
     self.micro = MicroStepDecoder(b, g, rngs=rngs)
     self.feature_layers = g.resolved_feature_layers(b.num_layers)
+    self.micro_ids = nnx.data(None)  # [N] token ids, when micro steps use a reduced vocabulary
+    self.micro_head = nnx.data(None)  # [N, D]: the head's rows for those ids
 
   @property
   def max_group(self) -> int:
@@ -100,6 +107,30 @@ class Hamburger(nnx.Module):
 
   def logits(self, h: jax.Array) -> jax.Array:
     return self.base.logits(h)
+
+  def set_micro_vocab(self, ids) -> None:
+    """Micro steps 1..K-1 choose among `ids` only (None: the whole vocabulary again); token 0
+    of a group always uses the base's full head."""
+    if ids is None:
+      self.micro_ids, self.micro_head = nnx.data(None), nnx.data(None)
+      return
+    ids = jnp.asarray(ids, jnp.int32)
+    self.micro_ids = MicroVocab(ids, logical_axes=(None,))
+    self.micro_head = MicroVocab(jnp.take(self.base.head_dv(), ids, axis=1).T,
+                                 logical_axes=("vocab", "embed"))
+
+  def micro_logits(self, h: jax.Array) -> jax.Array:
+    """fp32 logits of a micro step's choice [..., N]: over the reduced vocabulary if one is
+    set (index j means token micro_ids[j]), else the base's full head."""
+    if self.micro_head is None:
+      return self.base.logits(h)
+    dt = dtype_of(self.cfg.base.dtype)
+    return jnp.einsum("...d,nd->...n", h.astype(dt), self.micro_head[...].astype(dt),
+                      preferred_element_type=jnp.float32)
+
+  def micro_token(self, index: jax.Array) -> jax.Array:
+    """The token id of a choice among micro_logits' entries."""
+    return index if self.micro_ids is None else jnp.take(self.micro_ids[...], index)
 
   def stop_logits(self, h: jax.Array) -> jax.Array:
     return self.micro.stop_head(h)
