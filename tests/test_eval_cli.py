@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -528,3 +529,33 @@ def test_ablation_needs_teacher_signals(tiny_data_dir: str):
   proc = subprocess.run([sys.executable, "-m", "infer.ablate_merged", "--data", "/no/such/dir"],
                         cwd=REPO, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2 and "--data /no/such/dir does not exist" in proc.stderr
+
+
+def _write_generations(directory, rows):
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, "generations.jsonl"), "w") as f:
+    for task, i, mode, c, score, ids, steps in rows:
+      f.write(json.dumps({"task": task, "id": i, "mode": mode, "confidence": c, "score": score,
+                          "token_ids": ids, "macro_steps": steps}) + "\n")
+
+
+def test_compare_evals_pairs_the_same_examples(tmp_path, capsys):
+  from infer import compare_evals  # pylint: disable=import-outside-toplevel
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  _write_generations(a, [("gcd", 0, "base", None, 1.0, [1], 1),
+                         ("gcd", 0, "hamburger", 0.5, 1.0, [1, 2, 3, 4], 2),
+                         ("gcd", 1, "hamburger", 0.5, 0.0, [5, 6], 2),
+                         ("gcd", 2, "hamburger", 0.5, 1.0, [7], 1)])  # not in b: unpaired
+  _write_generations(b, [("gcd", 0, "hamburger", 0.5, 0.0, [1, 2, 3, 9], 4),
+                         ("gcd", 1, "hamburger", 0.5, 0.0, [5, 6], 1)])
+  rows = compare_evals.compare(compare_evals.read_run(a), compare_evals.read_run(b))
+  assert len(rows) == 1
+  r = rows[0]
+  assert (r["task"], r["confidence"], r["n"], r["a"], r["b"]) == ("gcd", 0.5, 2, 0.5, 0.0)
+  assert (r["k_a"], r["k_b"], r["identical"]) == (1.5, 1.2, 0.5)
+  lo, hi = r["delta_ci95"]
+  assert 0.0 <= lo <= 0.5 <= hi <= 1.0
+  assert compare_evals.main([a, b]) == 0
+  assert "| gcd | 0.5 | 2 | 0.500 | 0.000 | +0.500" in capsys.readouterr().out
+  with pytest.raises(SystemExit, match="generations.jsonl does not exist"):
+    compare_evals.main([a, str(tmp_path / "missing")])

@@ -1,0 +1,114 @@
+"""What a HAMburger macro step costs over a base step when nothing merges, part by part.
+
+  python -m infer.ablate_step --batch 1 --rounds 6
+
+Decodes the bench prompts (infer.bench.PROMPTS, EOS ignored) in base mode and in HAMburger mode
+with parts of the HAMburger step taken out, each variant its own engine compiled with the part
+out, then `--rounds` rounds that run every variant once in turn (the machine's drift hits them
+alike). Variants:
+- hamburger: the engine as it is;
+- no_adapters: the merged-entry adapters never computed (merged = None: the plain base weights);
+- token0_only: the proposal cut to token 0 (no stop head, no micro-step switch);
+- all_out: both, and the compositional embedder replaced by token 0's embedding.
+At a confidence where no group continues (the default 0.8 on these prompts: k = 1.00) every
+variant emits the base's tokens, so the differences are the step's overhead alone. Prints ms per
+token (median over rounds) and the overhead against base mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+from infer import cli
+
+VARIANTS = ("hamburger", "no_adapters", "token0_only", "all_out")
+
+
+@contextlib.contextmanager
+def without(parts: tuple[str, ...]):
+  """Within the block, engine programs traced for HAMburger mode leave `parts` out."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.model.hamburger import Hamburger  # pylint: disable=import-outside-toplevel
+
+  features, propose, smash = Engine._features, Engine._propose, Hamburger.smash
+
+  def no_adapters(self, model, mode, x, pos, cache, slots, merged=None):
+    return features(self, model, mode, x, pos, cache, slots, None)
+
+  def token0_only(self, model, mode, state, stochastic):
+    group, count = propose(self, model, "base", state, stochastic)
+    if mode == "hamburger":  # the engine's group width
+      group = jnp.pad(group, ((0, 0), (0, model.max_group - 1)))
+    return group, count
+
+  try:
+    if "adapters" in parts:
+      Engine._features = no_adapters
+    if "proposal" in parts:
+      Engine._propose = token0_only
+    if "embedder" in parts:
+      Hamburger.smash = lambda self, ids, size: self.base.embed(ids[..., 0])
+    yield
+  finally:
+    Engine._features, Engine._propose, Hamburger.smash = features, propose, smash
+
+
+PARTS = {"hamburger": (), "no_adapters": ("adapters",), "token0_only": ("proposal",),
+         "all_out": ("adapters", "proposal", "embedder")}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m infer.ablate_step", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  cli.add_model_flags(p, checkpoint_help="graft checkpoint (default: the shipped one)")
+  p.add_argument("--batch", type=int, default=1, help="prompts decoded together")
+  p.add_argument("--new-tokens", type=int, default=128)
+  p.add_argument("--confidence", type=float, default=0.8)
+  p.add_argument("--rounds", type=int, default=6)
+  args = p.parse_args(argv)
+  for flag, v in (("--batch", args.batch), ("--new-tokens", args.new_tokens),
+                  ("--rounds", args.rounds)):
+    if v < 1:
+      p.error(f"{flag} {v} must be >= 1")
+  if not 0.0 <= args.confidence <= 1.0:
+    p.error(f"--confidence {args.confidence} must be in [0, 1]")
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  from infer.bench import PROMPTS, chat_ids  # pylint: disable=import-outside-toplevel
+
+  checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
+  model, tok = cli.load_model("both", checkpoint, args.base)
+  ids = chat_ids(tok, (PROMPTS * (args.batch // len(PROMPTS) + 1))[:args.batch])
+  runs = {"base": ((), "base")} | {v: (PARTS[v], "hamburger") for v in VARIANTS}
+  engines, steps = {}, {}
+  for name, (parts, mode) in runs.items():
+    engine = Engine(model, tok, stop_ids=())
+    with without(parts):  # compiled here, with the parts out; the programs keep them out
+      g = cli.phase(f"compiling {name}", lambda: engine.generate(
+          ids, max_new_tokens=args.new_tokens, mode=mode, confidence=args.confidence))
+    engines[name], steps[name] = engine, g
+  ms = {name: [] for name in runs}
+  for _ in range(args.rounds):
+    for name, (_, mode) in runs.items():
+      g = engines[name].generate(ids, max_new_tokens=args.new_tokens, mode=mode,
+                                 confidence=args.confidence)
+      ms[name].append(1e3 * g[0].decode_s / args.new_tokens)
+  k = args.batch * args.new_tokens / sum(g.macro_steps for g in steps["hamburger"])
+  base = float(np.median(ms["base"]))
+  print(f"{pretrained.describe('hamburger', checkpoint, args.base)}; batch {args.batch}, "
+        f"{args.new_tokens} tokens, confidence {args.confidence} (HAMburger k = {k:.2f}); "
+        f"median of {args.rounds} interleaved rounds\n")
+  print("| variant | ms / token | vs base mode | min - max |")
+  print("|---|---|---|---|")
+  for name, t in ms.items():
+    med = float(np.median(t))
+    print(f"| {name} | {med:.2f} | {med / base - 1:+.1%} | {min(t):.2f} - {max(t):.2f} |")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
