@@ -102,3 +102,17 @@ def test_ablate_step_rejects_bad_flags(capsys, argv, match):
   with pytest.raises(SystemExit):
     ablate_step.main(argv)
   assert re.search(match, capsys.readouterr().err)
+
+
+def test_step_costs_times_each_step_in_a_loop(model):
+  from infer import bench  # pylint: disable=import-outside-toplevel
+  for m in (model, _with_ids(model, np.arange(7))):
+    cost = bench.step_costs(m, repeats=1, batch=2)
+    assert set(cost) == {"base", "merged", "micro"} and all(v > 0 for v in cost.values())
+
+
+def _with_ids(model, ids):
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  out = nnx.merge(*nnx.split(model))
+  out.set_micro_vocab(ids)
+  return out
