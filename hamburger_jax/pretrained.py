@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 import shutil
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -135,7 +135,10 @@ def reshard_graft(path: str, out: str | None = None, *, max_shard_mb: float | No
   tensors = {name: read_tensors(path, name, meta) for name in names}
   meta = {k: v for k, v in meta.items() if k != "shards"}
   out = out or path
-  _write_checkpoint(out, meta, tensors, max_shard_mb)
+  # Same tensors, so the checkpoint's micro-step vocabulary still belongs to it.
+  keep = [os.path.join(path, micro_vocab_lib.FILE)]
+  _write_checkpoint(out, meta, tensors, max_shard_mb,
+                    keep=[f for f in keep if os.path.isfile(f)])
   return out
 
 
@@ -239,8 +242,9 @@ def _write_tables(directory: str, meta: dict[str, Any],
 
 def _write_checkpoint(path: str, meta: dict[str, Any],
                       tensors: Mapping[str, Mapping[str, np.ndarray]],
-                      max_shard_mb: float | None) -> None:
-  """Writes `meta` and each table of `tensors` into a temp dir beside `path`, then swaps it in."""
+                      max_shard_mb: float | None, keep: Sequence[str] = ()) -> None:
+  """Writes `meta` and each table of `tensors` into a temp dir beside `path`, with copies of the
+  files `keep`, then swaps it in."""
   path = path.rstrip("/") or path
   tmp, old = path + ".tmp", path + ".old"
   for stale in (tmp, old):  # left by a run killed mid-export
@@ -251,6 +255,8 @@ def _write_checkpoint(path: str, meta: dict[str, Any],
     meta = _write_tables(tmp, dict(meta), tensors, max_shard_mb)
     with open(os.path.join(tmp, META_FILE), "w") as f:
       json.dump(meta, f, indent=2)
+    for f in keep:
+      shutil.copy2(f, tmp)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise

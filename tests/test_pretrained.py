@@ -221,10 +221,15 @@ def test_reshard_round_trip_is_bit_exact(tmp_path):
   pretrained.save_graft(_wide(0), path, "random", dtype="float32", include_base=True)
   want = _saved_tensors(path)
   meta = pretrained.read_meta(path)
+  with open(os.path.join(path, "micro_vocab.json"), "w") as f:
+    f.write('{"ids": [3, 1]}')  # a side file of the checkpoint: resharding keeps it
   assert pretrained.reshard_graft(path, max_shard_mb=SHARD_MB) == path  # in place
   assert len(_files(path)) > 3 and "graft.safetensors" not in _files(path)
   copy = pretrained.reshard_graft(path, str(tmp_path / "one"), max_shard_mb=None)
-  assert sorted(_files(copy)) == ["base.safetensors", "graft.safetensors", "hamburger.json"]
+  assert sorted(_files(copy)) == ["base.safetensors", "graft.safetensors", "hamburger.json",
+                                  "micro_vocab.json"]
+  with open(os.path.join(copy, "micro_vocab.json")) as f:
+    assert f.read() == '{"ids": [3, 1]}'
   assert pretrained.read_meta(copy) == meta  # the metadata survives, the index goes
   for tensors in (_saved_tensors(path), _saved_tensors(copy)):
     for name, table in want.items():
@@ -339,9 +344,9 @@ def test_shipped_checkpoint_reshards_into_16_mib_files(tmp_path):
   assert got.keys() == want.keys()
   for k, v in want.items():
     np.testing.assert_array_equal(got[k], v, err_msg=k)
-  assert _files(ckpt) == {"graft.safetensors": os.path.getsize(os.path.join(
-      ckpt, "graft.safetensors")), "hamburger.json": os.path.getsize(os.path.join(
-          ckpt, "hamburger.json"))}
+  shipped = ("graft.safetensors", "hamburger.json", "micro_vocab.json")
+  assert _files(ckpt) == {n: os.path.getsize(os.path.join(ckpt, n)) for n in shipped}
+  assert "micro_vocab.json" in sizes  # the list goes with the shards
 
 
 def test_train_main_export_shard_mb(tmp_path, monkeypatch, capsys):
