@@ -9,6 +9,7 @@ alike). Variants:
 - hamburger: the engine as it is;
 - no_adapters: the merged-entry adapters never computed (merged = None: the plain base weights);
 - token0_only: the proposal cut to token 0 (no stop head, no micro-step switch);
+- no_micro_steps: the stop head runs (its decision is computed), the micro-step switch does not;
 - all_out: both, and the compositional embedder replaced by token 0's embedding.
 At a confidence where no group continues (the default 0.8 on these prompts: k = 1.00) every
 variant emits the base's tokens, so the differences are the step's overhead alone. Prints ms per
@@ -23,7 +24,7 @@ import sys
 
 from infer import cli
 
-VARIANTS = ("hamburger", "no_adapters", "token0_only", "all_out")
+VARIANTS = ("hamburger", "no_adapters", "token0_only", "no_micro_steps", "all_out")
 
 
 @contextlib.contextmanager
@@ -31,7 +32,7 @@ def without(parts: tuple[str, ...]):
   """Within the block, engine programs traced for HAMburger mode leave `parts` out."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.model.hamburger import Hamburger  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.model.hamburger import Hamburger, continues  # pylint: disable=C0415
 
   features, propose, smash = Engine._features, Engine._propose, Hamburger.smash
 
@@ -44,11 +45,20 @@ def without(parts: tuple[str, ...]):
       group = jnp.pad(group, ((0, 0), (0, model.max_group - 1)))
     return group, count
 
+  def no_micro_steps(self, model, mode, state, stochastic):
+    group, count = token0_only(self, model, mode, state, stochastic)
+    if mode == "hamburger":  # the stop head's decision, computed and kept (never acted on)
+      go_on = continues(model.stop_logits(state.features[:, -1]), state.confidence)
+      count = count + (go_on & (count > 9)).astype(count.dtype)
+    return group, count
+
   try:
     if "adapters" in parts:
       Engine._features = no_adapters
     if "proposal" in parts:
       Engine._propose = token0_only
+    if "micro_steps" in parts:
+      Engine._propose = no_micro_steps
     if "embedder" in parts:
       Hamburger.smash = lambda self, ids, size: self.base.embed(ids[..., 0])
     yield
@@ -57,7 +67,7 @@ def without(parts: tuple[str, ...]):
 
 
 PARTS = {"hamburger": (), "no_adapters": ("adapters",), "token0_only": ("proposal",),
-         "all_out": ("adapters", "proposal", "embedder")}
+         "no_micro_steps": ("micro_steps",), "all_out": ("adapters", "proposal", "embedder")}
 
 
 def main(argv=None) -> int:

@@ -116,3 +116,13 @@ def _with_ids(model, ids):
   out = nnx.merge(*nnx.split(model))
   out.set_micro_vocab(ids)
   return out
+
+
+def test_ablate_step_without_micro_steps_decodes_the_base(model):
+  with ablate_step.without(ablate_step.PARTS["no_micro_steps"]):
+    out = Engine(model, None, stop_ids=[DECODE_STOP]).generate(
+        [[1, 2, 3], [9, 8]], max_new_tokens=8, mode="hamburger", confidence=0.0)
+  base = Engine(model, None, stop_ids=[DECODE_STOP]).generate(
+      [[1, 2, 3], [9, 8]], max_new_tokens=8, mode="base")
+  assert [g.token_ids for g in out] == [g.token_ids for g in base]
+  assert all(set(g.groups) == {1} for g in out)
