@@ -386,15 +386,22 @@ def load(mode: str = "hamburger", checkpoint: str | None = None, base: str | Non
     raise WeightsError(f"mode {mode!r} needs a trained graft checkpoint and none is shipped at "
                        f"{DEFAULT_CHECKPOINT}: pass a checkpoint directory (--checkpoint DIR)")
   ids = None
-  if micro_vocab is not None:
-    if resolved is None:
-      raise micro_vocab_lib.MicroVocabError("a micro vocabulary is stored with a trained graft "
-                                            "checkpoint, and none is given or shipped")
-    ids = micro_vocab_lib.load(resolved, micro_vocab, vocab_size(resolved, base))
+  if micro_vocab is not None:  # checked before the weights load
+    ids = micro_vocab_ids(resolved, micro_vocab, vocab_size(resolved, base))
   model, tok = load_hamburger(resolved or UNTRAINED, base, **overrides)
   if ids is not None:
     model.set_micro_vocab(ids)
   return model, tok
+
+
+def micro_vocab_ids(checkpoint: str | None, size: int, vocab: int) -> np.ndarray:
+  """The first `size` ids of a graft checkpoint's micro-step vocabulary, checked against a
+  vocabulary of `vocab` tokens (hamburger_jax/micro_vocab.py; a MicroVocabError says what is
+  wrong)."""
+  if checkpoint is None:
+    raise micro_vocab_lib.MicroVocabError("a micro vocabulary is stored with a trained graft "
+                                          "checkpoint, and none is given or shipped")
+  return micro_vocab_lib.load(checkpoint, size, vocab)
 
 
 def describe(mode: str, checkpoint: str | None = None, base: str | None = None) -> str:

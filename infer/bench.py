@@ -205,11 +205,9 @@ def with_micro_vocab(model, checkpoint: str | None, size: int):
   """A second HAMburger sharing `model`'s weights whose micro steps use the checkpoint's first
   `size` micro-vocabulary ids; a missing or unfit list is a one-line error."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  from hamburger_jax import micro_vocab  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import micro_vocab, pretrained  # pylint: disable=import-outside-toplevel
   try:
-    if checkpoint is None:
-      raise micro_vocab.MicroVocabError("--micro-vocab needs a trained graft checkpoint")
-    ids = micro_vocab.load(checkpoint, size, model.cfg.base.vocab_size)
+    ids = pretrained.micro_vocab_ids(checkpoint, size, model.cfg.base.vocab_size)
   except micro_vocab.MicroVocabError as e:
     raise SystemExit(f"error: {e}") from None
   reduced = nnx.merge(*nnx.split(model))

@@ -167,8 +167,8 @@ def load_model(args) -> tuple[Any, Any, dict[str, Any]]:
     if args.micro_vocab is not None:
       from hamburger_jax import micro_vocab
       try:
-        model.set_micro_vocab(micro_vocab.load(args.checkpoint or "", args.micro_vocab,
-                                               model.cfg.base.vocab_size))
+        model.set_micro_vocab(pretrained.micro_vocab_ids(args.checkpoint, args.micro_vocab,
+                                                         model.cfg.base.vocab_size))
       except micro_vocab.MicroVocabError as e:
         raise SystemExit(f"error: {e}") from None
     return model, tok, {"config": args.config, "base": cfg.model.base,

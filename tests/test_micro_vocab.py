@@ -151,3 +151,10 @@ def test_cli_reports_a_missing_list_in_one_line(checkpoint):
   with pytest.raises(SystemExit, match=r"error: .*micro_vocab.json does not exist"):
     generate.main(["--checkpoint", checkpoint, "--micro-vocab", "16", "--max-new-tokens", "4",
                    "--prompt", "hello"])
+
+
+def test_eval_of_a_run_config_needs_the_checkpoint_that_holds_the_list(tmp_path):
+  from infer import eval as eval_cli  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit, match="stored with a trained graft checkpoint"):
+    eval_cli.main(["--config", "configs/tiny.yaml", "--micro-vocab", "4", "--tasks", "synthetic",
+                   "--limit", "2", "--out", str(tmp_path / "out"), "--no-plots"])
