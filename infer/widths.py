@@ -183,10 +183,7 @@ def measure_variants(cfg, widths: list[int], repeats: int,
 def report_variants(cfg, best: dict[tuple[str, int], float], copy_gb_s: float) -> list[str]:
   widths = sorted({w for _, w in best})
   variants = list(dict.fromkeys(v for v, _ in best))
-  per_layer = sum(i * o for i, o in (
-      (cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim),
-      (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
-      (cfg.hidden_size, 2 * cfg.intermediate_size), (cfg.intermediate_size, cfg.hidden_size)))
+  per_layer = roofline.layer_params(cfg) - 2 * cfg.hidden_size  # the projections (no norms)
   lines = ["| projections | " + " | ".join(f"{w} rows ms (vs 1)" for w in widths) +
            " | GB/s at 1 row (of copy) |", "|---" * (len(widths) + 2) + "|"]
   for v in variants:
