@@ -138,55 +138,41 @@ def bench_base(args) -> None:
     print(f"batch 8 throughput / batch 1: {by_b[8] / by_b[1]:.2f}x")
 
 
-STEP_LOOP = 8  # steps per timed call of step_costs: dispatching the call is spread over them
-
-
 def step_costs(model, repeats: int, batch: int = 1) -> dict[str, float]:
   """Seconds of one decode step at this batch size, each with its LM head: "base" (an unmerged
   input: the exact base), "merged" (a merged input: the base with its merged-entry adapters
   acting, unfolded; equal to "base" without adapters) and "micro" (one micro step, with the
-  model's micro-step head: the full one, or its reduced vocabulary). Each runs STEP_LOOP times
-  in one jitted loop, its token fed back (as the engine's loop runs steps: no host dispatch
-  between them, which would weigh most on the small micro step).
+  model's micro-step head: the full one, or its reduced vocabulary). Each runs in
+  widths.step_loop (steps in one jitted loop, its token fed back: no host dispatch between
+  them, which would weigh most on the small micro step).
   r = micro / base is docs/SPEC.md 6's cost ratio in the ceiling k / (1 + (k - 1) r)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from hamburger_jax.model.kv_cache import KVCache  # pylint: disable=import-outside-toplevel
+  from infer import widths  # pylint: disable=import-outside-toplevel
 
   cfg = model.cfg.base
   graphdef, params = nnx.split(model)
 
-  def base_step(m, x, cache, merged):
+  def base_step(m, x, cache, merged=None):
     pos = cache.length[:, None]
     feats, cache = m.base_features(x, pos, cache.mask(pos), cache, pos, merged)
     return jnp.argmax(m.logits(feats[:, 0, -1]), axis=-1).astype(jnp.int32), cache
 
-  def micro_step(m, x, cache, _):
+  def micro_step(m, x, cache):
     h, cache = m.micro_step(1, x, cache)  # the engine's micro step (one new input)
     token = m.micro_token(jnp.argmax(m.micro_logits(h), axis=-1)).astype(jnp.int32)
     return token + (m.stop_logits(h) > 1e9).astype(jnp.int32), cache  # the stop head runs too
 
-  def loop(step, merged):
-    def run(params, cache, x):
-      m = nnx.merge(graphdef, params)
-
-      def body(_, carry):
-        x, cache, _ = carry
-        token, cache = step(m, x, cache, merged)
-        return m.base.embed(token)[:, None].astype(x.dtype), cache, token
-
-      _, cache, token = jax.lax.fori_loop(0, STEP_LOOP, body,
-                                          (x, cache, jnp.zeros((batch,), jnp.int32)))
-      return token, cache
-    return jax.jit(run, donate_argnums=(1,))
-
   base_cache = KVCache.init(cfg.num_layers, batch, 512, cfg.num_kv_heads, cfg.head_dim)
   base_cache = base_cache.replace(length=jnp.full((batch,), 200, jnp.int32))
   x = jnp.zeros((batch, 1, cfg.hidden_size), jnp.float32)
-  steps = {"base": (loop(base_step, None), base_cache),
-           "merged": (loop(base_step, jnp.ones((batch, 1), bool)), base_cache),
-           "micro": (loop(micro_step, None), model.micro_cache(batch))}
+  merged = jnp.ones((batch, 1), bool)
+  steps = {"base": (widths.step_loop(graphdef, base_step), base_cache),
+           "merged": (widths.step_loop(graphdef, functools.partial(base_step, merged=merged)),
+                      base_cache),
+           "micro": (widths.step_loop(graphdef, micro_step), model.micro_cache(batch))}
   out = {}
   for name, (fn, cache) in steps.items():
     cache = jax.tree.map(jnp.copy, cache)  # each loop donates its own copy
@@ -197,22 +183,20 @@ def step_costs(model, repeats: int, batch: int = 1) -> dict[str, float]:
       jax.block_until_ready(token)
 
     call()
-    out[name] = min(_timed(call) for _ in range(max(3, repeats))) / STEP_LOOP
+    out[name] = min(_timed(call) for _ in range(max(3, repeats))) / widths.STEPS
   return out
 
 
 def with_micro_vocab(model, checkpoint: str | None, size: int):
   """A second HAMburger sharing `model`'s weights whose micro steps use the checkpoint's first
   `size` micro-vocabulary ids; a missing or unfit list is a one-line error."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
   from hamburger_jax import micro_vocab, pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.model.hamburger import sharing_weights  # pylint: disable=C0415
   try:
     ids = pretrained.micro_vocab_ids(checkpoint, size, model.cfg.base.vocab_size)
   except micro_vocab.MicroVocabError as e:
     raise SystemExit(f"error: {e}") from None
-  reduced = nnx.merge(*nnx.split(model))
-  reduced.set_micro_vocab(ids)
-  return reduced
+  return sharing_weights(model, micro_vocab=ids)
 
 
 def bench_hamburger(args) -> None:
@@ -230,7 +214,7 @@ def bench_hamburger(args) -> None:
   print(f"HAMburger on SmolLM2-135M-Instruct: {label}")
   print(f"greedy, {args.new_tokens} new tokens/row (EOS ignored), confidence {args.confidence}"
         f"{group_cap(args.max_group)}; r = micro step / base step, measured at each batch size "
-        f"({STEP_LOOP} steps per jitted loop)")
+        f"({widths.STEPS} steps per jitted loop)")
   print("adapter cost = a base step reading a merged entry (merged-entry adapters acting, "
         "unfolded) vs an unmerged one; micro vocab = the ids micro steps choose among (full: "
         "the whole vocabulary); same tokens = rows whose tokens equal the full vocabulary's")

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from hamburger_jax import roofline
+from hamburger_jax.decode.engine import base_of
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.model.llama import Llama
 
@@ -47,9 +48,32 @@ def weight_bytes(base: Llama) -> int:
   return sum(v.size * v.dtype.itemsize for _, v in nnx.to_flat_state(nnx.state(base, nnx.Param)))
 
 
+def step_loop(graphdef, step):
+  """A jitted `fn(params, cache, x) -> (token, cache)` that runs `step(model, x, cache) ->
+  (token [B], cache)` STEPS times in one `fori_loop`, the cache donated, as the engine's decode
+  loop runs its steps (no host dispatch between them). Each step's last input row becomes the
+  embedding of the token it chose, so each step depends on the last and none can be skipped or
+  hoisted."""
+
+  def run(params, cache, x):
+    m = nnx.merge(graphdef, params)
+    embed = base_of(m).embed
+
+    def body(_, carry):
+      x, cache, _ = carry
+      token, cache = step(m, x, cache)
+      return x.at[:, -1].set(embed(token).astype(x.dtype)), cache, token
+
+    _, cache, token = jax.lax.fori_loop(0, STEPS, body,
+                                        (x, cache, jnp.zeros((x.shape[0],), jnp.int32)))
+    return token, cache
+
+  return jax.jit(run, donate_argnums=(1,))
+
+
 def forward_loop(base: Llama, shape: str, width: int, kv_len: int):
-  """(fn, args): `fn(params, cache, x)` runs STEPS base forwards of `width` rows and returns
-  (tokens, cache); the cache (donated) holds `kv_len` entries per sequence before the first."""
+  """(fn, args): `fn(params, cache, x)` runs STEPS base forwards of `width` rows (step_loop) and
+  returns (tokens, cache); the cache holds `kv_len` entries per sequence before the first."""
   if shape not in SHAPES:
     raise ValueError(f"shape={shape!r}: use one of {SHAPES}")
   cfg = base.cfg
@@ -57,28 +81,16 @@ def forward_loop(base: Llama, shape: str, width: int, kv_len: int):
   batch, rows = (width, 1) if shape == "slots" else (1, width)
   dtype = jnp.dtype(cfg.dtype)
 
-  def run(params, cache, x):
-    m = nnx.merge(graphdef, params)
-
-    def step(_, carry):
-      x, cache, _ = carry
-      pos = cache.length[:, None] + jnp.arange(rows)[None]
-      out = m.forward(x, pos, cache.mask(pos), cache, pos)
-      token = jnp.argmax(m.logits(out.hidden[:, -1]), axis=-1).astype(jnp.int32)
-      # The next step's rows: the new token's embedding (the others as they were), so each step
-      # depends on the last and none can be skipped or hoisted.
-      x = x.at[:, -1].set(m.embed(token))
-      # The cache's length stays: every step writes the same slots and reads the same entries.
-      return x, out.cache, token
-
-    x, cache, token = jax.lax.fori_loop(0, STEPS, step, (x, cache, jnp.zeros((batch,),
-                                                                               jnp.int32)))
-    return token, cache
+  def step(m, x, cache):
+    pos = cache.length[:, None] + jnp.arange(rows)[None]
+    out = m.forward(x, pos, cache.mask(pos), cache, pos)
+    # The cache's length stays: every step writes the same slots and reads the same entries.
+    return jnp.argmax(m.logits(out.hidden[:, -1]), axis=-1).astype(jnp.int32), out.cache
 
   cache = KVCache.init(cfg.num_layers, batch, kv_len + rows, cfg.num_kv_heads, cfg.head_dim,
                        dtype).replace(length=jnp.full((batch,), kv_len, jnp.int32))
   x = jax.random.normal(jax.random.key(0), (batch, rows, cfg.hidden_size), jnp.float32) * 0.02
-  return jax.jit(run, donate_argnums=(1,)), (params, cache, x.astype(dtype))
+  return step_loop(graphdef, step), (params, cache, x.astype(dtype))
 
 
 def measure(base: Llama, widths: list[int], kv_len: int, repeats: int,

@@ -8,10 +8,9 @@ import os
 
 import numpy as np
 import pytest
-from flax import nnx
-
 from hamburger_jax import micro_vocab, pretrained, testing
 from hamburger_jax.decode.engine import Engine
+from hamburger_jax.model.hamburger import sharing_weights
 from hamburger_jax.testing import DECODE_CFG, DECODE_STOP, tiny_decode_model
 from train import micro_vocab as build
 
@@ -22,13 +21,6 @@ PROMPTS = [[1, 2, 3, 4, 5], [9, 8], list(range(10, 31))]
 @pytest.fixture(scope="module")
 def model():
   return tiny_decode_model()
-
-
-def with_ids(model, ids):
-  """A model sharing `model`'s weights whose micro steps choose among `ids`."""
-  out = nnx.merge(*nnx.split(model))
-  out.set_micro_vocab(ids)
-  return out
 
 
 @pytest.fixture
@@ -54,7 +46,7 @@ def write_answers(path, answers) -> str:
 def test_reduced_vocabulary_decodes_as_the_reference_restricted_to_it(model, confidence):
   ids = np.random.default_rng(0).choice(V, 40, replace=False).astype(np.int32)
   ids = np.union1d(ids, [DECODE_STOP]).astype(np.int32)  # a list may or may not hold EOS
-  engine = Engine(with_ids(model, ids), None, stop_ids=[DECODE_STOP])
+  engine = Engine(sharing_weights(model, micro_vocab=ids), None, stop_ids=[DECODE_STOP])
   gens = engine.generate(PROMPTS, max_new_tokens=12, confidence=confidence)
   micro_tokens = 0
   for prompt, g in zip(PROMPTS, gens):
@@ -72,14 +64,15 @@ def test_reduced_vocabulary_decodes_as_the_reference_restricted_to_it(model, con
 
 def test_the_whole_vocabulary_as_a_list_decodes_as_without_one(model):
   engine = Engine(model, None, stop_ids=[DECODE_STOP])
-  listed = Engine(with_ids(model, np.arange(V)), None, stop_ids=[DECODE_STOP])
+  listed = Engine(sharing_weights(model, micro_vocab=np.arange(V)), None,
+                  stop_ids=[DECODE_STOP])
   a = engine.generate(PROMPTS, max_new_tokens=12, confidence=0.0)
   b = listed.generate(PROMPTS, max_new_tokens=12, confidence=0.0)
   assert [(g.token_ids, g.groups) for g in a] == [(g.token_ids, g.groups) for g in b]
 
 
 def test_clearing_the_list_restores_the_full_head(model):
-  m = with_ids(model, np.arange(5))
+  m = sharing_weights(model, micro_vocab=np.arange(5))
   m.set_micro_vocab(None)
   assert m.micro_ids is None and m.micro_head is None
 

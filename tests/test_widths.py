@@ -12,7 +12,7 @@ import pytest
 
 from hamburger_jax import roofline
 from hamburger_jax.decode.engine import Engine
-from hamburger_jax.model.hamburger import Hamburger
+from hamburger_jax.model.hamburger import Hamburger, sharing_weights
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.testing import DECODE_CFG, DECODE_STOP, tiny_decode_model
 from infer import ablate_step, widths
@@ -106,16 +106,9 @@ def test_ablate_step_rejects_bad_flags(capsys, argv, match):
 
 def test_step_costs_times_each_step_in_a_loop(model):
   from infer import bench  # pylint: disable=import-outside-toplevel
-  for m in (model, _with_ids(model, np.arange(7))):
+  for m in (model, sharing_weights(model, micro_vocab=np.arange(7))):
     cost = bench.step_costs(m, repeats=1, batch=2)
     assert set(cost) == {"base", "merged", "micro"} and all(v > 0 for v in cost.values())
-
-
-def _with_ids(model, ids):
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  out = nnx.merge(*nnx.split(model))
-  out.set_micro_vocab(ids)
-  return out
 
 
 def test_ablate_step_without_micro_steps_decodes_the_base(model):

@@ -136,6 +136,15 @@ class Hamburger(nnx.Module):
     return self.micro.stop_head(h)
 
 
+def sharing_weights(model: Hamburger, micro_vocab=None) -> Hamburger:
+  """A second model on `model`'s arrays (nothing copied) whose micro steps choose among
+  `micro_vocab` (Hamburger.set_micro_vocab; None: the whole vocabulary): to decode one graft with
+  and without a reduced vocabulary side by side."""
+  out = nnx.merge(*nnx.split(model))
+  out.set_micro_vocab(micro_vocab)
+  return out
+
+
 def copy_top_layers_into_micro(model: Hamburger) -> None:
   """Initialises the micro decoder from the base's top layers (an alternative to fresh init)."""
   base_layers = model.base.decoder.layers
