@@ -21,6 +21,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from hamburger_jax import files
+
 FILE = "micro_vocab.json"
 FORMAT = "hamburger-jax/micro-vocab-v1"
 
@@ -64,11 +66,7 @@ def save(checkpoint: str, counts: np.ndarray, size: int, sources: Sequence[str])
     raise MicroVocabError("the answers hold no tokens: nothing to build the list from")
   doc = {"format": FORMAT, "vocab_size": int(counts.size), "answer_tokens": int(counts.sum()),
          "sources": list(sources), "ids": ids.tolist(), "counts": counts[ids].tolist()}
-  path = os.path.join(checkpoint, FILE)
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(doc, f)
-  os.replace(tmp, path)
+  files.write_json_atomic(os.path.join(checkpoint, FILE), doc)
   return doc
 
 

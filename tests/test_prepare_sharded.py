@@ -149,17 +149,17 @@ def test_a_killed_run_resumes_to_the_same_dataset(inputs, reference, cached_toke
   redone, and the dataset equals the uninterrupted run's."""
   out = tmp_path / "ds"
   shards = Path(prepare.shards_dir_of(out))
-  write_json = prepare._write_json_atomic  # pylint: disable=protected-access
+  write_json = prepare.write_json_atomic
 
-  def killed_before_marker(path, obj):
+  def killed_before_marker(path, obj, **kwargs):
     if os.path.basename(path) == "shard-00002.json":
       raise KeyboardInterrupt
-    write_json(path, obj)
+    write_json(path, obj, **kwargs)
 
-  monkeypatch.setattr(prepare, "_write_json_atomic", killed_before_marker)
+  monkeypatch.setattr(prepare, "write_json_atomic", killed_before_marker)
   with pytest.raises(KeyboardInterrupt):
     _main(_args(inputs, out))
-  monkeypatch.setattr(prepare, "_write_json_atomic", write_json)
+  monkeypatch.setattr(prepare, "write_json_atomic", write_json)
   assert not out.exists()
   assert {"shard-00000.json", "shard-00001.json", "shard-00002"} <= set(_entries(shards))
   assert "shard-00002.json" not in _entries(shards)

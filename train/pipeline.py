@@ -54,6 +54,8 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+from hamburger_jax import files
+
 STATE_FILE = "pipeline.json"
 DATA_DIR, TRAIN_DIR, EVAL_DIR = "data", "train", "eval"  # under --out
 # Shares of the budget (sum 1). Self-distillation generates every token the stages train on,
@@ -257,13 +259,8 @@ def read_state(plan: Plan) -> dict[str, Any]:
 
 def write_state(plan: Plan, state: dict[str, Any]) -> None:
   os.makedirs(plan.out, exist_ok=True)
-  path = os.path.join(plan.out, STATE_FILE)
-  tmp = f"{path}.tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(state, f, indent=2)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)  # a reader sees the old state or the new one, never half of one
+  # A reader sees the old state or the new one, never half of one.
+  files.write_json_atomic(os.path.join(plan.out, STATE_FILE), state, indent=2)
 
 
 # ----------------------------------------------------------------------------- running parts

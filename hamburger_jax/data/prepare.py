@@ -32,6 +32,7 @@ from hamburger_jax import pretrained, segmentation, sharding
 from hamburger_jax.config import ConfigError
 from hamburger_jax.data.sources import Conversation, SourceError
 from hamburger_jax.data.tfds_builder import build_dataset, check_output_dir, join_datasets
+from hamburger_jax.files import write_json_atomic
 from hamburger_jax.tokenizer import load_default_tokenizer
 
 # End-of-turn spellings, most specific first; the one the chat template writes is the model's.
@@ -357,15 +358,6 @@ def _read_json(path: str) -> Any:
     return None
 
 
-def _write_json_atomic(path: str, obj: Any) -> None:
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(obj, f, sort_keys=True)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-
-
 def _plan_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
   out = []
   for key in sorted(set(old) | set(new)):
@@ -403,7 +395,7 @@ def _open_plan(shards: str, plan: dict[str, Any], may_discard: bool) -> None:
   old = _read_json(path)
   if old is None:
     tmp = f"{path}.tmp-{os.getpid()}"
-    _write_json_atomic(tmp, plan)
+    write_json_atomic(tmp, plan, sort_keys=True)
     try:
       os.link(tmp, path)  # fails if another process wrote its plan first
     except FileExistsError:
@@ -527,7 +519,7 @@ def _write_shard(shards: str, k: int, plan: Mapping[str, Any], plan_id: str,
       "seconds": seconds, "cpu_seconds": cpu_seconds, "started": started,
       "finished": time.time(),
       "process_id": process[0], "num_processes": process[1], "devices": forward.devices}
-  _write_json_atomic(os.path.join(shards, _shard_name(k) + ".json"), marker)
+  write_json_atomic(os.path.join(shards, _shard_name(k) + ".json"), marker, sort_keys=True)
   return marker
 
 
