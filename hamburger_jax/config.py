@@ -19,6 +19,10 @@ DEFAULT_CONFIDENCE = 0.8
 DEFAULT_PREFIX_CACHE_TOKENS = 2048
 
 
+# How a scanned decoder stack may rematerialise (model/llama.py: DecoderStack.remat).
+REMAT = ("none", "layers")
+
+
 class ConfigError(ValueError):
   """A configuration value or key is invalid; the message says which and what to do."""
 

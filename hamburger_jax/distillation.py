@@ -101,7 +101,7 @@ def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str
   h = model.micro_hidden(feats_nfd, window)  # [N, K, D]
   stats = chunked_token_stats(h.reshape(-1, d), model.base.head_dv(), window.reshape(-1),
                               ce_chunk, h.dtype, topk_ids.reshape(n * k, -1),
-                              topk_logp.reshape(n * k, -1))
+                              topk_logp.reshape(n * k, -1), rows=batch["window_size"].shape[0])
   ce, kl, argmax = (stats[name].reshape(n, k) for name in ("ce", "kl", "argmax"))
   step = jnp.arange(k)[None, :]
   valid = step < size[:, None]  # [N, K]

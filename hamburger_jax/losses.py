@@ -47,26 +47,49 @@ def topk_kl(logq_nv: jax.Array, topk_ids_nk: jax.Array, topk_logp_nk: jax.Array)
 
 def chunked_token_stats(h_nd: jax.Array, head_dv: jax.Array, targets_n: jax.Array, chunk: int,
                         dtype=jnp.float32, topk_ids_nk: jax.Array | None = None,
-                        topk_logp_nk: jax.Array | None = None) -> dict[str, jax.Array]:
+                        topk_logp_nk: jax.Array | None = None,
+                        rows: int = 1) -> dict[str, jax.Array]:
   """Per token [N]: CE against `targets`, the argmax token, and (given the teacher's top-k)
-  the KL from the teacher; computed `chunk` rows at a time."""
-  n, d = h_nd.shape
-  chunk = min(chunk, n)
-  pad = -n % chunk
-  rows = lambda x: jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(
-      -1, chunk, *x.shape[1:])
-  xs = (rows(h_nd), rows(targets_n),
-        None if topk_ids_nk is None else rows(topk_ids_nk),
-        None if topk_logp_nk is None else rows(topk_logp_nk))
+  the KL from the teacher; computed about `chunk` tokens at a time.
+
+  The N tokens are `rows` batch rows of N / rows tokens each, row-major: each chunk takes
+  chunk_tokens(...) of every row, so a batch split over devices by rows stays split (chunks cut
+  across rows would move tokens between devices)."""
+  n = h_nd.shape[0]
+  per_row = n // rows
+  c = chunk_tokens(rows, per_row, chunk)
+  pad = -per_row % c
+
+  def chunks(x):  # [N, ...] -> [chunks, rows * c, ...]
+    x = jnp.pad(x.reshape(rows, per_row, *x.shape[1:]),
+                ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 1))
+    x = x.reshape(rows, -1, c, *x.shape[2:])
+    return jnp.moveaxis(x, 1, 0).reshape(x.shape[1], rows * c, *x.shape[3:])
+
+  xs = (chunks(h_nd), chunks(targets_n),
+        None if topk_ids_nk is None else chunks(topk_ids_nk),
+        None if topk_logp_nk is None else chunks(topk_logp_nk))
   _, out = jax.lax.scan(
       lambda carry, x: (carry, _chunk_stats(x[0], head_dv, x[1], x[2], x[3], dtype)), None, xs)
-  return {k: v.reshape(-1)[:n] for k, v in out.items()}
+
+  def tokens(v):  # [chunks, rows * c] -> [N]
+    v = jnp.moveaxis(v.reshape(v.shape[0], rows, c), 0, 1).reshape(rows, -1)
+    return v[:, :per_row].reshape(-1)
+
+  return {k: tokens(v) for k, v in out.items()}
+
+
+def chunk_tokens(rows: int, per_row: int, chunk: int) -> int:
+  """Tokens of each row in one chunk of chunked_token_stats: `chunk` spread over the rows."""
+  return max(1, min(per_row, chunk // rows))
 
 
 def chunked_cross_entropy(h_nd: jax.Array, head_dv: jax.Array, targets_n: jax.Array,
-                          chunk: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
-  """Per-token CE [N] and argmax correctness [N], computed `chunk` rows at a time."""
-  out = chunked_token_stats(h_nd, head_dv, targets_n, chunk, dtype)
+                          chunk: int, dtype=jnp.float32, rows: int = 1
+                          ) -> tuple[jax.Array, jax.Array]:
+  """Per-token CE [N] and argmax correctness [N], computed about `chunk` tokens at a time
+  (`rows`: as chunked_token_stats)."""
+  out = chunked_token_stats(h_nd, head_dv, targets_n, chunk, dtype, rows=rows)
   return out["ce"], out["argmax"] == targets_n
 
 
@@ -86,7 +109,7 @@ def hamburger_loss(model: Hamburger, batch: Mapping[str, jax.Array],
   stop_target, valid = layout.stop_targets(sizes, k)  # [B*G, K]
 
   ce, correct = chunked_cross_entropy(h.reshape(-1, d), model.base.head_dv(), targets.reshape(-1),
-                                      ce_chunk, h.dtype)
+                                      ce_chunk, h.dtype, rows=b)
   ce, correct = ce.reshape(b * g, k), correct.reshape(b * g, k)
   stop = model.stop_logits(h)  # [B*G, K] fp32
   bce = bce_with_logits(stop, stop_target)
@@ -117,7 +140,7 @@ def sft_loss(model: Llama, batch: Mapping[str, jax.Array],
   b, t, d = out.hidden.shape
   targets = jnp.roll(tokens, -1, axis=1)
   ce, _ = chunked_cross_entropy(out.hidden.reshape(-1, d), model.head_dv(), targets.reshape(-1),
-                                ce_chunk, out.hidden.dtype)
+                                ce_chunk, out.hidden.dtype, rows=b)
   m = batch["loss_mask"].reshape(-1).astype(jnp.float32)
   loss = jnp.sum(ce * m) / jnp.maximum(m.sum(), 1)
   return loss, {"loss": loss, "tokens": m.sum()}

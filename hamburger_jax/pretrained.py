@@ -525,6 +525,15 @@ def build_run_model(cfg) -> tuple[Hamburger, Tokenizer | None]:
   return model, tok
 
 
+def abstract_run_model(cfg) -> Hamburger:
+  """A run config's model (a RunConfig) as shapes only (nnx.eval_shape: nothing is loaded,
+  initialised or allocated): its base architecture read from metadata (roofline.architecture),
+  the run's graft and dtypes. What compiling the run's programs ahead of time needs."""
+  from hamburger_jax import roofline  # pylint: disable=import-outside-toplevel  # imports us
+  hcfg = HamburgerConfig(roofline.architecture(cfg.model), cfg.graft)
+  return nnx.eval_shape(lambda: Hamburger(hcfg, rngs=nnx.Rngs(cfg.train.seed)))
+
+
 def check_init_from(cfg) -> None:
   """A stage that starts from its predecessor's export fails early, and says how to make it."""
   path = cfg.train.init_from

@@ -6,7 +6,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from hamburger_jax.config import (DEFAULT_CONFIDENCE, ConfigError, GraftConfig, LlamaConfig,
+from hamburger_jax.config import (DEFAULT_CONFIDENCE, REMAT, ConfigError, GraftConfig, LlamaConfig,
                                   apply_overrides, from_dict, load_yaml, to_dict)
 
 
@@ -79,6 +79,13 @@ class TrainConfig:
   generate_tokens: int = 64
   generate_confidence: float = DEFAULT_CONFIDENCE
   seed: int = 0
+  # How the base's and the micro decoder's layers run in the train and evaluation steps:
+  # scan_layers runs them as one loop over stacked weights (a compiler sees one layer: minutes
+  # less compiling a 30-layer model for a TPU; the same math); remat "layers" recomputes each
+  # layer's activations in the backward pass from its input (memory for about a third more
+  # compute; needs scan_layers).
+  scan_layers: bool = False
+  remat: str = "none"
 
   def __post_init__(self):
     if self.trainable not in TRAINABLE:
@@ -101,6 +108,11 @@ class TrainConfig:
         raise ConfigError(f"train.{name}={getattr(self, name)} must be in [0, 1)")
     if not self.eps > 0:
       raise ConfigError(f"train.eps={self.eps} must be > 0")
+    if self.remat not in REMAT:
+      raise ConfigError(f"train.remat={self.remat!r}: use one of {', '.join(REMAT)}")
+    if self.remat != "none" and not self.scan_layers:
+      raise ConfigError(f"train.remat={self.remat} recomputes the layers of a scanned stack: "
+                        "set train.scan_layers=true too")
     if not 0 <= self.generate_confidence <= 1:
       raise ConfigError(f"train.generate_confidence={self.generate_confidence} must be in [0, 1]")
 

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from hamburger_jax.config import ConfigError
@@ -40,8 +41,18 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
   if int(np.prod(shape)) != n:
     raise ConfigError(f"mesh {dict(zip(MESH_AXES, shape))} uses {int(np.prod(shape))} devices "
                       f"but {n} are present: make the product {n} or set one axis to -1")
-  return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
-                       devices=devices)
+  slices = len({getattr(d, "slice_index", 0) for d in devices})
+  if slices == 1:
+    return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
+                         devices=devices)
+  # Several slices talk over the data-centre network, far slower than the slices' own links:
+  # only the data axis (gradients all-reduced once a step) spans them.
+  if shape[0] % slices:
+    raise ConfigError(f"mesh {dict(zip(MESH_AXES, shape))} on {slices} slices: the data axis "
+                      f"spans the slices, so it must be a multiple of {slices}")
+  grid = mesh_utils.create_hybrid_device_mesh(
+      (shape[0] // slices, shape[1], shape[2]), (slices, 1, 1), devices)
+  return jax.sharding.Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
 def logical_to_spec(axes: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh,
@@ -74,3 +85,20 @@ def state_shardings(state: Any, mesh: jax.sharding.Mesh,
 
 def batch_divisor(mesh: jax.sharding.Mesh) -> int:
   return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+
+
+def constrain_rows(x: jax.Array) -> jax.Array:
+  """Activations [rows, ...] split by rows over the data-parallel axes and whole along every
+  other dimension, when traced under a mesh (jax.set_mesh; a no-op otherwise).
+
+  Without it the compiler propagates the weights' FSDP split (embed over fsdp) into the
+  activations and contracts sharded dimensions: every matmul all-reduces activations and every
+  device holds whole-batch activations. With it, FSDP does what it should: each layer's weights
+  are all-gathered, each device computes its own rows."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not all(a in mesh.shape for a in BATCH_AXES):
+    return x
+  if x.shape[0] % int(np.prod([mesh.shape[a] for a in BATCH_AXES])):
+    return x
+  return jax.lax.with_sharding_constraint(x, P(BATCH_AXES, *([None] * (x.ndim - 1))))
+

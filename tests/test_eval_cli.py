@@ -437,8 +437,8 @@ def _trainer_validation(cfg, records: list) -> dict[str, float]:
   """Trainer.evaluate of a fresh trainer (its model is build_run_model's: the nll task's) over
   `records` packed in the training shapes (2-row batches: several, for the pooling to matter),
   not the nll task's."""
-  from train import trainer  # pylint: disable=import-outside-toplevel
-  tr = trainer.Trainer(cfg)
+  from hamburger_jax import training  # pylint: disable=import-outside-toplevel
+  tr = training.Trainer(cfg)
   d = cfg.data
   batches = pipeline.packed_dataset(records, batch_rows=tr.local_rows, entries=d.entries,
                                     groups=d.groups, max_group=cfg.graft.max_group, seed=None,

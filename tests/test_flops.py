@@ -68,7 +68,10 @@ def test_layer_and_head_flops_by_hand():
   frozen = roofline.layer_flops(cfg, 3, 5, grad_in=True)
   assert frozen.backward == 2 * 3 * linears + 2 * attention  # dQ, dK, dV and dP all the same
   assert roofline.head_flops(cfg, 7) == 2 * 7 * 64 * 256
-  assert roofline.lm_head_rows(1536, 1024) == 2048 and roofline.lm_head_rows(384, 1024) == 384
+  # 8 rows of 192 tokens in chunks of 1024: 128 of each row a chunk, each row padded to 256.
+  assert roofline.lm_head_rows(8, 192, 1024) == 2048
+  assert roofline.lm_head_rows(8, 192, 1024, loop_once=True) == 1024
+  assert roofline.lm_head_rows(2, 192, 1024) == 384  # one chunk holds every token
 
 
 def test_base_forward_flops_match_the_traced_and_the_compiled_program():
@@ -115,7 +118,7 @@ def test_train_step_flops_match_the_traced_program(trainable, recipe, lora, dtyp
   """Every trained set's backward (which matmuls autodiff must run), both recipes, the chunked
   LM-head loss (2 chunks here: 4 rows x 48 groups x K 4 = 768 rows of 512) and its remat; and
   bfloat16 params (configs/llama3_2_1b.yaml's), whose step must trace at all."""
-  from train.trainer import Trainer  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.training import Trainer  # pylint: disable=import-outside-toplevel
   cfg = load_run_config(TINY, [f"train.trainable={trainable}", f"train.recipe={recipe}",
                                f"graft.base_lora_rank={lora}", "data.rows=4",
                                "train.ce_chunk=512", f"model.dtype={dtype}",
@@ -123,7 +126,7 @@ def test_train_step_flops_match_the_traced_program(trainable, recipe, lora, dtyp
   trainer = Trainer(cfg)
   batch = _train_batch(trainer, teacher=recipe == "distill")
   ours = roofline.train_step_flops(trainer.model.cfg, 4, 96, 48, trainable, 512)
-  step = trainer._train_step  # pylint: disable=protected-access
+  step = trainer.train_step
   traced = roofline.traced_matmul_flops(step, trainer.state, trainer.frozen, batch)
   assert traced == ours.executed
   # The LM head's logits are recomputed in the backward pass (two chunks of 512 rows), unless

@@ -14,7 +14,7 @@ from hamburger_jax.decode.engine import Engine
 from hamburger_jax.evaluation.teacher_forced import split_batches
 from hamburger_jax.run_config import load_run_config
 from infer import eval as ev
-from train import trainer
+from hamburger_jax import training
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 
@@ -59,7 +59,7 @@ def test_training_and_decoding_at_offset_one(tiny_data_dir, tmp_path, monkeypatc
           "train.eval_every": 0, "train.generate_every": 0, "train.steps": 2,
           "graft.position_offset": 1}
   cfg = load_run_config(TINY, [f"{k}={v}" for k, v in sets.items()])
-  result = trainer.run(cfg, progress=False, log=lambda _: None)
+  result = training.run(cfg, progress=False, log=lambda _: None)
   assert seen == [1] and result.steps_done == 2
   # The export carries the offset, and the engine decodes with it.
   model, _ = pretrained.build_run_model(load_run_config(TINY, [f"{k}={v}" for k, v in {

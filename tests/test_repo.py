@@ -74,7 +74,7 @@ def test_every_config_is_covered():
 
 @pytest.mark.parametrize("name,stage", CASES, ids=[f"{n}:{s}" if s else n for n, s in CASES])
 def test_config_loads_and_builds(name, stage):
-  from train.trainer import TRAINED  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.training import TRAINED  # pylint: disable=import-outside-toplevel
   cfg = load_run_config(os.path.join(REPO, "configs", name), stage=stage)
   assert cfg.stage == (stage or "")
   base = base_config(name, cfg)

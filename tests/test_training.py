@@ -33,7 +33,7 @@ from hamburger_jax.config import ConfigError
 from hamburger_jax.data import pipeline
 from hamburger_jax.model.llama import GraftParam
 from hamburger_jax.run_config import RunConfig, load_run_config
-from train import trainer
+from hamburger_jax import training
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -200,7 +200,7 @@ def graft_run(tmp_path_factory: pytest.TempPathFactory, tiny_data_dir: str,
   a 2-process run sees: each step joins the next 4-row batch of data shard 0 and of shard 1."""
   tmp = tmp_path_factory.mktemp("graft-run")
   cfg = load_run_config(TINY, _overrides(tiny_data_dir, tmp, {**STABLE, "train.steps": 3}))
-  tr = trainer.Trainer(cfg)
+  tr = training.Trainer(cfg)
   shards = [_batches(cfg, cfg.data.rows // 2, 3, i, 2) for i in range(2)]
   state_keys = set(tr.state.params)
   base0, graft0 = _flat(tr.frozen), _flat(tr.state.params)
@@ -221,7 +221,7 @@ def all_run(tmp_path_factory: pytest.TempPathFactory, tiny_data_dir: str,
   """3 steps of trainable: all; step i trains on 4-row micro-batches 2i and 2i+1 joined."""
   tmp = tmp_path_factory.mktemp("all-run")
   cfg = load_run_config(TINY, _overrides(tiny_data_dir, tmp, ALL))
-  tr = trainer.Trainer(cfg)
+  tr = training.Trainer(cfg)
   micro = _batches(cfg, cfg.data.rows // 2, 2 * cfg.train.steps)
   p0 = _flat(tr.state.params)
   metrics = [tr.step([_concat(micro[0], micro[1])])]
@@ -327,7 +327,7 @@ def _sharded_main(out: str, data_dir: str) -> None:
     sharding.make_mesh = lambda *a, devices=devices: make_mesh(*a, devices=devices)
     cfg = load_run_config(TINY, _overrides(data_dir, os.path.join(out, name), {
         **extra, "mesh.data": d, "mesh.fsdp": f, "mesh.tensor": t}))
-    tr = trainer.Trainer(cfg)
+    tr = training.Trainer(cfg)
     if batch is None:
       batch = _batches(cfg, cfg.data.rows, 1)[0]
     _, graft, base = nnx.split(tr.model, GraftParam, nnx.Param)
@@ -350,7 +350,7 @@ def _sharded_main(out: str, data_dir: str) -> None:
   sharding.make_mesh = make_mesh
 
   def rows_error() -> None:
-    trainer.Trainer(load_run_config(TINY, _overrides(data_dir, os.path.join(out, "rows"), {
+    training.Trainer(load_run_config(TINY, _overrides(data_dir, os.path.join(out, "rows"), {
         "mesh.fsdp": 4, "mesh.tensor": 2, "data.rows": 6})))
 
   checks: dict[str, Callable[[], Any]] = {
@@ -494,7 +494,7 @@ def test_gradient_accumulation_matches_larger_batch(all_run, tiny_data_dir: str,
   and update; all_run's first step is the 8-row reference."""
   cfg = load_run_config(TINY, _overrides(tiny_data_dir, tmp_path, {
       **ALL, "data.rows": all_run.cfg.data.rows // 2, "data.accum": 2}))
-  tr = trainer.Trainer(cfg)
+  tr = training.Trainer(cfg)
   p0 = _flat(tr.state.params)
   assert all(np.array_equal(p0[k], v) for k, v in all_run.p0.items())
   m = tr.step(all_run.micro[:2])
@@ -528,7 +528,7 @@ def test_config_errors(full_run, tiny_data_dir: str, tmp_path: Path, no_gguf_tok
   cfg = load_run_config(TINY, _overrides(tiny_data_dir, tmp_path, {"graft.micro_layers": 1}))
   with pytest.raises(ConfigError, match=r"another model config: graft\.micro_layers is 2 there "
                                         r"but 1 now"):
-    trainer.run(cfg, progress=False, log=lambda _: None)
+    training.run(cfg, progress=False, log=lambda _: None)
 
 
 def test_cli_config_errors(full_run, tiny_data_dir: str, tmp_path: Path,
@@ -670,7 +670,7 @@ def staged(tmp_path_factory: pytest.TempPathFactory, teacher_data_dir: str,
     with pytest.MonkeyPatch.context() as mp:
       mp.setattr(Llama, "forward", counted)
       cfg = load_run_config(config, stage=stage)
-      results[stage] = trainer.run(cfg, progress=False, log=lambda *_: None)
+      results[stage] = training.run(cfg, progress=False, log=lambda *_: None)
     results[f"{stage}_base_forwards"] = calls["n"]
   return SimpleNamespace(config=config, run=tmp / "run", **results)
 
@@ -724,7 +724,7 @@ def test_generation_check_measures_agreement_with_the_base(staged, tmp_path: Pat
       f"checkpoint.dir={tmp_path / 'gen'}", "train.steps=2", "train.generate_every=2",
       "train.generate_prompts=4", "train.generate_tokens=12",
       f"train.generate_confidence={confidence}"], stage="micro")
-  trainer.run(cfg, progress=False, log=lambda *_: None)
+  training.run(cfg, progress=False, log=lambda *_: None)
   rows = _metrics(tmp_path / "gen" / "micro")
   assert rows[0]["step"] == 0 and "loss" not in rows[0]  # the initial graft, before training
   last = rows[-1]
@@ -742,16 +742,16 @@ def test_export_step_exports_an_earlier_checkpoint(staged, tmp_path: Path, no_gg
   quiet = lambda *_: None
   sets = [f"checkpoint.dir={tmp_path / 'run'}", "train.steps=4", "checkpoint.every=2",
           "checkpoint.keep=3"]
-  trainer.run(load_run_config(staged.config, sets, stage="micro"), max_steps=2, progress=False,
+  training.run(load_run_config(staged.config, sets, stage="micro"), max_steps=2, progress=False,
               log=quiet)
   stood = load_run_config(staged.config, [*sets[:1], "train.steps=2",
                                           f"checkpoint.export={tmp_path / 'stood'}"], stage="micro")
-  assert trainer.run(stood, progress=False, log=quiet).export_dir == str(tmp_path / "stood")
+  assert training.run(stood, progress=False, log=quiet).export_dir == str(tmp_path / "stood")
   cfg = load_run_config(staged.config, sets, stage="micro")
-  trainer.run(cfg, progress=False, log=quiet)  # on to step 4, exported to the run's export
+  training.run(cfg, progress=False, log=quiet)  # on to step 4, exported to the run's export
   picked = load_run_config(staged.config, [*sets, f"checkpoint.export={tmp_path / 'picked'}"],
                            stage="micro")
-  assert trainer.export_step(picked, 2, log=quiet) == str(tmp_path / "picked")
+  assert training.export_step(picked, 2, log=quiet) == str(tmp_path / "picked")
   at2, stood2 = _load_export(tmp_path / "picked"), _load_export(tmp_path / "stood")
   at4 = _load_export(tmp_path / "run" / "micro" / "export")
   assert at2.keys() == stood2.keys() == at4.keys()
@@ -761,7 +761,7 @@ def test_export_step_exports_an_earlier_checkpoint(staged, tmp_path: Path, no_gg
   meta = json.loads((tmp_path / "picked" / pretrained.META_FILE).read_text())
   assert meta["trained_steps"] == 2
   with pytest.raises(ConfigError, match=r"no checkpoint at step 3 .* saved steps are \[2, 4\]"):
-    trainer.export_step(picked, 3, log=quiet)
+    training.export_step(picked, 3, log=quiet)
 
 
 def test_accumulated_acceptance_counts_are_sums(staged, tmp_path: Path, no_gguf_tokenizer):
@@ -772,8 +772,8 @@ def test_accumulated_acceptance_counts_are_sums(staged, tmp_path: Path, no_gguf_
   two = load_run_config(staged.config, [f"checkpoint.dir={tmp_path / 'two'}",
                                         f"data.rows={rows // 2}", "data.accum=2"], stage="micro")
   halves = _batches(one, rows // 2, 2)
-  m1 = trainer.Trainer(one).step([_concat(*halves)])
-  m2 = trainer.Trainer(two).step(halves)
+  m1 = training.Trainer(one).step([_concat(*halves)])
+  m2 = training.Trainer(two).step(halves)
   keys = [k for k in m1 if k.startswith(("n_tf_", "tf_"))]
   assert any(k.startswith("n_tf_groups_") for k in keys) and m1["n_tf_groups_c80"] > 0
   for k in keys:
@@ -784,7 +784,7 @@ def test_stage_and_distill_data_errors(staged, teacher_data_dir: str, tiny_data_
                                        tmp_path: Path, no_gguf_tokenizer):
   fresh = _staged_config(tmp_path / "fresh.yaml", teacher_data_dir, tmp_path / "fresh")
   with pytest.raises(ConfigError, match="run the previous stage to its end first"):
-    trainer.run(load_run_config(fresh, stage="merger"), progress=False)
+    training.run(load_run_config(fresh, stage="merger"), progress=False)
   with pytest.raises(ConfigError, match=r"trained in stages \(micro, merger, stop\)"):
     load_run_config(fresh)
   assert load_run_config(fresh, shared_only=True).graft.base_lora_rank == 4  # data tools
@@ -792,10 +792,10 @@ def test_stage_and_distill_data_errors(staged, teacher_data_dir: str, tiny_data_
     load_run_config(fresh, stage="polish")
   no_teacher = load_run_config(fresh, [f"data.dir={tiny_data_dir}"], stage="micro")
   with pytest.raises(ConfigError, match="needs teacher signals"):
-    trainer.run(no_teacher, progress=False)
+    training.run(no_teacher, progress=False)
   other_base = load_run_config(fresh, ["train.seed=1"], stage="micro")  # another random base
   with pytest.raises(ConfigError, match="segmented with another base"):
-    trainer.run(other_base, progress=False)
+    training.run(other_base, progress=False)
   with pytest.raises(ConfigError, match="needs train.recipe=distill"):
     load_run_config(fresh, ["train.recipe=paper"], stage="micro")
   # --set moves the stages' root and wins over a stage's own values.
@@ -841,7 +841,7 @@ def test_max_minutes_saves_and_stops_after_a_step(staged, tmp_path: Path, no_ggu
   config = _staged_config(tmp_path / "boxed.yaml", str(load_run_config(
       staged.config, stage="micro").data.dir), tmp_path / "boxed")
   cfg = load_run_config(config, ["train.eval_every=100"], stage="micro")
-  out = trainer.run(cfg, max_minutes=0, progress=False, log=lambda *_: None)
+  out = training.run(cfg, max_minutes=0, progress=False, log=lambda *_: None)
   assert (out.steps_done, out.final_step, out.export_dir) == (1, 1, None)
   assert _checkpoint_steps(tmp_path / "boxed" / "micro" / "checkpoints") == [1]
   logged = _metrics(tmp_path / "boxed" / "micro")  # the stop is evaluated and logged
@@ -852,7 +852,7 @@ def test_max_minutes_saves_and_stops_after_a_step(staged, tmp_path: Path, no_ggu
       v["val_n_tf_emitted_c50"] / v["val_n_tf_groups_c50"])
   assert 1.0 <= v["val_tf_tokens_per_step_c30"] and v["val_n_tf_groups_c30"] > 0
   with pytest.raises(ConfigError, match="max_steps=-3 must be >= 1"):
-    trainer.run(cfg, max_steps=-3, progress=False)
+    training.run(cfg, max_steps=-3, progress=False)
 
 
 def test_max_cpu_minutes_counts_the_steps_cpu_time(staged, tmp_path: Path, no_gguf_tokenizer):
@@ -862,16 +862,16 @@ def test_max_cpu_minutes_counts_the_steps_cpu_time(staged, tmp_path: Path, no_gg
   cfg = load_run_config(config, ["train.eval_every=0", "train.log_every=1", "checkpoint.every=1"],
                         stage="micro")
   said = []
-  out = trainer.run(cfg, max_cpu_minutes=0, progress=False, log=said.append)
+  out = training.run(cfg, max_cpu_minutes=0, progress=False, log=said.append)
   assert (out.steps_done, out.final_step, out.export_dir) == (1, 1, None)
   assert any("CPU min of training: saving step 1" in s for s in said), said
   logged = _metrics(tmp_path / "cpu" / "micro")
   assert logged[0]["step_cpu_s"] > 0
   # A budget no step reaches trains to the end.
-  assert trainer.run(cfg, max_cpu_minutes=1e6, progress=False, log=said.append).final_step == (
+  assert training.run(cfg, max_cpu_minutes=1e6, progress=False, log=said.append).final_step == (
       cfg.train.steps)
   with pytest.raises(ConfigError, match="max_cpu_minutes=-1 must be >= 0"):
-    trainer.run(cfg, max_cpu_minutes=-1, progress=False)
+    training.run(cfg, max_cpu_minutes=-1, progress=False)
 
 
 def test_recipe_comparison_plot(staged, tmp_path: Path, capsys):
@@ -919,3 +919,32 @@ def test_recipe_comparison_plot(staged, tmp_path: Path, capsys):
   assert curves.main(["--compare", f"distill={stages}", "--confidence", "0.55", "--out",
                       str(out)]) == 2
   assert "validation tracks only 0.3, 0.5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("remat", ["none", "layers"])
+def test_scanned_layers_train_like_unrolled_ones(tiny_data_dir: str, tmp_path: Path, remat: str,
+                                                 no_gguf_tokenizer):
+  """train.scan_layers (one loop over stacked layer weights) and train.remat=layers compute the
+  same step as the unrolled layers: losses, metrics and updated params agree to float32
+  rounding, with adapters on merged entries and the base trained too."""
+  runs = {}
+  for scan in (False, True):
+    cfg = load_run_config(TINY, _overrides(tiny_data_dir, tmp_path / str(scan), {
+        **ALL, "graft.base_lora_rank": 4, "train.scan_layers": scan,
+        "train.remat": remat if scan else "none"}))
+    tr = training.Trainer(cfg)
+    metrics = [tr.step([b]) for b in _batches(cfg, cfg.data.rows, 2)]
+    runs[scan] = (metrics, _flat(tr.state.params))
+  (m0, p0), (m1, p1) = runs[False], runs[True]
+  for a, b in zip(m0, m1):
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+  assert p0.keys() == p1.keys()
+  for k in p0:
+    np.testing.assert_allclose(p1[k], p0[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_remat_needs_scanned_layers():
+  with pytest.raises(ConfigError, match="scan_layers"):
+    load_run_config(TINY, ["train.remat=layers"])
+  with pytest.raises(ConfigError, match="train.remat"):
+    load_run_config(TINY, ["train.scan_layers=true", "train.remat=everything"])

@@ -124,29 +124,20 @@ def make_sft_step(graphdef, tx, ce_chunk: int):
   return sft_step
 
 
-def hamburger_xla_flops(trainer, batch, head_rows: int) -> float:
-  """XLA's FLOPs of the trainer's compiled step (cached: no second compilation). XLA counts a
-  loop's body once, so where the chunked LM-head loss runs more than one chunk, the same step is
-  compiled again with one chunk (not run) and that one is counted. Per device, times the
-  devices (a data-parallel step splits its rows evenly)."""
-  # pylint: disable=protected-access
-  import jax  # pylint: disable=import-outside-toplevel
+def compile_timed(what: str, lower):
+  """(compiled program, seconds) of `lower()`'s program, with a progress line."""
+  t = time.perf_counter()
+  compiled = cli.phase(what, lambda: lower().compile())
+  return compiled, time.perf_counter() - t
+
+
+def xla_view(compiled, devices: int) -> float | None:
+  """XLA's FLOPs of a compiled step on every device (a data-parallel step splits its rows
+  evenly); None where XLA does not count matmuls (a GPU: roofline.xla_counts_matmuls)."""
   from hamburger_jax import roofline  # pylint: disable=import-outside-toplevel
-  args = (trainer.state, trainer.frozen, batch)
-  if head_rows <= trainer.cfg.train.ce_chunk:
-    return roofline.xla_flops(trainer._step_fn(tuple(batch)).lower(*args).compile()
-                              ) * trainer.mesh.size
-  cfg = trainer.cfg
-  trainer.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, ce_chunk=head_rows))
-  try:
-    # A new function object: jit's cache would otherwise hand back the chunked step's trace.
-    twin = jax.jit(lambda *a: trainer._train_step(*a), in_shardings=(
-        trainer.state_shardings, trainer.frozen_shardings,
-        {k: trainer._batch_sharding(k) for k in batch}))
-    compiled = twin.lower(*args).compile()
-  finally:
-    trainer.cfg = cfg
-  return roofline.xla_flops(compiled) * trainer.mesh.size
+  if not roofline.xla_counts_matmuls():
+    return None
+  return roofline.xla_flops(compiled) * devices
 
 
 def check_flags(p: argparse.ArgumentParser, args) -> None:
@@ -237,7 +228,7 @@ def run(args, cfg, tmp: str) -> None:
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from hamburger_jax import layout, roofline  # pylint: disable=import-outside-toplevel
   from hamburger_jax.data import pipeline  # pylint: disable=import-outside-toplevel
-  from train.trainer import Trainer  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.training import Trainer  # pylint: disable=import-outside-toplevel
 
   d, k = cfg.data, cfg.graft.max_group
   first_peak = cli.device_peak(args, cfg.model.dtype)
@@ -258,55 +249,53 @@ def run(args, cfg, tmp: str) -> None:
             for b in batches]
   n = int(np.mean(tokens[1:]))
 
-  ham_times, compile_s, packed = [], 0.0, None
-  for i, b in enumerate(batches):
-    packed = layout.pack_rows([[lay for _, lay in row] for row in b], d.entries, d.groups, k)
+  # Each step compiled once, ahead of time: the timed steps run that executable, and XLA's FLOP
+  # count is read off it (no second program compiled only to be counted).
+  globals_ = [trainer.global_batch([layout.pack_rows([[lay for _, lay in row] for row in b],
+                                                     d.entries, d.groups, k).as_dict()])
+              for b in batches]
+  ham_step, compile_s = compile_timed("compiling the HAMburger step",
+                                      lambda: trainer.lower_step(globals_[0]))
+  ham_times = []
+  for i, batch in enumerate(globals_):
     t = time.perf_counter()
-    trainer.step([packed.as_dict()])
+    trainer.state, metrics = ham_step(trainer.state, trainer.frozen, batch)
+    jax.block_until_ready(metrics)
     if i:
       ham_times.append(time.perf_counter() - t)
-    else:
-      compile_s = time.perf_counter() - t
-  head_rows = d.rows * d.groups * k
   ham = roofline.train_step_flops(hcfg, d.rows, d.entries, d.groups, cfg.train.trainable,
                                   cfg.train.ce_chunk)
-  ham_xla = cli.phase("XLA's count of the HAMburger step", lambda: hamburger_xla_flops(
-      trainer, trainer.global_batch([packed.as_dict()]), head_rows))
-  # What XLA counted: the step itself, or its one-chunk twin (no padding to whole chunks).
+  # What XLA counts of that program: the chunked loss's loop body once.
   ham_check = roofline.train_step_flops(hcfg, d.rows, d.entries, d.groups, cfg.train.trainable,
-                                        max(cfg.train.ce_chunk, head_rows))
-  rows = {"HAMburger": (min(ham_times), compile_s, ham, ham_xla, ham_xla / ham_check.executed)}
+                                        cfg.train.ce_chunk, loop_once=True)
+  ham_xla = xla_view(ham_step, trainer.mesh.size)
+  rows = {"HAMburger": (min(ham_times), compile_s, ham, ham_xla, ham_check)}
 
   if not args.no_sft:
     base = trainer.current_model().base  # the step donated the original buffers
     # Committed to one device, as the step's outputs are: arguments placed otherwise (the
-    # trainer's mesh, an eager init's uncommitted zeros) would make the second step compile again.
+    # trainer's mesh, an eager init's uncommitted zeros) would not match the compiled step.
     device = jax.devices()[0]
     params = jax.device_put(nnx.state(base, nnx.Param), device)
     graphdef = nnx.graphdef(base)
-    del trainer  # its optimiser state; the base's arrays live on in `params`
+    del trainer, ham_step, globals_  # the optimiser state; the base's arrays live on in `params`
     tx = optax.adamw(cfg.train.lr_base, weight_decay=cfg.train.weight_decay)
-    sft_step = make_sft_step(graphdef, tx, cfg.train.ce_chunk)
     opt_state = jax.device_put(tx.init(params), device)
+    sft_batches = [jax.device_put({key: jnp.asarray(v) for key, v in sft_rows(
+        [[r for r, _ in row] for row in b], width).items()}, device) for b in batches]
+    sft_step, compile_s = compile_timed("compiling the SFT step", lambda: make_sft_step(
+        graphdef, tx, cfg.train.ce_chunk).lower(params, opt_state, sft_batches[0]))
     sft_times = []
-    for i, b in enumerate(batches):
-      batch = {key: jnp.asarray(v) for key, v in sft_rows([[r for r, _ in row] for row in b],
-                                                          width).items()}
+    for i, batch in enumerate(sft_batches):
       t = time.perf_counter()
       params, opt_state, _ = jax.block_until_ready(sft_step(params, opt_state, batch))
       if i:
         sft_times.append(time.perf_counter() - t)
-      else:
-        compile_s = time.perf_counter() - t
     sft = roofline.sft_step_flops(hcfg.base, d.rows, width, cfg.train.ce_chunk)
-    one_chunk = sft_step if d.rows * width <= cfg.train.ce_chunk else make_sft_step(
-        graphdef, tx, d.rows * width)  # XLA counts a loop's body once: see hamburger_xla_flops
-    sft_xla = cli.phase("XLA's count of the SFT step", lambda: roofline.xla_flops(
-        one_chunk.lower(params, opt_state, batch).compile()))
-    sft_check = roofline.sft_step_flops(hcfg.base, d.rows, width,
-                                        max(cfg.train.ce_chunk, d.rows * width))
-    rows = {"plain SFT of the base": (min(sft_times), compile_s, sft, sft_xla,
-                                      sft_xla / sft_check.executed), **rows}
+    sft_check = roofline.sft_step_flops(hcfg.base, d.rows, width, cfg.train.ce_chunk,
+                                        loop_once=True)
+    rows = {"plain SFT of the base": (min(sft_times), compile_s, sft, xla_view(sft_step, 1),
+                                      sft_check), **rows}
 
   rate, token_rate = cli.phase("timing the input pipeline",
                                lambda: input_rate(data_dir, cfg, args.input_batches))
@@ -320,15 +309,19 @@ def run(args, cfg, tmp: str) -> None:
   print(f"device: {peak.name} x {jax.device_count()}; peak {peak.flops / 1e12:.3g} TFLOP/s per "
         f"device ({peak.source})")
   print("FLOPs per response token; model = forward + backward (MFU's numerator), executed adds "
-        "the LM head's rematerialised forward; XLA: cost analysis of the compiled step, "
-        "elementwise work included")
+        "the LM head's rematerialised forward; XLA: cost analysis of the timed program, "
+        "elementwise work included and its chunked-loss loop counted once (XLA / ours compares "
+        "it with ours counted the same way; left out on a GPU, where XLA does not count the "
+        "matmuls cuBLAS runs)")
   print("\n| step | seconds | response tokens/s | model FLOPs/token | executed FLOPs/token (ours) "
-        "| FLOPs/token (XLA) | XLA / ours | MFU | first step s (compile + run) |")
+        "| FLOPs/token (XLA) | XLA / ours | MFU | compile s |")
   print("|---|---|---|---|---|---|---|---|---|")
   peak_all = dataclasses.replace(peak, flops=peak.flops * jax.device_count())
-  for name, (s, c, ours, xla, ratio) in rows.items():
+  for name, (s, c, ours, xla, check) in rows.items():
+    xla_cols = ("- | -" if xla is None else
+                f"{xla / n / 1e6:.1f}M | {xla / check.executed:.3f}")
     print(f"| {name} | {s:.3f} | {n / s:.0f} | {ours.model / n / 1e6:.1f}M | "
-          f"{ours.executed / n / 1e6:.1f}M | {xla / n / 1e6:.1f}M | {ratio:.3f} | "
+          f"{ours.executed / n / 1e6:.1f}M | {xla_cols} | "
           f"{roofline.mfu(ours.model, s, peak_all):.1%} | {c:.0f} |")
   h = rows["HAMburger"][0]
   print(f"| input pipeline (grain, alone) | {1 / rate:.3f} | {token_rate:.0f} | - | - | - | - | "

@@ -92,21 +92,21 @@ def main(argv=None) -> int:
   cache.enable_compilation_cache()
   init_distributed(args)
   from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
-  from train import trainer  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import training  # pylint: disable=import-outside-toplevel
   try:
     pretrained.check_shard_limit(args.export_shard_mb)  # before hours of training, not after
   except ValueError as e:
     raise SystemExit(f"error: --export-shard-mb: {e}") from None
   if args.export_step is not None:
     try:
-      export_dir = trainer.export_step(cfg, args.export_step)
+      export_dir = training.export_step(cfg, args.export_step)
     except (ConfigError, FileNotFoundError) as e:
       raise SystemExit(f"error: {e}") from None
     print(f"done: step {args.export_step} exported to {export_dir}" + shard_export(args,
                                                                                export_dir))
     return 0
   try:
-    result = trainer.run(cfg, max_steps=args.max_steps, max_minutes=args.max_minutes,
+    result = training.run(cfg, max_steps=args.max_steps, max_minutes=args.max_minutes,
                          max_cpu_minutes=args.max_cpu_minutes,
                          progress=not args.no_progress)
   except (ConfigError, FileNotFoundError) as e:

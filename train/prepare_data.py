@@ -50,12 +50,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "of `train.self_distill --checkpoint`: on-policy groups); given:STRATEGY "
                  "segments the records that have none by STRATEGY (e.g. given:confident:0.6, "
                  "to mix the base's own answers into on-policy ones)")
-  p.add_argument("--max-len", type=int, default=384,
-                 help="drop samples with more prompt + response tokens (default 384)")
+  p.add_argument("--max-len", type=int, default=prepare.DEFAULT_MAX_LEN,
+                 help="drop samples with more prompt + response tokens (default "
+                 f"{prepare.DEFAULT_MAX_LEN})")
   p.add_argument("--val-fraction", type=float, default=0.05)
   p.add_argument("--seed", type=int, default=0,
                  help="validation split and gsm_symbolic problems (must be < 10000)")
-  p.add_argument("--batch-tokens", type=int, default=2048,
+  p.add_argument("--batch-tokens", type=int, default=prepare.DEFAULT_BATCH_TOKENS,
                  help="tokens per forward pass and device (padding included)")
   p.add_argument("--self-distill", action="store_true",
                  help="replace responses with the base model's own greedy responses")

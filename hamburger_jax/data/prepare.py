@@ -23,6 +23,7 @@ import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -38,6 +39,10 @@ from hamburger_jax.tokenizer import load_default_tokenizer
 # End-of-turn spellings, most specific first; the one the chat template writes is the model's.
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>")
 _ROW_BUCKET = 64
+# train.prepare_data's defaults: samples longer than this are dropped; a forward pass holds this
+# many tokens per device.
+DEFAULT_MAX_LEN = 384
+DEFAULT_BATCH_TOKENS = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +218,8 @@ def check_ids_in_vocab(record: Conversation | TokenizedSample, vocab_size: int) 
 
 
 def segment(model: nnx.Module, samples: list[TokenizedSample], strategy: segmentation.Strategy,
-            max_group: int, *, batch_tokens: int = 2048, row_len: int | None = None,
+            max_group: int, *, batch_tokens: int = DEFAULT_BATCH_TOKENS,
+            row_len: int | None = None,
             teacher: segmentation.TeacherSpec | None = None,
             progress: Callable[[int], None] | None = None
             ) -> list[tuple[np.ndarray, dict[str, np.ndarray] | None]]:
@@ -439,6 +445,31 @@ def _shard_marker(shards: str, k: int, plan_id: str) -> dict[str, Any] | None:
   return marker
 
 
+def row_length(max_len: int) -> int:
+  """The teacher pass's row: max_len rounded up to whole buckets (one program for the whole
+  dataset)."""
+  return -(-max_len // _ROW_BUCKET) * _ROW_BUCKET
+
+
+def rows_per_device(batch_tokens: int, row_len: int) -> int:
+  return max(1, batch_tokens // row_len)
+
+
+def lower_teacher_pass(model: nnx.Module, mesh, *, max_len: int = DEFAULT_MAX_LEN,
+                       batch_tokens: int = DEFAULT_BATCH_TOKENS,
+                       teacher: segmentation.TeacherSpec | None = None):
+  """One forward pass of the teacher pass, lowered for `mesh` (a data axis over one process's
+  devices, the base replicated) as `prepare_dataset` runs it; `model` may be abstract
+  (nnx.eval_shape). `.compile()` it to see its cost on the mesh's devices."""
+  graphdef, state = nnx.split(model)
+  rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(sharding.BATCH_AXES))
+  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), state)
+  row_len = row_length(max_len)
+  n = rows_per_device(batch_tokens, row_len) * sharding.batch_divisor(mesh)
+  ids = jax.ShapeDtypeStruct((n, row_len), jnp.int32, sharding=rows)
+  return segmentation.token_stats_program.lower(graphdef, state, ids, ids, teacher)
+
+
 @dataclasses.dataclass
 class _Forward:
   """The base split for jit, its weights replicated over a data-parallel mesh of this process's
@@ -542,8 +573,9 @@ def _add_markers(stats: PrepareStats, markers: Iterable[Mapping[str, Any]]) -> N
 
 def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, tokenizer,
                     out_dir: str, *, strategy: str = "decreasing_v2", max_group: int = 4,
-                    max_len: int = 384, val_fraction: float = 0.05, seed: int = 0,
-                    overwrite: bool = False, chunk_size: int = 256, batch_tokens: int = 2048,
+                    max_len: int = DEFAULT_MAX_LEN, val_fraction: float = 0.05, seed: int = 0,
+                    overwrite: bool = False, chunk_size: int = 256,
+                    batch_tokens: int = DEFAULT_BATCH_TOKENS,
                     metadata: Mapping[str, Any] | None = None,
                     teacher: segmentation.TeacherSpec | None = None,
                     keep_split: Mapping[bytes, str] | None = None,
@@ -592,7 +624,7 @@ def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, to
   stats.kept_split = sum(k in known for k in keys)
 
   # One row length for every forward pass: a single compilation for the whole dataset.
-  row_len = -(-max_len // _ROW_BUCKET) * _ROW_BUCKET
+  row_len = row_length(max_len)
   base_meta, shapes = teacher_metadata(model, teacher)
   eot = end_of_turn_id(tokenizer)
   meta = {"strategy": strategy, "max_len": max_len, "val_fraction": val_fraction, "seed": seed,
@@ -624,7 +656,7 @@ def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, to
           progress(len(chunk))
         continue
       if forward is None:  # a run with every shard done loads nothing onto the devices
-        forward = _Forward.build(model, max(1, batch_tokens // row_len), mesh)
+        forward = _Forward.build(model, rows_per_device(batch_tokens, row_len), mesh)
         stats.devices = forward.devices
       _write_shard(shards, k, plan, plan_id, chunk, first, val, forward, strategy_fn, teacher,
                    (process_id, num_processes), progress)

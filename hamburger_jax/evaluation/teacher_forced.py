@@ -231,7 +231,7 @@ def base_nll(base, records: Sequence[Mapping[str, Any]], batch: int, bar=None) -
     hidden = model.forward(model.embed(tokens_bt), pos, causal_segment_mask(segments)).hidden
     ce, correct = chunked_cross_entropy(hidden.reshape(b * t, -1), model.head_dv(),
                                         jnp.roll(tokens_bt, -1, axis=1).reshape(-1), 1024,
-                                        hidden.dtype)
+                                        hidden.dtype, rows=b)
     # Position t predicts token t + 1: response tokens are predicted from prompt_len - 1 on.
     mask = ((pos >= prompt_lens_b[:, None] - 1) & (pos < lens_b[:, None] - 1)).reshape(-1)
     return jnp.sum(ce * mask), jnp.sum(correct * mask), jnp.sum(mask)

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hamburger_jax.config import LlamaConfig
+from hamburger_jax import sharding
+from hamburger_jax.config import REMAT, LlamaConfig
 from hamburger_jax.model.attention import attend
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.model.rope import apply_rope, inverse_frequencies
@@ -144,12 +145,20 @@ class DecoderLayer(nnx.Module):
 
 
 class DecoderStack(nnx.Module):
-  """A list of decoder layers sharing one KV cache pytree (the base and the micro decoder)."""
+  """A list of decoder layers sharing one KV cache pytree (the base and the micro decoder).
+
+  `scan` (an uncached forward: training, the teacher pass): the layers run as one
+  `lax.scan` over their stacked weights, so a compiler sees one layer, not N (compile time);
+  the weights stay one module per layer (checkpoints, converters, sharding rules unchanged).
+  `remat` "layers": each layer's activations are recomputed in the backward pass from its
+  input, which alone is kept (memory for compute, with `scan`)."""
 
   def __init__(self, cfg: LlamaConfig, num_layers: int, *, rngs: nnx.Rngs, param_type=nnx.Param,
                init: Callable[[int], Initializer] | None = None):
     self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, param_type=param_type, init=init)
                             for _ in range(num_layers)])
+    self.scan = False
+    self.remat = "none"
 
   def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,
                cache: KVCache | None = None, slots_bt: jax.Array | None = None,
@@ -158,12 +167,40 @@ class DecoderStack(nnx.Module):
     """Returns the last residual stream, the residual outputs of layers `collect`, the cache.
 
     `merged_bt` [B, T] bool: entries that are merged groups (only there do adapters act)."""
+    x_btd = sharding.constrain_rows(x_btd)
+    if self.scan and cache is None and len(self.layers) > 1:
+      return self._scanned(x_btd, positions_bt, mask_bts, collect, merged_bt)
     collected = []
     for i, layer in enumerate(self.layers):
       x_btd, cache = layer(x_btd, positions_bt, mask_bts, cache, slots_bt, i, merged_bt)
+      x_btd = sharding.constrain_rows(x_btd)
       if i in collect:
         collected.append(x_btd)
     return x_btd, collected, cache
+
+  def _scanned(self, x_btd, positions_bt, mask_bts, collect, merged_bt):
+    graphdef = nnx.graphdef(self.layers[0])
+    stacked = jax.tree.map(lambda *w: jnp.stack(w), *[nnx.state(l) for l in self.layers])
+
+    def body(x, state):
+      x, _ = nnx.merge(graphdef, state)(x, positions_bt, mask_bts, merged_bt=merged_bt)
+      x = sharding.constrain_rows(x)
+      return x, x
+
+    if self.remat == "layers":
+      body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    x_btd, outputs = jax.lax.scan(body, x_btd, stacked)
+    return x_btd, [outputs[i] for i in collect], None
+
+
+def set_layer_execution(model: nnx.Module, scan: bool, remat: str = "none") -> None:
+  """How every decoder stack of `model` runs an uncached forward (DecoderStack: `scan`,
+  `remat`), in place; part of the model's graph, so programs traced after this follow it."""
+  if remat not in REMAT:
+    raise ValueError(f"remat={remat!r}: use one of {', '.join(REMAT)}")
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, DecoderStack):
+      node.scan, node.remat = scan, remat
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""The HAMburger training loop: sharded jitted step, orbax checkpoints with exact resume, logging.
+"""A training run around the train step: data, orbax checkpoints with exact resume, metrics
+(metrics.jsonl, TensorBoard), free-generation checks, time budgets, the params-only export.
 
 State that is saved: the trainable params (graft only, or graft + base), the optimiser state and
 the step, together with the grain iterator state and the run config. A frozen base is not saved:
@@ -12,55 +13,24 @@ import json
 import os
 import signal
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-import flax.struct
 import grain
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
-from flax import nnx
-from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hamburger_jax import pretrained, sharding
+from hamburger_jax import pretrained
 from hamburger_jax.config import ConfigError
 from hamburger_jax.data import pipeline
 from hamburger_jax.decode.requests import pooled_tokens_per_step
-from hamburger_jax.distillation import acceptance_metrics, distill_loss, micro_distill_loss
-from hamburger_jax.evaluation import teacher_forced
 from hamburger_jax.evaluation.agreement import token_agreement
-from hamburger_jax.losses import hamburger_loss
 from hamburger_jax.model.hamburger import Hamburger
-from hamburger_jax.model.llama import GraftParam
 from hamburger_jax.run_config import RunConfig, TrainConfig
+from hamburger_jax.training.trainer import Trainer
 
 # Config sections that must match to resume from a checkpoint (the rest may change between runs).
 RESUME_KEYS = ("model", "graft", "train.trainable", "train.recipe", "train.init_from")
-
-# The params each `train.trainable` optimises (the rest is frozen, and not checkpointed: it is
-# rebuilt from the base source and train.init_from). "all" trains the base as well.
-TRAINED = {
-    "graft": GraftParam, "all": GraftParam,
-    "micro": nnx.All(GraftParam, nnx.PathContains("micro")),
-    "merger": nnx.All(GraftParam, nnx.Not(nnx.PathContains("micro"))),
-    "stop": nnx.All(GraftParam, nnx.PathContains("stop_head")),
-}
-
-# Batch fields and their ranks (the leading accumulation axis included).
-BATCH_NDIMS = {"input_ids": 4, "input_size": 3, "positions": 3, "segment_ids": 3,
-               "pred_index": 3, "target_ids": 4, "target_size": 3, "window_ids": 4,
-               "window_size": 3, "teacher_topk_ids": 5, "teacher_topk_logp": 5,
-               "teacher_features": 5}
-
-
-@flax.struct.dataclass
-class TrainState:
-  step: jax.Array
-  params: dict  # {"graft": ..., "base": ...} pure dicts of arrays; "base" only when trained
-  opt_state: Any
 
 
 class IteratorSnapshot(grain.DatasetIterator):
@@ -104,201 +74,6 @@ def check_data(cfg: RunConfig, meta: dict[str, Any], model: Hamburger | None = N
         f"{cfg.data.dir} was segmented with another base model ({meta.get('base', '?')}, "
         f"fingerprint {stored}) than this run's {cfg.model.base!r}: prepare the data with this "
         "run's base")
-
-
-def schedules(cfg: RunConfig) -> dict[str, optax.Schedule]:
-  """Cosine decay to lr_final over the run (docs/SPEC.md 2.3), after an optional linear warmup."""
-  t = cfg.train
-
-  def make(peak: float) -> optax.Schedule:
-    decay = optax.cosine_decay_schedule(peak, max(t.steps - t.warmup_steps, 1),
-                                        alpha=min(t.lr_final / peak, 1.0) if peak else 0.0)
-    if not t.warmup_steps:
-      return decay
-    return optax.join_schedules([optax.linear_schedule(0.0, peak, t.warmup_steps), decay],
-                                [t.warmup_steps])
-
-  return {"graft": make(t.lr_graft), "base": make(t.lr_base)}
-
-
-def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
-  """AdamW per learning-rate group (base / graft) after a global-norm clip over all of them."""
-  t = cfg.train
-  groups = {name: optax.adamw(sched, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay)
-            for name, sched in schedules(cfg).items()}
-  return optax.chain(
-      optax.clip_by_global_norm(t.clip_norm),
-      optax.multi_transform(groups, lambda params: {k: jax.tree.map(lambda _: k, v)
-                                                    for k, v in params.items()}))
-
-
-class Trainer:
-  """Owns the model split, the mesh and the jitted train and eval steps of one run."""
-
-  def __init__(self, cfg: RunConfig):
-    self.cfg = cfg
-    self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    self.process_index, self.process_count = jax.process_index(), jax.process_count()
-    d = cfg.data
-    div = sharding.batch_divisor(self.mesh)
-    if d.rows % div or d.rows % self.process_count:
-      raise ConfigError(
-          f"data.rows={d.rows} is not divisible by the data-parallel size {div} (mesh data x fsdp)"
-          f" and the process count {self.process_count}: make rows a multiple of both")
-    self.local_rows = d.rows // self.process_count
-
-    self.model, self.tokenizer = pretrained.build_run_model(cfg)
-    # "graft" holds the trained grafted params, "base" the rest (trained only with "all").
-    self.graphdef, graft, base = nnx.split(self.model, TRAINED[cfg.train.trainable], nnx.Param)
-    self.trains_base = cfg.train.trainable == "all"
-    rules = sharding.TRAIN_RULES
-    shard = lambda s: nnx.to_pure_dict(sharding.state_shardings(s, self.mesh, rules))
-    self.param_shardings = {"graft": shard(graft)}
-    params = {"graft": nnx.to_pure_dict(graft)}
-    if self.trains_base:
-      self.param_shardings["base"] = shard(base)
-      params["base"] = nnx.to_pure_dict(base)
-      self.frozen = {}
-      self.frozen_shardings = {}
-    else:
-      self.frozen_shardings = {"base": shard(base)}
-      self.frozen = jax.device_put({"base": nnx.to_pure_dict(base)}, self.frozen_shardings)
-    self.tx = make_optimizer(cfg)
-    self.schedules = schedules(cfg)
-    params = jax.device_put(params, self.param_shardings)
-    replicated = NamedSharding(self.mesh, P())
-    # Eager init: mu/nu = zeros_like(params) keep the params' shardings (a jitted init replicates
-    # them, or puts the whole state on one device); the scalar step counts are replicated.
-    opt_state = jax.tree.map(
-        lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
-        self.tx.init(params))
-    self.state_shardings = TrainState(
-        step=replicated, params=self.param_shardings,
-        opt_state=jax.tree.map(lambda x: x.sharding, opt_state))
-    self.state = TrainState(step=jax.device_put(jnp.int32(0), replicated), params=params,
-                            opt_state=opt_state)
-    self._step_fns: dict[tuple[str, ...], Any] = {}  # by the batch's fields
-    self._eval_fn = jax.jit(self._eval_step)
-
-  # ---------------------------------------------------------------- jitted
-
-  def _batch_sharding(self, key: str) -> NamedSharding:
-    n = BATCH_NDIMS[key]
-    return NamedSharding(self.mesh, P(None, sharding.BATCH_AXES, *([None] * (n - 2))))
-
-  def _step_fn(self, keys: tuple[str, ...]):
-    """The jitted train step for batches with these fields (teacher signals or not)."""
-    if keys not in self._step_fns:
-      replicated = NamedSharding(self.mesh, P())
-      self._step_fns[keys] = jax.jit(
-          self._train_step,
-          in_shardings=(self.state_shardings, self.frozen_shardings,
-                        {k: self._batch_sharding(k) for k in keys}),
-          out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
-    return self._step_fns[keys]
-
-  def _merge(self, params: dict, frozen: dict) -> Hamburger:
-    base = params.get("base", frozen.get("base"))
-    return nnx.merge(self.graphdef, params["graft"], base)
-
-  def _loss(self, params, frozen, batch):
-    model, t = self._merge(params, frozen), self.cfg.train
-    if t.recipe == "paper":
-      return hamburger_loss(model, batch, t.ce_chunk)
-    loss_fn = micro_distill_loss if t.trainable == "micro" else distill_loss
-    return loss_fn(model, batch, self.cfg.distill, t.ce_chunk)
-
-  def _sizes(self, batch: dict) -> jax.Array:
-    """Tokens each predicted group is trained on: its window (distill) or the group (paper)."""
-    return batch["window_size" if self.cfg.train.recipe == "distill" else "target_size"]
-
-  def _train_step(self, state: TrainState, frozen: dict, batch: dict) -> tuple[TrainState, dict]:
-    """One optimiser step over `accum` micro-batches ([accum, rows, ...]).
-
-    Each micro-batch's token-mean loss is weighted by its share of the step's response tokens, so
-    the accumulated gradient is that of the token mean over the whole step.
-    """
-    k = batch["target_ids"].shape[-1]
-    tokens = jnp.sum(jnp.minimum(self._sizes(batch), k), axis=(1, 2)).astype(jnp.float32)
-    weights = tokens / jnp.maximum(tokens.sum(), 1.0)
-    grad_fn = jax.value_and_grad(self._loss, has_aux=True)
-
-    skip = ("tokens", "groups")  # counts, summed over the step below instead
-    # The acceptance counts (n_tf_*) are summed as they are; their ratios are taken after.
-    weight = lambda m, v, w: v if m.startswith("n_tf_") else v * w
-
-    def micro(acc, xs):
-      mb, w = xs
-      (_, metrics), grads = grad_fn(state.params, frozen, mb)
-      # In the gradient's dtype: a float32 weight would promote bfloat16 params' gradients.
-      scaled = (jax.tree.map(lambda g: g * w.astype(g.dtype), grads),
-                {m: weight(m, v, w) for m, v in metrics.items() if m not in skip})
-      return jax.tree.map(jnp.add, acc, scaled), None
-
-    names = jax.eval_shape(lambda: self._loss(state.params, frozen,
-                                              jax.tree.map(lambda x: x[0], batch))[1])
-    init = (jax.tree.map(jnp.zeros_like, state.params),
-            {m: jnp.zeros((), jnp.float32) for m in names if m not in skip})
-    (grads, metrics), _ = jax.lax.scan(micro, init, (batch, weights))
-    if any(m.startswith("n_tf_") for m in metrics):
-      metrics.update(acceptance_metrics(metrics))
-    metrics["tokens"] = tokens.sum()
-    metrics["groups"] = jnp.sum(batch["target_size"] > 0).astype(jnp.float32)
-    metrics["grad_norm"] = optax.tree.norm(grads)
-    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    for name, sched in self.schedules.items():
-      metrics[f"lr_{name}"] = sched(state.step)
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
-
-  def _eval_step(self, params, frozen, batch):
-    # The recipe's own loss metrics; on teacher data also HAMburger's agreement with the base's
-    # greedy tokens and the teacher-forced acceptance (one yardstick for every recipe and stage).
-    return teacher_forced.batch_totals(
-        self._merge(params, frozen), batch, recipe=self.cfg.train.recipe,
-        loss_fn=lambda _, b: self._loss(params, frozen, b), distill=self.cfg.distill,
-        ce_chunk=self.cfg.train.ce_chunk)
-
-  # ---------------------------------------------------------------- host side
-
-  def global_batch(self, local_batches: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
-    """Stacks `accum` local micro-batches and assembles the global arrays across processes."""
-    out = {}
-    for key in sorted(local_batches[0]):
-      shard = self._batch_sharding(key)
-      local = np.stack([b[key] for b in local_batches])
-      global_shape = (local.shape[0], local.shape[1] * self.process_count, *local.shape[2:])
-      out[key] = jax.make_array_from_process_local_data(shard, local, global_shape)
-    return out
-
-  def step(self, local_batches: list[dict[str, np.ndarray]]) -> dict[str, float]:
-    batch = self.global_batch(local_batches)
-    self.state, metrics = self._step_fn(tuple(batch))(self.state, self.frozen, batch)
-    return {k: float(v) for k, v in jax.device_get(metrics).items()}
-
-  def evaluate(self, batches: Iterator[dict[str, np.ndarray]],
-               max_batches: int) -> dict[str, float]:
-    """Validation metrics over up to `max_batches` batches, pooled by the rule of
-    hamburger_jax.evaluation.teacher_forced (each metric over its own items), as val_*."""
-    pool = teacher_forced.Pool()
-    for i, b in enumerate(batches):
-      if i >= max_batches:
-        break
-      batch = {k: v[0] for k, v in self.global_batch([b]).items()}
-      pool.add(self._eval_fn(self.state.params, self.frozen, batch))
-    # metrics.jsonl and TensorBoard take numbers: a metric with no items is logged as 0, and its
-    # count (val_n_tf_* for the acceptance shares) tells it apart, as train.curves reads it.
-    return {f"val_{k}": 0.0 if v is None else v for k, v in pool.result().items()}
-
-  def current_model(self) -> Hamburger:
-    """The model with the current params (host-gathered when the run spans processes)."""
-    params, frozen = self.state.params, self.frozen
-    if self.process_count > 1:
-      params, frozen = multihost_utils.process_allgather((params, frozen), tiled=True)
-    return self._merge(params, frozen)
-
-
-# -------------------------------------------------------------------- the run
 
 
 def checkpoint_manager(directory: str, cfg: RunConfig) -> ocp.CheckpointManager:

@@ -1,0 +1,114 @@
+"""Compiled for a TPU without a TPU (hamburger_jax/aot.py): the tiny config's programs compile for
+a v5e slice through libtpu on this CPU, the collectives in the compiled HLO are the ones the
+mesh implies, a config that cannot fit fails with one line, and an abstract build allocates
+nothing. Skipped where libtpu is not installed (an accelerator host's image)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("libtpu")
+
+from hamburger_jax import aot  # pylint: disable=wrong-import-position
+from hamburger_jax.run_config import load_run_config  # pylint: disable=wrong-import-position
+from hamburger_jax.training import aot as train_aot  # pylint: disable=wrong-import-position
+from hamburger_jax.training import Trainer  # pylint: disable=wrong-import-position
+from train import aot as train_aot_cli  # pylint: disable=wrong-import-position
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
+MESH = {"data": ["mesh.data=-1", "mesh.fsdp=1"], "fsdp": ["mesh.data=1", "mesh.fsdp=4"]}
+
+
+@pytest.fixture(scope="module", params=sorted(MESH))
+def tiny_check(request):
+  return request.param, train_aot.check_train(TINY, "v5e:2x2", overrides=MESH[request.param],
+                                              teacher_pass=request.param == "data")
+
+
+def test_tiny_train_and_eval_steps_compile_for_v5e(tiny_check):
+  mesh, check = tiny_check
+  assert check.devices == 4 and check.device_kind == "TPU v5 lite"
+  assert check.hbm == 16 * aot.GIB
+  (stage,) = check.stages
+  assert stage.mesh == ({"data": 4, "fsdp": 1, "tensor": 1} if mesh == "data" else
+                        {"data": 1, "fsdp": 4, "tensor": 1})
+  for report in (stage.step, stage.eval):
+    assert report.flops > 0 and report.fusions > 0 and report.total > report.temp
+  assert not check.errors()
+  lines = train_aot.report_lines(check)
+  assert any("train step" in line and "|" in line for line in lines)
+
+
+def test_collectives_are_the_ones_the_mesh_implies(tiny_check):
+  """A pure data mesh replicates the weights: the step only all-reduces (gradients, metrics).
+  FSDP splits them: the step all-gathers them before use."""
+  mesh, check = tiny_check
+  ops = check.stages[0].step.collectives
+  if mesh == "data":
+    assert set(ops) == {"all-reduce"}, ops
+    # The gradients of every trained param cross the mesh once: at least their bytes.
+    assert ops["all-reduce"][1] >= check.stages[0].params
+  else:
+    assert ops.get("all-gather", (0, 0))[0] > 0, ops
+
+
+def test_teacher_pass_compiles_on_one_host(tiny_check):
+  mesh, check = tiny_check
+  if mesh != "data":
+    assert check.teacher is None
+    return
+  assert check.teacher is not None and check.teacher.flops > 0
+  assert "collective" not in str(check.teacher.collectives)  # replicated base, rows split
+
+
+def test_a_config_that_cannot_fit_fails_with_one_line(capsys):
+  code = train_aot_cli.main(["--config", TINY, "--topology", "v5e:2x2", "--hbm-gib", "0.001",
+                             "--no-teacher-pass"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 1
+  lines = [line for line in err if line.startswith("error:")]
+  assert len(lines) == 2  # the train step and the evaluation step
+  assert "train step does not fit" in lines[0] and "GiB over" in lines[0]
+  assert "data.rows" in lines[0] or "mesh.fsdp" in lines[0]
+
+
+def test_bad_topologies_are_one_line_errors():
+  for bad, says in (("v9x:2x2", "generation"), ("v5e:4", "AxB"), ("v5e:1x1", "2x2")):
+    with pytest.raises(aot.AotError, match=says):
+      aot.tpu_devices(bad)
+
+
+def test_the_abstract_1b_build_allocates_nothing():
+  """The 1B config's whole training state as shapes: every leaf is a ShapeDtypeStruct with its
+  sharding, so compiling it for a pod fits on this machine."""
+  devices = aot.tpu_devices("v5p:2x2x4")
+  cfg = load_run_config(str(REPO / "configs" / "llama3_2_1b_tpu_v5p.yaml"))
+  from hamburger_jax import sharding  # pylint: disable=import-outside-toplevel
+  mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
+  trainer = Trainer(cfg, mesh=mesh, abstract=True)
+  leaves = jax.tree.leaves((trainer.state, trainer.frozen, trainer.abstract_batch()))
+  assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+  params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.state.params))
+  assert params > 1.2e9  # base + graft, trained together
+  # FSDP over 16 chips: each holds a sixteenth of the fp32 params (and of each moment).
+  assert aot.sharded_bytes(trainer.state.params) < 4 * params / 16 * 1.01
+  with pytest.raises(RuntimeError, match="abstract"):
+    trainer.step([])
+
+
+def test_hlo_collective_parsing():
+  text = "\n".join([
+      "  %ag = f32[16,64]{1,0} all-gather(f32[4,64]{1,0} %p), dimensions={0}",
+      "  %ars = (f32[8]{0}, f32[8]{0}) all-reduce-start(f32[8]{0} %x), to_apply=%add",
+      "  %ard = f32[8]{0} all-reduce-done((f32[8]{0}, f32[8]{0}) %ars)",
+      "  ROOT %rs = bf16[2,8]{1,0} reduce-scatter(bf16[8,8]{1,0} %y), dimensions={0}",
+      "  %f = f32[8]{0} fusion(f32[8]{0} %x), kind=kLoop, calls=%fused",
+  ])
+  assert aot.collectives(text) == {"all-gather": (1, 16 * 64 * 4), "all-reduce": (1, 32),
+                                   "reduce-scatter": (1, 32)}
+  assert aot.count_fusions(text) == 1
