@@ -11,12 +11,14 @@ JAX_PLATFORMS=cpu (`use_cpu_backend`): the default backend stays the CPU, libtpu
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import glob
 import importlib.util
 import os
 import re
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -49,10 +51,17 @@ def use_cpu_backend() -> None:
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+  # Compiling holds no chip: several processes (test workers, a bench beside a check) may.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def libtpu_installed() -> bool:
   return importlib.util.find_spec("libtpu") is not None
+
+
+def tpu_attached() -> bool:
+  """Whether this host has TPU chips (their device files), as opposed to libtpu alone."""
+  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def tpu_devices(topology: str, num_slices: int = 1) -> list:
@@ -115,11 +124,29 @@ class ProgramReport:
     return self.argument + self.output - self.alias + self.temp + self.code
 
 
+@contextlib.contextmanager
+def no_persistent_cache() -> Iterator[None]:
+  """Compiles in the block skip JAX's persistent compilation cache: a program compiled for
+  devices that are not attached cannot be loaded back from it (JAX warns and compiles anyway)."""
+  was = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", was)
+
+
+def compile_for_tpu(lowered) -> Any:
+  """`lowered.compile()` for TPU devices (no persistent cache)."""
+  with no_persistent_cache():
+    return lowered.compile()
+
+
 def compile_report(name: str, lower: Callable[[], Any]) -> tuple[ProgramReport, Any]:
   """Lowers (`lower()` -> a jax Lowered) and compiles one program; its report and the
   compiled program."""
   t = time.perf_counter()
-  compiled = lower().compile()
+  compiled = compile_for_tpu(lower())
   return report_of(name, compiled, time.perf_counter() - t), compiled
 
 
@@ -134,9 +161,10 @@ def compile_all(lowered: dict[str, Any], progress: Callable[[str], None] = lambd
     compiled = lowered[name].compile()
     return report_of(name, compiled, time.perf_counter() - t)
 
-  workers = workers or max(1, min(len(lowered), os.cpu_count() or 1))
-  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    return dict(zip(lowered, pool.map(one, lowered)))
+  with no_persistent_cache():
+    workers = workers or max(1, min(len(lowered), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+      return dict(zip(lowered, pool.map(one, lowered)))
 
 
 def report_of(name: str, compiled, compile_s: float) -> ProgramReport:

@@ -21,6 +21,8 @@ DEFAULT_PREFIX_CACHE_TOKENS = 2048
 
 # How a scanned decoder stack may rematerialise (model/llama.py: DecoderStack.remat).
 REMAT = ("none", "layers")
+# float32 matmul precisions (hamburger_jax/precision.py states the policy).
+PRECISIONS = ("default", "highest")
 
 
 class ConfigError(ValueError):
@@ -53,6 +55,10 @@ class LlamaConfig:
   max_position_embeddings: int = 8192
   param_dtype: str = "float32"
   dtype: str = "float32"  # compute dtype of activations and matmuls
+  # The layout of the weights, not the architecture: q|k|v and gate|up each one kernel
+  # (hamburger_jax/model/decode_layout.py makes it from the separate projections that
+  # checkpoints, converters and training use).
+  fused_projections: bool = False
 
   def __post_init__(self):
     if self.head_dim == 0:

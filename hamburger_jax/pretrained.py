@@ -25,8 +25,8 @@ from safetensors.numpy import load_file, save_file
 
 from hamburger_jax import assets
 from hamburger_jax import micro_vocab as micro_vocab_lib
-from hamburger_jax.config import (ConfigError, GraftConfig, HamburgerConfig, LlamaConfig,
-                                  from_dict, to_dict)
+from hamburger_jax.config import (KNOWN_ARCHITECTURES, ConfigError, GraftConfig,
+                                  HamburgerConfig, LlamaConfig, from_dict, to_dict)
 from hamburger_jax.convert import gguf, hf, mapping
 from hamburger_jax.convert.mapping import Rule, WeightsError
 from hamburger_jax.model.hamburger import Hamburger, copy_top_layers_into_micro
@@ -111,6 +111,9 @@ def save_graft(model: Hamburger, path: str, base_source: str, *, dtype: str = "b
   `max_shard_mb`: write each table in files of at most this many MiB (e.g. 16 where files move
   through transfers capped per file); None: one file per table."""
   check_shard_limit(max_shard_mb)  # before any export work
+  if model.cfg.base.fused_projections:
+    raise WeightsError("this model is in the decoding layout (fused projections, folded "
+                       "adapters: model/decode_layout.py); export the model it was made from")
   np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
               "float16": np.float16}[dtype]
   tables = {GRAFT: graft_table(model)}
@@ -119,8 +122,11 @@ def save_graft(model: Hamburger, path: str, base_source: str, *, dtype: str = "b
   tensors = {name: {k: np.ascontiguousarray(v.astype(np_dtype))
                     for k, v in mapping.export(model, table).items()}
              for name, table in tables.items()}
+  # The base's architecture; the layout key (always the separate projections here) is left out,
+  # so exports read as they always have.
+  base_config = {k: v for k, v in to_dict(model.cfg.base).items() if k != "fused_projections"}
   meta = {"format": "hamburger-jax/graft-v1", "base_source": base_source,
-          "base_config": to_dict(model.cfg.base), "graft": to_dict(model.cfg.graft),
+          "base_config": base_config, "graft": to_dict(model.cfg.graft),
           "dtype": dtype, "include_base": include_base, **(extra or {})}
   _write_checkpoint(path, meta, tensors, max_shard_mb)
 
@@ -289,7 +295,7 @@ def read_meta(path: str) -> dict[str, Any]:
 
 
 def _same_architecture(a: LlamaConfig, b: LlamaConfig) -> bool:
-  ignore = {"param_dtype", "dtype", "max_position_embeddings"}
+  ignore = {"param_dtype", "dtype", "max_position_embeddings", "fused_projections"}
   return all(getattr(a, f.name) == getattr(b, f.name)
              for f in dataclasses.fields(LlamaConfig) if f.name not in ignore)
 
@@ -525,12 +531,41 @@ def build_run_model(cfg) -> tuple[Hamburger, Tokenizer | None]:
   return model, tok
 
 
+def architecture(model_cfg) -> LlamaConfig:
+  """The base architecture of a run config's `model:` section (a RunConfig.model), with the
+  run's dtypes, read without any weights: the random config itself, a GGUF file's metadata
+  ("smollm2" or a .gguf path), an HF directory's config.json, or, for a directory that does not
+  exist here, the published architecture its name gives (config.KNOWN_ARCHITECTURES)."""
+  dtypes = {"dtype": model_cfg.dtype, "param_dtype": model_cfg.param_dtype}
+  source = model_cfg.base
+  if source == "random":
+    return dataclasses.replace(model_cfg.random, **dtypes)
+  try:
+    kind, path = resolve_base(source)
+  except FileNotFoundError:
+    name = os.path.basename(os.path.normpath(source))
+    if name in KNOWN_ARCHITECTURES:
+      return dataclasses.replace(KNOWN_ARCHITECTURES[name], **dtypes)
+    raise ConfigError(
+        f"model.base {source!r} does not exist here and its name is none of the known "
+        f"architectures ({', '.join(sorted(KNOWN_ARCHITECTURES))}): point it at the model's "
+        "GGUF file or HF directory (config.json is enough for --random-weights)") from None
+  base = gguf.GGUFFile(path).config() if kind == "gguf" else hf.read_config(path)
+  return dataclasses.replace(base, **dtypes)
+
+
+def random_run_config(cfg):
+  """`cfg` (a RunConfig) with its base replaced by random weights of the same architecture:
+  what the benches' --random-weights build (no weight files needed)."""
+  model = dataclasses.replace(cfg.model, base="random", random=architecture(cfg.model))
+  return dataclasses.replace(cfg, model=model)
+
+
 def abstract_run_model(cfg) -> Hamburger:
   """A run config's model (a RunConfig) as shapes only (nnx.eval_shape: nothing is loaded,
-  initialised or allocated): its base architecture read from metadata (roofline.architecture),
+  initialised or allocated): its base architecture read from metadata (`architecture`),
   the run's graft and dtypes. What compiling the run's programs ahead of time needs."""
-  from hamburger_jax import roofline  # pylint: disable=import-outside-toplevel  # imports us
-  hcfg = HamburgerConfig(roofline.architecture(cfg.model), cfg.graft)
+  hcfg = HamburgerConfig(architecture(cfg.model), cfg.graft)
   return nnx.eval_shape(lambda: Hamburger(hcfg, rngs=nnx.Rngs(cfg.train.seed)))
 
 

@@ -41,43 +41,9 @@ import numpy as np
 from flax import nnx
 from jax.extend import core
 
-from hamburger_jax import losses, pretrained
-from hamburger_jax.config import KNOWN_ARCHITECTURES, ConfigError, HamburgerConfig, LlamaConfig
-from hamburger_jax.convert import gguf, hf
+from hamburger_jax import losses
+from hamburger_jax.config import HamburgerConfig, LlamaConfig
 from hamburger_jax.model.kv_cache import KVCache
-
-# ----------------------------------------------------------------------------- architecture
-
-
-def architecture(model_cfg) -> LlamaConfig:
-  """The base architecture of a run config's `model:` section (a RunConfig.model), with the
-  run's dtypes, read without any weights: the random config itself, a GGUF file's metadata
-  ("smollm2" or a .gguf path), an HF directory's config.json, or, for a directory that does not
-  exist here, the published architecture its name gives (config.KNOWN_ARCHITECTURES)."""
-  dtypes = {"dtype": model_cfg.dtype, "param_dtype": model_cfg.param_dtype}
-  source = model_cfg.base
-  if source == "random":
-    return dataclasses.replace(model_cfg.random, **dtypes)
-  try:
-    kind, path = pretrained.resolve_base(source)
-  except FileNotFoundError:
-    name = os.path.basename(os.path.normpath(source))
-    if name in KNOWN_ARCHITECTURES:
-      return dataclasses.replace(KNOWN_ARCHITECTURES[name], **dtypes)
-    raise ConfigError(
-        f"model.base {source!r} does not exist here and its name is none of the known "
-        f"architectures ({', '.join(sorted(KNOWN_ARCHITECTURES))}): point it at the model's "
-        "GGUF file or HF directory (config.json is enough for --random-weights)") from None
-  base = gguf.GGUFFile(path).config() if kind == "gguf" else hf.read_config(path)
-  return dataclasses.replace(base, **dtypes)
-
-
-def random_run_config(cfg):
-  """`cfg` (a RunConfig) with its base replaced by random weights of the same architecture:
-  what the benches' --random-weights build (no weight files needed)."""
-  model = dataclasses.replace(cfg.model, base="random", random=architecture(cfg.model))
-  return dataclasses.replace(cfg, model=model)
-
 
 # ----------------------------------------------------------------------------- FLOPs
 
@@ -207,22 +173,22 @@ def base_forward_flops(cfg: LlamaConfig, batch: int, tokens: int) -> int:
 def decode_step_flops(hcfg: HamburgerConfig, mode: str, batch: int, kv_len: int) -> int:
   """One macro step at decode, as `decode_step_program` (and the engine) run it: the LM head on
   each row's predicting features; in HAMburger mode the stop head there, all K - 1 micro steps
-  (forced groups: each with its LM head and stop head; step 1 reads the F features and e(t0) in
-  one pass), the group smashed into one input; then the base forward of that one entry over
-  `kv_len` cache slots (with the merged-entry adapters in HAMburger mode)."""
+  (forced groups: each with its LM head and, but for the last, its stop head; step 1 reads the
+  F features and e(t0) in one pass), the group smashed into one input; then the base forward of
+  that one entry over the `kv_len` cache slots and itself (the merged-entry adapters folded
+  into the kernels: no extra FLOPs). Attention is dense over every slot, masked ones too."""
   b, g = hcfg.base, hcfg.graft
   d = b.hidden_size
-  rank = g.base_lora_rank if mode == "hamburger" else 0
-  base = b.num_layers * layer_flops(b, batch, kv_len, lora_rank=rank).forward
+  base = b.num_layers * layer_flops(b, batch, kv_len + 1).forward
   if mode == "base":
     return head_flops(b, batch) + base
   k, f = g.max_group, g.num_features
   micro = 0
   if k > 1:
-    slots = f + k - 1
-    micro = g.micro_layers * (layer_flops(b, batch * (f + 1), slots).forward
-                              + (k - 2) * layer_flops(b, batch, slots).forward)
-    micro += k * stop_head_flops(d, batch).forward
+    slots = f + k - 1  # the micro cache; each step's new inputs attend to it and to themselves
+    micro = g.micro_layers * (layer_flops(b, batch * (f + 1), slots + f + 1).forward
+                              + (k - 2) * layer_flops(b, batch, slots + 1).forward)
+    micro += (k - 1) * stop_head_flops(d, batch).forward
   return (k * head_flops(b, batch) + micro + embedder_flops(d, k, batch).forward + base)
 
 
@@ -318,7 +284,9 @@ def decode_step_bytes(hcfg: HamburgerConfig, mode: str, batch: int, kv_len: int)
   """Bytes one macro step (as `decode_step_flops` counts it) must read from memory: every
   weight it multiplies by, once per pass that uses it (the LM head and the micro decoder once
   per micro step: a step cannot start before the previous token is chosen), and the KV cache in
-  use. Gathers of a few embedding rows and the activations are left out (kilobytes)."""
+  use. The merged step reads the base's kernels with the adapters folded in: the same bytes as
+  the plain ones. Gathers of a few embedding rows and the activations are left out
+  (kilobytes)."""
   b, g = hcfg.base, hcfg.graft
   p = np.dtype(_np_dtype(b.param_dtype)).itemsize
   vd = b.vocab_size * b.hidden_size
@@ -328,10 +296,10 @@ def decode_step_bytes(hcfg: HamburgerConfig, mode: str, batch: int, kv_len: int)
     return (body + vd) * p + kv
   k, f = g.max_group, g.num_features
   graft = graft_params(hcfg)
-  weights = body + graft["adapters"] + graft["embedder"] + k * vd
+  weights = body + graft["embedder"] + k * vd
   micro_kv = 0
   if k > 1:
-    weights += (k - 1) * graft["micro"] + k * graft["stop_head"]
+    weights += (k - 1) * graft["micro"] + (k - 1) * graft["stop_head"]
     micro_kv = (k - 1) * kv_bytes(b, g.micro_layers, batch, f + k - 1)
   return weights * p + kv + micro_kv
 
@@ -543,54 +511,53 @@ def _subjaxprs(params: dict) -> list:
 # ----------------------------------------------------------------------------- programs
 
 
-def decode_step_program(model, mode: str, batch: int, kv_len: int):
-  """One macro step at decode as the engine's loop body runs it (greedy), standalone, so that its
-  time, its XLA cost and `decode_step_flops` describe the same program. Returns (step, args):
-  `step(*args)` -> (group [B, K], stop logits, next features, cache), with the cache donated
-  (written in place, as in the engine).
+# The step program's token buffer: it emits into a fixed buffer that each call writes past the
+# end of (dropped writes), so repeated calls are the same step.
+STEP_TOKENS = 16
 
-  HAMburger mode forces every group to K tokens (the micro steps all run: what confidence 0
-  decodes). The base cache is dense, `kv_len` slots, all of them read: the step writes the last
-  one."""
+
+def decode_step_program(model, mode: str, batch: int, kv_len: int, dtype: str | None = None):
+  """One macro step at decode as the engine runs it (decode/step.py: macro_step, greedy, in the
+  decoding layout: model/decode_layout.py, fused projections), standalone, so that its time,
+  its XLA cost and `decode_step_flops` describe the same program. Returns (step, args):
+  `step(*args)` -> the decode state after the step, the state (and its cache) donated.
+
+  HAMburger mode forces every group to K tokens and every entry to be merged (the micro steps
+  all run, the folded adapters act: what confidence 0 decodes; StepVariant.forced). The base
+  cache is dense, `kv_len` slots, all of them read: the step writes the last one. `model` may
+  be abstract (nnx.eval_shape): the step can then be lowered and compiled, not run. `dtype`:
+  the decoding layout's (None: the model's)."""
+  from hamburger_jax.decode import step as decode_step  # pylint: disable=C0415  # imports us
+  from hamburger_jax.model.decode_layout import decode_layout  # pylint: disable=C0415
   if mode not in ("base", "hamburger"):
     raise ValueError(f"mode={mode!r}: use base or hamburger")
-  cfg = model.cfg.base
-  graphdef, params = nnx.split(model)
-  k = model.max_group if mode == "hamburger" else 1
-  f = model.num_features if mode == "hamburger" else 1
+  abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model)))
+  layout = lambda m: decode_layout(m, dtype=dtype)
+  runner = nnx.eval_shape(layout, model) if abstract else layout(model)
+  cfg = runner.cfg.base
+  graphdef, params = nnx.split(runner)
+  k = runner.max_group if mode == "hamburger" else 1
+  f = runner.num_features if mode == "hamburger" else 1
   dtype = jnp.dtype(cfg.dtype)
+  variant = decode_step.StepVariant(forced=mode == "hamburger")
 
-  def step(params, cache, feats):
-    m = nnx.merge(graphdef, params)
-    base = m.base
-    h0 = feats[:, -1]
-    tokens = [jnp.argmax(base.logits(h0), axis=-1).astype(jnp.int32)]
-    if mode == "base":
-      out = base.forward(base.embed(tokens[0])[:, None], cache.length[:, None],
-                         cache.mask(cache.length[:, None]), cache, cache.length[:, None])
-      new_feats, cache, stops = out.hidden, out.cache, jnp.zeros((feats.shape[0], 0))
-    else:
-      stops = []  # as in the engine, no stop head when K = 1: nothing could follow token 0
-      if k > 1:
-        stops.append(m.stop_logits(h0))
-        x = jnp.concatenate([feats, base.embed(tokens[0][:, None])], axis=1)
-        micro_cache = m.micro_cache(feats.shape[0])
-        for i in range(1, k):
-          h, micro_cache = m.micro_step(i, x, micro_cache)
-          tokens.append(jnp.argmax(base.logits(h), axis=-1).astype(jnp.int32))
-          stops.append(m.stop_logits(h))
-          x = base.embed(tokens[-1][:, None])
-      group = jnp.stack(tokens, axis=1)
-      x = m.smash(group, jnp.full((group.shape[0],), k, jnp.int32))
-      pos = cache.length[:, None]
-      merged = jnp.full(pos.shape, k >= 2)
-      new_feats, cache = m.base_features(x[:, None], pos, cache.mask(pos), cache, pos, merged)
-      stops = jnp.stack(stops, axis=1) if stops else jnp.zeros((feats.shape[0], 0))
-    cache = cache.replace(length=cache.length + 1)
-    return jnp.stack(tokens, axis=1), stops, new_feats[:, 0], cache
+  def step(params, state):
+    return decode_step.macro_step(nnx.merge(graphdef, params), mode, state,
+                                  stop_ids=jnp.zeros((0,), jnp.int32), stochastic=False,
+                                  variant=variant)
 
-  cache = KVCache.init(cfg.num_layers, batch, kv_len, cfg.num_kv_heads, cfg.head_dim, dtype)
-  cache = cache.replace(length=jnp.full((batch,), kv_len - 1, jnp.int32))
-  feats = jax.random.normal(jax.random.key(0), (batch, f, cfg.hidden_size), jnp.float32)
-  return jax.jit(step, donate_argnums=(1,)), (params, cache, feats.astype(dtype))
+  def init():
+    cache = KVCache.init(cfg.num_layers, batch, kv_len, cfg.num_kv_heads, cfg.head_dim, dtype)
+    zeros = lambda *shape, dt=jnp.int32: jnp.zeros(shape, dt)
+    return decode_step.DecodeState(
+        cache=cache.replace(length=jnp.full((batch,), kv_len - 1, jnp.int32)),
+        features=jax.random.normal(jax.random.key(0), (batch, f, cfg.hidden_size)).astype(dtype),
+        prompt_len=jnp.full((batch,), kv_len, jnp.int32), tokens=zeros(batch, STEP_TOKENS + k),
+        n_tokens=zeros(batch), groups=zeros(batch, STEP_TOKENS), n_steps=zeros(batch),
+        done=zeros(batch, dt=bool), max_new=jnp.full((batch,), 2**30, jnp.int32),
+        confidence=zeros(batch, dt=jnp.float32), max_group=jnp.full((batch,), k, jnp.int32),
+        temperature=zeros(batch, dt=jnp.float32), top_k=zeros(batch),
+        top_p=jnp.ones((batch,), jnp.float32), key=jax.random.split(jax.random.key(0), batch))
 
+  state = jax.eval_shape(init) if abstract else init()
+  return jax.jit(step, donate_argnums=(1,)), (params, state)

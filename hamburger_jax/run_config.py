@@ -6,8 +6,9 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from hamburger_jax.config import (DEFAULT_CONFIDENCE, REMAT, ConfigError, GraftConfig, LlamaConfig,
-                                  apply_overrides, from_dict, load_yaml, to_dict)
+from hamburger_jax.config import (DEFAULT_CONFIDENCE, PRECISIONS, REMAT, ConfigError,
+                                  GraftConfig, LlamaConfig, apply_overrides, from_dict, load_yaml,
+                                  to_dict)
 
 
 def _at_least(section: str, obj: Any, minimum: float, *names: str, hint: str = "") -> None:
@@ -86,6 +87,9 @@ class TrainConfig:
   # compute; needs scan_layers).
   scan_layers: bool = False
   remat: str = "none"
+  # float32 matmuls: "default" (the backend's: bf16 passes on a TPU, TF32 on a GPU) or
+  # "highest" (full float32 everywhere; hamburger_jax/precision.py)
+  precision: str = "default"
 
   def __post_init__(self):
     if self.trainable not in TRAINABLE:
@@ -108,6 +112,8 @@ class TrainConfig:
         raise ConfigError(f"train.{name}={getattr(self, name)} must be in [0, 1)")
     if not self.eps > 0:
       raise ConfigError(f"train.eps={self.eps} must be > 0")
+    if self.precision not in PRECISIONS:
+      raise ConfigError(f"train.precision={self.precision!r}: use one of {', '.join(PRECISIONS)}")
     if self.remat not in REMAT:
       raise ConfigError(f"train.remat={self.remat!r}: use one of {', '.join(REMAT)}")
     if self.remat != "none" and not self.scan_layers:

@@ -15,42 +15,14 @@ Prints a markdown table (the one in docs/results/fidelity.md); --json writes the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 
 from infer import cli
 
-VARIANTS = ("graft", "no_adapters", "last_token")
+VARIANTS = ("graft", "no_adapters", "last_token")  # model/hamburger.py: MERGED_ENTRIES
 METRICS = ("merged", "unmerged", "s2", "s3", "s4")
-
-
-@contextlib.contextmanager
-def merged_entry(kind: str):
-  """Within the block, every HAMburger forward (traced in it) makes merged entries as `kind`."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.model.compositional_embedder import CompositionalEmbedder  # pylint: disable=C0415
-  from hamburger_jax.model.lora import LoRA  # pylint: disable=import-outside-toplevel
-
-  def last_token(self, e_nkd, size_n):
-    idx = jnp.clip(size_n - 1, 0, e_nkd.shape[-2] - 1)
-    return jnp.take_along_axis(e_nkd, idx[..., None, None], axis=-2)[..., 0, :].astype(self.dtype)
-
-  def no_delta(self, x):
-    return jnp.zeros((*x.shape[:-1], self.b.shape[1]), self.dtype)
-
-  if kind not in VARIANTS:
-    raise ValueError(f"merged entry {kind!r}: use one of {', '.join(VARIANTS)}")
-  saved = CompositionalEmbedder.__call__, LoRA.__call__
-  try:
-    if kind == "last_token":
-      CompositionalEmbedder.__call__ = last_token
-    if kind != "graft":
-      LoRA.__call__ = no_delta
-    yield
-  finally:
-    CompositionalEmbedder.__call__, LoRA.__call__ = saved
 
 
 def run(model, data_dir: str, split: str, limit: int | None, batch: int,
@@ -58,10 +30,10 @@ def run(model, data_dir: str, split: str, limit: int | None, batch: int,
   """{variant: {"nll", "merged", "unmerged", "s2".., }} from infer.eval's nll task
   (teacher_forced.nll_task)."""
   from hamburger_jax.evaluation.teacher_forced import nll_task  # pylint: disable=C0415
+  from hamburger_jax.model.hamburger import with_merged_entry  # pylint: disable=C0415
   out = {}
   for kind in variants:
-    with merged_entry(kind):
-      r = nll_task(model, data_dir, split, limit, batch)
+    r = nll_task(with_merged_entry(model, kind), data_dir, split, limit, batch)
     agreement = r.get("teacher_agreement")
     if not agreement or "skipped" in agreement:
       raise ValueError(f"{data_dir} has no usable teacher signals "

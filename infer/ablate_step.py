@@ -3,11 +3,11 @@
   python -m infer.ablate_step --batch 1 --rounds 6
 
 Decodes the bench prompts (infer.bench.PROMPTS, EOS ignored) in base mode and in HAMburger mode
-with parts of the HAMburger step taken out, each variant its own engine compiled with the part
-out, then `--rounds` rounds that run every variant once in turn (the machine's drift hits them
-alike). Variants:
+with parts of the HAMburger step taken out (decode/step.py: StepVariant), each variant its own
+engine, then `--rounds` rounds that run every variant once in turn (the machine's drift hits
+them alike). Variants:
 - hamburger: the engine as it is;
-- no_adapters: the merged-entry adapters never computed (merged = None: the plain base weights);
+- no_adapters: the merged-entry adapters never act (the plain base weights everywhere);
 - token0_only: the proposal cut to token 0 (no stop head, no micro-step switch);
 - no_micro_steps: the stop head runs (its decision is computed), the micro-step switch does not;
 - all_out: both, and the compositional embedder replaced by token 0's embedding.
@@ -19,7 +19,6 @@ token (median over rounds) and the overhead against base mode.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 
 from infer import cli
@@ -27,47 +26,13 @@ from infer import cli
 VARIANTS = ("hamburger", "no_adapters", "token0_only", "no_micro_steps", "all_out")
 
 
-@contextlib.contextmanager
-def without(parts: tuple[str, ...]):
-  """Within the block, engine programs traced for HAMburger mode leave `parts` out."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.model.hamburger import Hamburger, continues  # pylint: disable=C0415
-
-  features, propose, smash = Engine._features, Engine._propose, Hamburger.smash
-
-  def no_adapters(self, model, mode, x, pos, cache, slots, merged=None):
-    return features(self, model, mode, x, pos, cache, slots, None)
-
-  def token0_only(self, model, mode, state, stochastic):
-    group, count = propose(self, model, "base", state, stochastic)
-    if mode == "hamburger":  # the engine's group width
-      group = jnp.pad(group, ((0, 0), (0, model.max_group - 1)))
-    return group, count
-
-  def no_micro_steps(self, model, mode, state, stochastic):
-    group, count = token0_only(self, model, mode, state, stochastic)
-    if mode == "hamburger":  # the stop head's decision, computed and kept (never acted on)
-      go_on = continues(model.stop_logits(state.features[:, -1]), state.confidence)
-      count = count + (go_on & (count > 9)).astype(count.dtype)
-    return group, count
-
-  try:
-    if "adapters" in parts:
-      Engine._features = no_adapters
-    if "proposal" in parts:
-      Engine._propose = token0_only
-    if "micro_steps" in parts:
-      Engine._propose = no_micro_steps
-    if "embedder" in parts:
-      Hamburger.smash = lambda self, ids, size: self.base.embed(ids[..., 0])
-    yield
-  finally:
-    Engine._features, Engine._propose, Hamburger.smash = features, propose, smash
-
-
-PARTS = {"hamburger": (), "no_adapters": ("adapters",), "token0_only": ("proposal",),
-         "no_micro_steps": ("micro_steps",), "all_out": ("adapters", "proposal", "embedder")}
+def step_variant(name: str):
+  """The decode step of variant `name` (decode/step.py: StepVariant)."""
+  from hamburger_jax.decode.step import StepVariant  # pylint: disable=import-outside-toplevel
+  return {"hamburger": StepVariant(), "no_adapters": StepVariant(adapters=False),
+          "token0_only": StepVariant(proposal="token0"),
+          "no_micro_steps": StepVariant(proposal="stop_only"),
+          "all_out": StepVariant(adapters=False, proposal="token0", embedder="token0")}[name]
 
 
 def main(argv=None) -> int:
@@ -93,13 +58,12 @@ def main(argv=None) -> int:
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
   model, tok = cli.load_model("both", checkpoint, args.base)
   ids = chat_ids(tok, (PROMPTS * (args.batch // len(PROMPTS) + 1))[:args.batch])
-  runs = {"base": ((), "base")} | {v: (PARTS[v], "hamburger") for v in VARIANTS}
+  runs = {"base": ("hamburger", "base")} | {v: (v, "hamburger") for v in VARIANTS}
   engines, steps = {}, {}
-  for name, (parts, mode) in runs.items():
-    engine = Engine(model, tok, stop_ids=())
-    with without(parts):  # compiled here, with the parts out; the programs keep them out
-      g = cli.phase(f"compiling {name}", lambda: engine.generate(
-          ids, max_new_tokens=args.new_tokens, mode=mode, confidence=args.confidence))
+  for name, (variant, mode) in runs.items():
+    engine = Engine(model, tok, stop_ids=(), variant=step_variant(variant))
+    g = cli.phase(f"compiling {name}", lambda: engine.generate(
+        ids, max_new_tokens=args.new_tokens, mode=mode, confidence=args.confidence))
     engines[name], steps[name] = engine, g
   ms = {name: [] for name in runs}
   for _ in range(args.rounds):

@@ -87,7 +87,8 @@ def bench_base(args) -> None:
   from hamburger_jax.roofline import copy_bandwidth_gb_s  # pylint: disable=C0415
 
   model, tok = pretrained.load("base", dtype=args.dtype, param_dtype=args.dtype)
-  engine = Engine(model, tok, stop_ids=())  # exactly n new tokens per row
+  # exactly n new tokens per row
+  engine = Engine(model, tok, stop_ids=(), matmul_precision=args.precision)
   path = assets.smollm2_gguf()
   ref = transformers.AutoModelForCausalLM.from_pretrained(
       os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
@@ -136,55 +137,50 @@ def bench_base(args) -> None:
   by_b = {r[0]: r[1] for r in rows}
   if 1 in by_b and 8 in by_b:
     print(f"batch 8 throughput / batch 1: {by_b[8] / by_b[1]:.2f}x")
+  print("\n".join(launch_lines(engine.runner, 1, 512)))
 
 
-def step_costs(model, repeats: int, batch: int = 1) -> dict[str, float]:
-  """Seconds of one decode step at this batch size, each with its LM head: "base" (an unmerged
-  input: the exact base), "merged" (a merged input: the base with its merged-entry adapters
-  acting, unfolded; equal to "base" without adapters) and "micro" (one micro step, with the
-  model's micro-step head: the full one, or its reduced vocabulary). Each runs in
-  widths.step_loop (steps in one jitted loop, its token fed back: no host dispatch between
-  them, which would weigh most on the small micro step).
-  r = micro / base is docs/SPEC.md 6's cost ratio in the ceiling k / (1 + (k - 1) r)."""
+def step_costs(runner, repeats: int, batch: int = 1) -> dict[str, float]:
+  """Seconds of one decode step at this batch size (decode/launches.py's unit steps, in the
+  decoding layout `runner`, each with its LM head): "base" (an unmerged input: the exact
+  base), "merged" (a merged input: the adapters folded into the kernels; equal to "base"
+  without adapters) and "micro" (one micro step, with the model's micro-step head: the full
+  one, or its reduced vocabulary). Each runs in widths.step_loop (steps in one jitted loop, its
+  token fed back: no host dispatch between them, which would weigh most on the small micro
+  step). r = micro / base is docs/SPEC.md 6's cost ratio in the ceiling k / (1 + (k - 1) r)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.model.kv_cache import KVCache  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode import launches  # pylint: disable=import-outside-toplevel
   from infer import widths  # pylint: disable=import-outside-toplevel
 
-  cfg = model.cfg.base
-  graphdef, params = nnx.split(model)
-
-  def base_step(m, x, cache, merged=None):
-    pos = cache.length[:, None]
-    feats, cache = m.base_features(x, pos, cache.mask(pos), cache, pos, merged)
-    return jnp.argmax(m.logits(feats[:, 0, -1]), axis=-1).astype(jnp.int32), cache
-
-  def micro_step(m, x, cache):
-    h, cache = m.micro_step(1, x, cache)  # the engine's micro step (one new input)
-    token = m.micro_token(jnp.argmax(m.micro_logits(h), axis=-1)).astype(jnp.int32)
-    return token + (m.stop_logits(h) > 1e9).astype(jnp.int32), cache  # the stop head runs too
-
-  base_cache = KVCache.init(cfg.num_layers, batch, 512, cfg.num_kv_heads, cfg.head_dim)
-  base_cache = base_cache.replace(length=jnp.full((batch,), 200, jnp.int32))
-  x = jnp.zeros((batch, 1, cfg.hidden_size), jnp.float32)
-  merged = jnp.ones((batch, 1), bool)
-  steps = {"base": (widths.step_loop(graphdef, base_step), base_cache),
-           "merged": (widths.step_loop(graphdef, functools.partial(base_step, merged=merged)),
-                      base_cache),
-           "micro": (widths.step_loop(graphdef, micro_step), model.micro_cache(batch))}
+  graphdef, params = nnx.split(runner)
   out = {}
-  for name, (fn, cache) in steps.items():
-    cache = jax.tree.map(jnp.copy, cache)  # each loop donates its own copy
-    state = {"cache": cache}
+  for name, fn in launches.UNIT_STEPS.items():
+    x, cache = launches.unit_args(runner, name, batch, widths.KV_ENTRIES)
+    loop = widths.step_loop(graphdef, fn)
+    state = {"cache": jax.tree.map(jnp.copy, cache)}  # each loop donates its own copy
 
     def call():
-      token, state["cache"] = fn(params, state["cache"], x)
+      token, state["cache"] = loop(params, state["cache"], x)
       jax.block_until_ready(token)
 
     call()
     out[name] = min(_timed(call) for _ in range(max(3, repeats))) / widths.STEPS
   return out
+
+
+def launch_lines(runner, batch: int, kv_len: int, model=None) -> list[str]:
+  """The launch figures of the programs a decode bench times (decode/launches.py): lowered
+  dots per step, and with libtpu installed the fusions on one TPU v5e chip."""
+  from hamburger_jax import aot  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode import launches  # pylint: disable=import-outside-toplevel
+  figs = cli.phase("launch figures" + (" (TPU v5e compiles)" if aot.libtpu_installed() else ""),
+                   lambda: launches.figures(runner, batch, kv_len, model))
+  note = "" if aot.libtpu_installed() else ", not counted: libtpu is not installed"
+  return [f"\nlaunches per step (batch {batch}, KV {kv_len}; dots: matmuls in the lowered "
+          "program, each a kernel launch on a GPU; fusions: the program compiled for one TPU "
+          f"v5e chip{note}):\n", *launches.report_lines(figs)]
 
 
 def with_micro_vocab(model, checkpoint: str | None, size: int):
@@ -203,21 +199,26 @@ def bench_hamburger(args) -> None:
   from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
 
+  from infer import widths  # pylint: disable=import-outside-toplevel
+
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
   model, tok = cli.load_model("both", checkpoint, args.base, untrained_ok=True)
-  label = checkpoint or "UNTRAINED graft (random weights; use --confidence 0 to force K-token steps)"
-  engine = Engine(model, tok, stop_ids=())
-  models, engines = {"full": model}, {}
+  label = checkpoint or ("UNTRAINED graft (random weights; use --confidence 0 to force K-token "
+                         "steps)")
+  engine = Engine(model, tok, stop_ids=(), matmul_precision=args.precision)
+  engines = {"full": engine}
   if args.micro_vocab is not None:
-    models["reduced"] = with_micro_vocab(model, checkpoint, args.micro_vocab)
-    engines["reduced"] = Engine(models["reduced"], tok, stop_ids=())
+    engines["reduced"] = Engine(with_micro_vocab(model, checkpoint, args.micro_vocab), tok,
+                                stop_ids=(), matmul_precision=args.precision)
   print(f"HAMburger on SmolLM2-135M-Instruct: {label}")
   print(f"greedy, {args.new_tokens} new tokens/row (EOS ignored), confidence {args.confidence}"
         f"{group_cap(args.max_group)}; r = micro step / base step, measured at each batch size "
         f"({widths.STEPS} steps per jitted loop)")
-  print("adapter cost = a base step reading a merged entry (merged-entry adapters acting, "
-        "unfolded) vs an unmerged one; micro vocab = the ids micro steps choose among (full: "
-        "the whole vocabulary); same tokens = rows whose tokens equal the full vocabulary's")
+  print(f"engine layout: {'fused' if engine.fused else 'separate'} projections, "
+        f"{engine.dtype}; adapter cost = a base step reading a merged entry (the adapters "
+        "folded into the kernels) vs an unmerged one; micro vocab = the ids micro steps choose "
+        "among (full: the whole vocabulary); same tokens = rows whose tokens equal the full "
+        "vocabulary's")
   print("\n| batch | micro vocab | base tok/s | HAMburger tok/s | ratio | tokens/step k | "
         "KV entries/token | r | adapter cost | ceiling | of ceiling | same tokens | "
         "compile s (base, ham) |")
@@ -225,15 +226,13 @@ def bench_hamburger(args) -> None:
   ham = {"mode": "hamburger", "confidence": args.confidence, "max_group": args.max_group}
   for b in args.batches:
     ids = chat_ids(tok, (PROMPTS * (b // len(PROMPTS) + 1))[:b])
-    runs = {"base": {"mode": "base"}, "full": ham}
-    if "reduced" in models:
-      runs["reduced"] = ham
+    runs = {"base": {"mode": "base"}, **{name: ham for name in engines}}
     out = run_interleaved(engine, ids, args.new_tokens, args.repeats, runs, engines)
     base_s, base_c, _ = out["base"]
     full_tokens = [g.token_ids for g in out["full"][2]]
-    for name, m in models.items():
+    for name, eng in engines.items():
       ham_s, ham_c, gens = out[name]
-      cost = step_costs(m, args.repeats, b)
+      cost = step_costs(eng.runner, args.repeats, b)
       r = cost["micro"] / cost["base"]
       k = b * args.new_tokens / sum(g.macro_steps for g in gens)
       ceiling = args.new_tokens / lockstep_cost(gens, r)
@@ -244,6 +243,7 @@ def bench_hamburger(args) -> None:
             f"{b * args.new_tokens / ham_s:.1f} | {ratio:.2f}x | {k:.2f} | {1 / k:.2f} | "
             f"{r:.3f} | {cost['merged'] / cost['base'] - 1:+.1%} | {ceiling:.2f}x | "
             f"{ratio / ceiling:.0%} | {same}/{b} | {base_c:.0f}, {ham_c:.0f} |")
+  print("\n".join(launch_lines(engine.runner, 1, widths.KV_ENTRIES, model)))
 
 
 def group_cap(max_group: int | None) -> str:
@@ -315,7 +315,8 @@ def bench_serve(args) -> None:
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
   model, tok = cli.load_model("both", checkpoint, args.base, untrained_ok=True,
                               micro_vocab=args.micro_vocab)
-  engine = Engine(model, tok, stop_ids=())  # every request runs its full max_new_tokens
+  # every request runs its full max_new_tokens
+  engine = Engine(model, tok, stop_ids=(), matmul_precision=args.precision)
   workload = serve_workload(tok, args.requests, args.new_range)
   prompt_lens = [len(ids) for ids, _ in workload]
   print(f"continuous batching, {checkpoint or 'UNTRAINED graft'}: {len(workload)} requests "
@@ -335,6 +336,7 @@ def bench_serve(args) -> None:
     serve_fixed_pool(args, engine, workload, variants)
   if args.round_steps:
     serve_rounds(args, engine, workload, variants)
+  print("\n".join(launch_lines(engine.runner, 1, 512, model)))
 
 
 def serve_slots(args, engine, workload, variants) -> None:
@@ -451,19 +453,21 @@ def bench_random(args) -> None:
   from hamburger_jax import pretrained, roofline  # pylint: disable=import-outside-toplevel
   from hamburger_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.model.decode_layout import decode_layout  # pylint: disable=C0415
   from hamburger_jax.run_config import load_run_config  # pylint: disable=C0415
 
   dtypes = [f"model.dtype={args.dtype}", f"model.param_dtype={args.dtype}"] if args.dtype else []
   try:
-    cfg = roofline.random_run_config(load_run_config(args.config, dtypes + ["train.init_from=''"],
-                                                     shared_only=True))
+    cfg = pretrained.random_run_config(load_run_config(
+        args.config, dtypes + ["train.init_from=''"], shared_only=True))
   except (ConfigError, RuntimeError) as e:  # RuntimeError: an asset (the GGUF) not installed
     raise SystemExit(f"error: {e}") from None
   first_peak = cli.device_peak(args, cfg.model.dtype)
   model, _ = cli.phase("building random weights", lambda: pretrained.build_run_model(cfg))
   hcfg = model.cfg
   k = model.max_group
-  engine = None if args.no_engine else Engine(model, None, stop_ids=())
+  engine = None if args.no_engine else Engine(model, None, stop_ids=(),
+                                                 matmul_precision=args.precision)
   modes = [args.mode] if args.mode else ["base", "hamburger"]
   rng = np.random.default_rng(0)
   results = []
@@ -506,10 +510,13 @@ def bench_random(args) -> None:
       engine_tps, engine_c = f"{b * args.new_tokens / engine_r[0]:.1f}", f"{engine_r[1]:.0f}"
     print(f"| {mode} | {b} | {per_step} | {kv_len} | {1e3 * r['step_s']:.1f} | "
           f"{per_step / r['step_s']:.1f} | {engine_tps} | {ours / per_step / 1e6:.1f}M | "
-          f"{r['xla'] / per_step / 1e6:.1f}M | {r['xla'] / ours:.3f} | "
+          + ("- | - | " if r["xla"] is None else
+             f"{r['xla'] / per_step / 1e6:.1f}M | {r['xla'] / ours:.3f} | ") +
           f"{roofline.mfu(ours, r['step_s'], peak):.1%} | {read / 1e6:.0f} | "
           f"{roofline.roofline_fraction(read, r['step_s'], peak):.1%} | "
           f"{roofline.bound(ours, read, peak)} | {r['compile_s']:.0f}, {engine_c} |")
+  runner = engine.runner if engine is not None else decode_layout(model)
+  print("\n".join(launch_lines(runner, 1, args.prompt_len + args.new_tokens, model)))
 
 
 def engine_decode_s(engine, ids, n_new: int, repeats: int,
@@ -534,28 +541,30 @@ def engine_decode_s(engine, ids, n_new: int, repeats: int,
 
 def time_decode_step(model, mode: str, batch: int, kv_len: int, repeats: int) -> dict[str, float]:
   """roofline.decode_step_program compiled (seconds) and timed (the best mean step time of
-  `repeats` runs, each long enough to average over calls), with XLA's FLOPs for it."""
+  `repeats` runs, each long enough to average over calls), with XLA's FLOPs for it (None on a
+  GPU, where XLA does not count the matmuls cuBLAS runs)."""
   import jax  # pylint: disable=import-outside-toplevel
   from hamburger_jax import roofline  # pylint: disable=import-outside-toplevel
-  step, (params, cache, feats) = roofline.decode_step_program(model, mode, batch, kv_len)
+  step, (params, state) = roofline.decode_step_program(model, mode, batch, kv_len)
   t = time.perf_counter()
-  compiled = step.lower(params, cache, feats).compile()  # the calls below reuse it
+  compiled = step.lower(params, state).compile()  # the calls below reuse it
   compile_s = time.perf_counter() - t
-  # The cache is donated: each call takes the previous one's. Its length runs past kv_len; the
-  # writes past the end are dropped and the step reads all kv_len slots either way.
-  state = {"cache": cache}
+  # The state is donated: each call takes the previous one's. Its cache length runs past
+  # kv_len; the writes past the end are dropped and the step reads all kv_len slots either way.
+  box = {"state": state}
 
   def run(n: int) -> float:
     t = time.perf_counter()
     for _ in range(n):
-      state["cache"] = step(params, state["cache"], feats)[3]
-    jax.block_until_ready(state["cache"])
+      box["state"] = compiled(params, box["state"])
+    jax.block_until_ready(box["state"])
     return (time.perf_counter() - t) / n
 
   run(1)  # the first call places the arguments
   calls = max(1, min(20, int(0.5 / run(1))))
   step_s = min(run(calls) for _ in range(repeats))
-  return {"step_s": step_s, "compile_s": compile_s, "xla": roofline.xla_flops(compiled)}
+  xla = roofline.xla_flops(compiled) if roofline.xla_counts_matmuls() else None
+  return {"step_s": step_s, "compile_s": compile_s, "xla": xla}
 
 
 def main(argv=None) -> int:
@@ -584,6 +593,7 @@ def main(argv=None) -> int:
   p.add_argument("--no-engine", action="store_true",
                  help="--random-weights: time the step alone (skips compiling the engine)")
   cli.add_peak_flags(p, when="--random-weights: ")
+  cli.add_precision_flag(p)
   p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE)
   p.add_argument("--max-group", type=int, default=None,
                  help="hamburger / serve: cap HAMburger's groups at this many tokens (1..K)")
@@ -642,22 +652,27 @@ def bench_widths(args) -> None:
   and bandwidth per width, then the layers' projections alone in other layouts and dtypes."""
   from hamburger_jax import pretrained, roofline  # pylint: disable=import-outside-toplevel
   from infer import widths  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.model.decode_layout import decode_layout  # pylint: disable=C0415
   base, _ = cli.load_model("base", None, args.base, dtype=args.dtype, param_dtype=args.dtype)
   bw = cli.phase("copy bandwidth", roofline.copy_bandwidth_gb_s)
-  costs = cli.phase("w-row forwards", lambda: widths.measure(
-      base, args.batches, widths.KV_ENTRIES, args.repeats))
+  layouts = {"fused": decode_layout(base), "separate": base}
+  costs = {name: cli.phase(f"w-row forwards, {name} projections", lambda m=m: widths.measure(
+      m, args.batches, widths.KV_ENTRIES, args.repeats)) for name, m in layouts.items()}
   bw = max(bw, roofline.copy_bandwidth_gb_s())  # measured again, after the forwards
   print(f"{pretrained.describe('base', None, args.base)}, {args.dtype} weights and compute; "
         f"{roofline.cpu_model()}, {os.cpu_count()} cores; copy bandwidth {bw:.1f} GB/s (the roofline)")
   print(f"step = a base forward with its LM head and argmax, KV cache of "
         f"{widths.KV_ENTRIES} entries, {widths.STEPS} steps per jitted call, best of "
         f"{args.repeats} interleaved rounds; MB read = weights once + each sequence's KV cache")
-  print("\n" + "\n".join(widths.report(costs, bw)))
+  for name, c in costs.items():
+    print(f"\n{name} projections (the engine decodes fused: model/decode_layout.py)\n")
+    print("\n".join(widths.report(c, bw)))
   best = cli.phase("projection variants", lambda: widths.measure_variants(
       base.cfg, args.batches, args.repeats))
   print("\nthe decoder layers' projections alone (random weights, no attention, norms or "
         "cache), per layout and weight dtype:\n")
   print("\n".join(widths.report_variants(base.cfg, best, bw)))
+  print("\n".join(launch_lines(layouts["fused"], 1, widths.KV_ENTRIES)))
 
 
 def check_random_weights_flags(p: argparse.ArgumentParser, args) -> None:

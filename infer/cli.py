@@ -127,6 +127,14 @@ def load_model(mode: str, checkpoint: str | None, base: str | None, *,
     raise SystemExit(f"error: {e}") from None
 
 
+def add_precision_flag(p: argparse.ArgumentParser) -> None:
+  """--precision: of float32 matmuls (hamburger_jax/precision.py states the policy)."""
+  from hamburger_jax.config import PRECISIONS
+  p.add_argument("--precision", choices=PRECISIONS, default="default",
+                 help="float32 matmuls: the backend's default (bf16 passes on a TPU, TF32 on a "
+                 "GPU) or highest (full float32 everywhere)")
+
+
 def add_peak_flags(p: argparse.ArgumentParser, when: str = "") -> None:
   """--peak-tflops and --peak-gb-s: the device's peaks for MFU and the roofline, where the
   known-accelerator table or a CPU's measurement is not what the user wants. `when` prefixes

@@ -153,9 +153,12 @@ def main(argv=None) -> int:
   in_flight = (f", {stats.mean_in_flight:.1f} requests in flight on average, "
                f"{stats.prefix_tokens} prompt tokens copied from the prefix cache"
                if stats.rounds else "")
+  serving_s = elapsed - stats.compile_s
   print(f"{len(raws) - errors} requests served ({errors} failed), {tokens} tokens in "
-        f"{elapsed:.1f} s ({tokens / max(elapsed, 1e-9):.1f} tokens/s, "
-        f"{tokens / max(steps, 1):.2f} tokens per macro step){in_flight}", file=sys.stderr)
+        f"{serving_s:.1f} s after {stats.compile_s:.1f} s of compiling "
+        f"({tokens / max(serving_s, 1e-9):.1f} tokens/s, {tokens / max(steps, 1):.2f} tokens "
+        f"per macro step){in_flight}; queue_s and latency_s count from the end of compiling",
+        file=sys.stderr)
   return 0
 
 

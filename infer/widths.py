@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from hamburger_jax import roofline
-from hamburger_jax.decode.engine import base_of
+from hamburger_jax.decode.step import base_of
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.model.llama import Llama
 
@@ -83,7 +83,7 @@ def forward_loop(base: Llama, shape: str, width: int, kv_len: int):
 
   def step(m, x, cache):
     pos = cache.length[:, None] + jnp.arange(rows)[None]
-    out = m.forward(x, pos, cache.mask(pos), cache, pos)
+    out = m.forward(x, pos, None, cache, pos)
     # The cache's length stays: every step writes the same slots and reads the same entries.
     return jnp.argmax(m.logits(out.hidden[:, -1]), axis=-1).astype(jnp.int32), out.cache
 

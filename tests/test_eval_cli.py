@@ -483,11 +483,9 @@ def test_trainer_validation_reports_the_nll_tasks_teacher_numbers(teacher_nll: S
 def test_ablation_graft_variant_is_the_nll_tasks_agreement(teacher_nll: SimpleNamespace):
   """infer.ablate_merged's "graft" row is the nll task's teacher agreement; with the adapters at
   zero (the fixture's fresh graft) "no_adapters" is the same model, and "last_token" is not."""
-  from hamburger_jax.model.compositional_embedder import CompositionalEmbedder  # pylint: disable=C0415
   from infer import ablate_merged  # pylint: disable=import-outside-toplevel
-  original = CompositionalEmbedder.__call__
   out = ablate_merged.run(teacher_nll.model, teacher_nll.data, "validation", None, TEACHER_BATCH)
-  assert CompositionalEmbedder.__call__ is original  # the forward is restored afterwards
+  assert teacher_nll.model.merged_entry == "graft"  # the variants are copies
   want = teacher_nll.result["teacher_agreement"]
   for m in ablate_merged.METRICS:
     assert out["graft"][m] == pytest.approx(want[m], abs=1e-6)
@@ -497,27 +495,39 @@ def test_ablation_graft_variant_is_the_nll_tasks_agreement(teacher_nll: SimpleNa
 
 
 def test_ablation_variants_make_the_merged_entry_they_name():
+  """with_merged_entry: "last_token" makes a group's entry its last token's embedding and reads
+  it with the exact base; "no_adapters" keeps the embedder's entry and the exact base; the
+  model given is unchanged."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.model.compositional_embedder import CompositionalEmbedder  # pylint: disable=C0415
-  from hamburger_jax.model.lora import LoRA  # pylint: disable=import-outside-toplevel
-  from infer import ablate_merged  # pylint: disable=import-outside-toplevel
-  emb = CompositionalEmbedder(16, 4, 8, rngs=nnx.Rngs(0))
-  e = jnp.asarray(np.random.default_rng(0).normal(size=(3, 4, 16)), jnp.float32)
+  from hamburger_jax.config import HamburgerConfig  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.model import lora  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.model.hamburger import Hamburger, with_merged_entry  # pylint: disable=C0415
+  from hamburger_jax.model.llama import causal_segment_mask  # pylint: disable=C0415
+  cfg = load_run_config(TINY)
+  graft = dataclasses.replace(cfg.graft, base_lora_rank=2)
+  model = Hamburger(HamburgerConfig(cfg.model.random, graft), rngs=nnx.Rngs(0))
+  for i, lin in enumerate(lora.base_linears(model.base)):
+    lin.lora.b.set_value(jax.random.normal(jax.random.key(i), lin.lora.b.shape))
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (3, 4)))
   sizes = jnp.asarray([1, 3, 4])
-  lo = LoRA(16, 8, 2, 4.0, ("embed", "mlp"), rngs=nnx.Rngs(0))
-  lo.b[...] = jnp.ones_like(lo.b[...])
-  x = jnp.ones((2, 16))
-  with ablate_merged.merged_entry("last_token"):
-    np.testing.assert_array_equal(emb(e, sizes), e[jnp.arange(3), sizes - 1])
-    assert not np.any(np.asarray(lo(x)))
-  with ablate_merged.merged_entry("no_adapters"):
-    assert not np.any(np.asarray(lo(x)))
-    assert not np.allclose(emb(e, sizes)[1], e[1, 2])  # the embedder still merges
-  assert np.any(np.asarray(lo(x)))  # restored
+  e = model.base.embed(ids)
+  last = with_merged_entry(model, "last_token")
+  np.testing.assert_array_equal(last.smash(ids, sizes), e[jnp.arange(3), sizes - 1])
+  plain = with_merged_entry(model, "no_adapters")
+  np.testing.assert_array_equal(plain.smash(ids, sizes), model.smash(ids, sizes))
+  assert not np.allclose(model.smash(ids, sizes)[1], e[1, 2])  # the embedder merges
+  x = model.smash(ids, sizes)[None]
+  pos, mask = jnp.arange(3)[None], causal_segment_mask(jnp.ones((1, 3), jnp.int32))
+  merged = jnp.ones((1, 3), bool)
+  exact = model.base_features(x, pos, mask)[0]
+  np.testing.assert_array_equal(plain.base_features(x, pos, mask, merged_bt=merged)[0], exact)
+  assert not np.allclose(model.base_features(x, pos, mask, merged_bt=merged)[0], exact)
+  assert model.merged_entry == "graft"
   with pytest.raises(ValueError, match="use one of"):
-    with ablate_merged.merged_entry("mean"):
-      pass
+    with_merged_entry(model, "mean")
 
 
 def test_ablation_needs_teacher_signals(tiny_data_dir: str):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hamburger_jax import layout, roofline, testing
+from hamburger_jax import layout, pretrained, roofline, testing
 from hamburger_jax.config import LLAMA_3_2_1B, ConfigError, GraftConfig, HamburgerConfig
 from hamburger_jax.data import pipeline
 from hamburger_jax.model.hamburger import Hamburger
@@ -142,12 +142,13 @@ def test_decode_bytes_by_hand():
   base = 256 * 64 + 4 * (36_864 + 128) + 64
   kv = 2 * 4 * 2 * 10 * 2 * 16  # keys and values, 4 layers, 2 rows, 10 entries, 2 x 16 per head
   assert roofline.decode_step_bytes(hcfg, "base", 2, 10) == 4 * (base + kv)  # float32
-  # HAMburger: the head and stop head per micro step (K = 4), the micro layers per micro step
-  # after token 0 (3), the embedder and the adapters once; the micro cache (F + K - 1 = 7
-  # entries, 2 layers) read by each of the 3 micro steps.
+  # HAMburger: the head per token (K = 4), the stop head per token but the last (3), the micro
+  # layers per micro step after token 0 (3), the embedder once, the base's kernels with the
+  # adapters folded in (the base's bytes); the micro cache (F + K - 1 = 7 entries, 2 layers)
+  # read by each of the 3 micro steps.
   g = roofline.graft_params(hcfg)
-  weights = (base - 256 * 64) + 4 * 256 * 64 + g["adapters"] + g["embedder"] + 3 * g["micro"] \
-      + 4 * g["stop_head"]
+  weights = (base - 256 * 64) + 4 * 256 * 64 + g["embedder"] + 3 * g["micro"] \
+      + 3 * g["stop_head"]
   micro_kv = 3 * (2 * 2 * 2 * 7 * 2 * 16)
   assert roofline.decode_step_bytes(hcfg, "hamburger", 2, 10) == 4 * (weights + kv + micro_kv)
   bf16 = dataclasses.replace(hcfg, base=dataclasses.replace(hcfg.base, dtype="bfloat16",
@@ -191,21 +192,32 @@ def test_device_peak_looks_up_accelerators_and_takes_overrides():
 
 def test_architecture_needs_no_weights():
   llama = load_run_config(os.path.join(REPO, "configs", "llama3_2_1b.yaml"))
-  arch = roofline.architecture(llama.model)  # model.base is a placeholder path
+  arch = pretrained.architecture(llama.model)  # model.base is a placeholder path
   assert arch == dataclasses.replace(LLAMA_3_2_1B, dtype="bfloat16", param_dtype="bfloat16")
-  assert roofline.random_run_config(llama).model.random == arch
+  assert pretrained.random_run_config(llama).model.random == arch
   tiny = load_run_config(TINY)
-  assert roofline.architecture(tiny.model) == tiny.model.random
+  assert pretrained.architecture(tiny.model) == tiny.model.random
   unknown = dataclasses.replace(llama.model, base="/nowhere/My-Own-Llama")
   with pytest.raises(ConfigError, match="known architectures"):
-    roofline.architecture(unknown)
+    pretrained.architecture(unknown)
+
+
+def _tables(out: str) -> list[list[dict[str, str]]]:
+  """The markdown tables in `out`, each a list of rows keyed by its header."""
+  blocks, current = [], []
+  for line in out.splitlines() + [""]:
+    if line.startswith("|"):
+      current.append(line)
+    elif current:
+      blocks.append(current)
+      current = []
+  split = lambda l: [c.strip() for c in l.strip("|").split("|")]
+  return [[dict(zip(split(b[0]), split(l))) for l in b[2:]] for b in blocks]
 
 
 def _table(out: str) -> list[dict[str, str]]:
   """The rows of the first markdown table in `out`, keyed by its header."""
-  lines = [l for l in out.splitlines() if l.startswith("|")]
-  header = [c.strip() for c in lines[0].strip("|").split("|")]
-  return [dict(zip(header, (c.strip() for c in l.strip("|").split("|")))) for l in lines[2:]]
+  return _tables(out)[0]
 
 
 def test_infer_bench_random_weights_end_to_end(capsys):
@@ -225,6 +237,13 @@ def test_infer_bench_random_weights_end_to_end(capsys):
     assert float(r["engine tok/s"]) > 0 and float(r["step tok/s"]) > 0
     assert r["MFU"].endswith("%") and r["roofline"].endswith("%")
     assert r["bound"] in ("compute", "memory")
+  # Beside the timings, the launch figures of the programs timed.
+  launches = {r["program"]: r for r in _tables(out)[1]}
+  assert list(launches) == ["base step", "merged step", "micro step", "macro step, base mode",
+                            "macro step, HAMburger forced K"]
+  dots = {name: int(r["lowered dots"]) for name, r in launches.items()}
+  # Tiny config, 4 layers: q|k|v, o, gate|up, down and attention's two einsums, and the head.
+  assert dots["base step"] == dots["merged step"] == 4 * 6 + 1
 
 
 def test_train_bench_random_weights_end_to_end(capsys):

@@ -352,14 +352,15 @@ def test_shipped_checkpoint_reshards_into_16_mib_files(tmp_path):
 def test_train_main_export_shard_mb(tmp_path, monkeypatch, capsys):
   """`train.main ... --export-shard-mb MB` leaves the export in files of at most MB MiB, and
   refuses a limit no shard can keep before any training."""
-  from train import main as train_main, trainer  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import training  # pylint: disable=import-outside-toplevel
+  from train import main as train_main  # pylint: disable=import-outside-toplevel
   export = str(tmp_path / "export")
 
   def fake_export_step(cfg, step):  # the real one restores a run's checkpoint first
     pretrained.save_graft(_wide(0), export, "random", dtype="float32")
     return export
 
-  monkeypatch.setattr(trainer, "export_step", fake_export_step)
+  monkeypatch.setattr(training, "export_step", fake_export_step)
   config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                         "tiny.yaml")
   args = ["--config", config, "--set", f"checkpoint.dir={tmp_path / 'run'}", "--export-step", "5"]

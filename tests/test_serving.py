@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from hamburger_jax.decode import engine as engine_lib
+from hamburger_jax.decode import step as step_lib
 from hamburger_jax.decode.engine import Engine, GenerationError
 from hamburger_jax.decode.paged_kv import TRASH_BLOCK, BlockAllocator
 from hamburger_jax.decode.prefix_cache import CachedPrefix, PrefixCache, cacheable_prefix
@@ -290,11 +291,11 @@ def test_sampled_request_does_not_depend_on_batch_mates(engine):
 
 
 def test_micro_batches_hold_the_continuing_rows():
-  assert [engine_lib.micro_batch_sizes(n) for n in (1, 2, 3, 8, 16, 32)] == [
+  assert [step_lib.micro_batch_sizes(n) for n in (1, 2, 3, 8, 16, 32)] == [
       (), (1,), (1,), (1, 2), (1, 4), (1, 8)]
-  got = [int(engine_lib.micro_branch(n, 16)) for n in range(17)]
+  got = [int(step_lib.micro_branch(n, 16)) for n in range(17)]
   assert got == [0, 1, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3]  # none, 1 row, 4 rows, all
-  assert [int(engine_lib.micro_branch(n, 1)) for n in (0, 1)] == [0, 1]
+  assert [int(step_lib.micro_branch(n, 1)) for n in (0, 1)] == [0, 1]
 
 
 def test_few_continuing_rows_emit_what_they_emit_alone(engine):
@@ -335,7 +336,7 @@ for mode in ("base", "hamburger"):
   same.append([(g.token_ids, g.groups) for g in a]
               == [(served[i].token_ids, served[i].groups) for i in range(len(prompts))])
   hits.append(run.stats.prefix_hits)
-kernel = mesh.params["base"]["decoder"]["layers"][0]["mlp"]["up_proj"]["kernel"].get_value()
+kernel = mesh.params["base"]["decoder"]["layers"][0]["mlp"]["gate_up_proj"]["kernel"].get_value()
 print(json.dumps({"devices": jax.device_count(), "same": same, "hits": hits,
                   "spec": [str(s) for s in kernel.sharding.spec],
                   "merged": any(max(g.groups) > 1 for g in b)}))
@@ -350,7 +351,8 @@ def test_sharded_decode_equals_single_device():
                        timeout=600)
   assert res.returncode == 0, res.stderr[-3000:]
   out = json.loads(res.stdout.strip().splitlines()[-1])
-  assert out["devices"] == 8 and out["spec"] == ["None", "tensor"]
+  # The fused gate|up kernel [D, 2, F]: F split over the tensor axis, gate and up together.
+  assert out["devices"] == 8 and out["spec"] == ["None", "None", "tensor"]
   assert out["same"] == [True] * 4 and out["merged"]
   # generate cached the system turn, so serving copies it into both chat prompts' slots.
   assert out["hits"] == [2, 2]

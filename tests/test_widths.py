@@ -12,7 +12,8 @@ import pytest
 
 from hamburger_jax import roofline
 from hamburger_jax.decode.engine import Engine
-from hamburger_jax.model.hamburger import Hamburger, sharing_weights
+from hamburger_jax.model.decode_layout import decode_layout
+from hamburger_jax.model.hamburger import sharing_weights
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.testing import DECODE_CFG, DECODE_STOP, tiny_decode_model
 from infer import ablate_step, widths
@@ -33,7 +34,7 @@ def test_forward_loop_runs_the_base_forward_and_its_head(model, monkeypatch, sha
   fresh = KVCache.init(DECODE_CFG.num_layers, batch, 5 + rows, DECODE_CFG.num_kv_heads,
                        DECODE_CFG.head_dim).replace(length=jnp.full((batch,), 5, jnp.int32))
   pos = 5 + jnp.broadcast_to(jnp.arange(rows), (batch, rows))
-  out = base.forward(x, pos, fresh.mask(pos), fresh, pos)
+  out = base.forward(x, pos, None, fresh, pos)
   expected = jnp.argmax(base.logits(out.hidden[:, -1]), axis=-1)
   token, _ = fn(params, cache, x)
   np.testing.assert_array_equal(token, expected)
@@ -73,24 +74,17 @@ def test_projection_variants_compute_the_same_layer(model):
   np.testing.assert_allclose(fn_s(x, ws), fn_f(x, fused), rtol=1e-5, atol=1e-6)
 
 
-def test_ablate_step_parts_are_out_only_inside_the_block(model):
-  from hamburger_jax.decode import engine as engine_mod  # pylint: disable=import-outside-toplevel
-  before = (engine_mod.Engine._features, engine_mod.Engine._propose, Hamburger.smash)
-  with ablate_step.without(ablate_step.PARTS["all_out"]):
-    assert engine_mod.Engine._propose is not before[1]
-    everything_out = Engine(model, None, stop_ids=[DECODE_STOP])
-    out = everything_out.generate([[1, 2, 3], [9, 8]], max_new_tokens=8, mode="hamburger",
-                                  confidence=0.0)
-  assert (engine_mod.Engine._features, engine_mod.Engine._propose, Hamburger.smash) == before
-  # With the adapters, the proposal and the embedder out, a HAMburger step is a base step.
+def test_ablate_step_variants_take_their_parts_out(model):
+  """With the adapters, the proposal and the embedder out, a HAMburger step is a base step;
+  the engine of the real step still merges."""
+  everything_out = Engine(model, None, stop_ids=[DECODE_STOP],
+                          variant=ablate_step.step_variant("all_out"))
+  out = everything_out.generate([[1, 2, 3], [9, 8]], max_new_tokens=8, mode="hamburger",
+                                confidence=0.0)
   base = Engine(model, None, stop_ids=[DECODE_STOP]).generate(
       [[1, 2, 3], [9, 8]], max_new_tokens=8, mode="base")
   assert [g.token_ids for g in out] == [g.token_ids for g in base]
   assert all(set(g.groups) == {1} for g in out)
-  # Programs compiled inside the block keep the parts out after it.
-  again = everything_out.generate([[1, 2, 3], [9, 8]], max_new_tokens=8, mode="hamburger",
-                                  confidence=0.0)
-  assert [g.token_ids for g in again] == [g.token_ids for g in out]
   real = Engine(model, None, stop_ids=[DECODE_STOP]).generate(
       [[1, 2, 3]], max_new_tokens=8, mode="hamburger", confidence=0.0)
   assert max(real[0].groups) > 1
@@ -107,14 +101,14 @@ def test_ablate_step_rejects_bad_flags(capsys, argv, match):
 def test_step_costs_times_each_step_in_a_loop(model):
   from infer import bench  # pylint: disable=import-outside-toplevel
   for m in (model, sharing_weights(model, micro_vocab=np.arange(7))):
-    cost = bench.step_costs(m, repeats=1, batch=2)
+    cost = bench.step_costs(decode_layout(m), repeats=1, batch=2)
     assert set(cost) == {"base", "merged", "micro"} and all(v > 0 for v in cost.values())
 
 
 def test_ablate_step_without_micro_steps_decodes_the_base(model):
-  with ablate_step.without(ablate_step.PARTS["no_micro_steps"]):
-    out = Engine(model, None, stop_ids=[DECODE_STOP]).generate(
-        [[1, 2, 3], [9, 8]], max_new_tokens=8, mode="hamburger", confidence=0.0)
+  out = Engine(model, None, stop_ids=[DECODE_STOP],
+               variant=ablate_step.step_variant("no_micro_steps")).generate(
+                   [[1, 2, 3], [9, 8]], max_new_tokens=8, mode="hamburger", confidence=0.0)
   base = Engine(model, None, stop_ids=[DECODE_STOP]).generate(
       [[1, 2, 3], [9, 8]], max_new_tokens=8, mode="base")
   assert [g.token_ids for g in out] == [g.token_ids for g in base]

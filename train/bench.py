@@ -191,10 +191,11 @@ def main(argv=None) -> int:
   p.add_argument("--input-batches", type=int, default=20,
                  help="batches the input pipeline's rate is timed over")
   cli.add_peak_flags(p)
+  cli.add_precision_flag(p)
   args = p.parse_args(argv)
   check_flags(p, args)
 
-  from hamburger_jax import roofline  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.config import ConfigError, load_yaml  # pylint: disable=C0415
   from hamburger_jax.run_config import load_run_config  # pylint: disable=C0415
 
@@ -205,9 +206,10 @@ def main(argv=None) -> int:
   try:
     shapes = shape_overrides(args, load_yaml(args.config).get("data") or {})
     cfg = load_run_config(args.config, mesh + args.set + shapes + recipe + trainable + [
-        "data.accum=1", "train.init_from=''"], stage=args.stage)
+        "data.accum=1", "train.init_from=''", f"train.precision={args.precision}"],
+                          stage=args.stage)
     if args.random_weights:
-      cfg = roofline.random_run_config(cfg)
+      cfg = pretrained.random_run_config(cfg)
   except (ConfigError, RuntimeError) as e:  # RuntimeError: an asset (the GGUF) not installed
     raise SystemExit(f"error: {e}") from None
   if cfg.train.recipe == "distill" and not args.data:

@@ -76,6 +76,10 @@ STRATEGY = "confident:0.6"
 TEACHER_TOP_K = 16
 TEXT_EVAL_TASKS = "basic_arithmetic,chain_sum,sharegpt_heldout,nll"
 IDS_EVAL_TASKS = "synthetic,nll"
+# Below this many minutes of training per stage a staged config trains its last stage alone,
+# from a fresh graft: each stage compiles its own train and evaluation steps (on a GPU, half a
+# minute to a minute and a half each), which a few minutes cannot pay for three times.
+MIN_STAGE_MINUTES = 4.0
 
 
 class PipelineError(Exception):
@@ -134,6 +138,21 @@ class Plan:
   teacher_top_k: int
   eval_tasks: str
   eval_limit: int
+  one_stage: bool = False  # the budget is too small for every stage: the last one alone
+
+  def programs(self) -> list[tuple[str, str]]:
+    """(part, what it compiles) in order: the programs the run will compile, before it starts
+    (the engine's: one prefill per prompt chunk size used, one decode loop per view)."""
+    engine = "the engine's prefill (per chunk size) and decode loop (per view)"
+    out = [("self_distill", f"{engine}, base mode"),
+           ("prepare_data", "the teacher pass (one program: one row length)")]
+    for stage, cfg in zip(self.stages, self.stage_cfgs):
+      what = "its train step and its evaluation step"
+      if cfg.train.generate_every:
+        what += f", and for its generation checks {engine} in both modes"
+      out.append((self.stage_part(stage), what))
+    out += [("export", "nothing"), ("eval", f"{engine} in both modes")]
+    return out
 
   @property
   def responses(self) -> str:
@@ -180,6 +199,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
     raise PipelineError(f"--eval-limit={args.eval_limit} must be >= 1")
   try:
     stages = stage_names(load_yaml(args.config)) or [None]
+    one_stage = (len(stages) > 1
+                 and args.budget_minutes * SHARES["train"] < MIN_STAGE_MINUTES * len(stages))
+    if one_stage:
+      stages = stages[-1:]
     out = os.path.abspath(args.out or default_out(args.config))
     # Every stage reads the pipeline's data and runs under its folder. The last stage exports
     # to its own run folder (the pick's export is the one that ships, never the config's
@@ -188,6 +211,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     sets = {s: [f"data.dir={os.path.join(out, DATA_DIR)}",
                 f"checkpoint.dir={os.path.join(out, TRAIN_DIR)}"] for s in stages}
     sets[stages[-1]].append("checkpoint.export=''")
+    if one_stage:  # the last stage alone starts from a fresh graft, not an earlier export
+      sets[stages[-1]].append("train.init_from=''")
     last = load_run_config(args.config, sets[stages[-1]], stage=stages[-1])
     if not last.train.generate_every:
       sets[stages[-1]].append(f"train.generate_every={last.checkpoint.every}")
@@ -207,7 +232,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
   tasks = args.eval_tasks or (IDS_EVAL_TASKS if token_ids else TEXT_EVAL_TASKS)
   check_steps(mix, tasks, args, token_ids)
   return Plan(args.config, out, args.budget_minutes, stages, cfgs, sets, token_ids, mix,
-              max_len, max_new, args.strategy, args.teacher_top_k, tasks, args.eval_limit)
+              max_len, max_new, args.strategy, args.teacher_top_k, tasks, args.eval_limit,
+              one_stage)
 
 
 def check_steps(mix: str, tasks: str, args: argparse.Namespace, token_ids: bool) -> None:
@@ -578,6 +604,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--config", required=True, help="YAML run config (see configs/)")
   p.add_argument("--budget-minutes", type=float, required=True,
                  help="wall-clock minutes for the whole pipeline, split between its parts")
+  p.add_argument("--plan", action="store_true",
+                 help="print what the run would do and compile, and stop")
   p.add_argument("--out", default=None,
                  help="the pipeline's folder (default: the config's checkpoint.dir + -pipeline)")
   p.add_argument("--mix", default=None,
@@ -594,6 +622,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   return p.parse_args(argv)
 
 
+def plan_lines(plan: Plan) -> list[str]:
+  """What the run will do and compile, printed before it starts."""
+  stages = ", ".join(plan.stage_part(s) for s in plan.stages)
+  out = [f"plan: {plan.budget:g} minutes; parts {', '.join(plan.parts())}"]
+  if plan.one_stage:
+    out.append(f"  {plan.budget:g} minutes leave under {MIN_STAGE_MINUTES:g} minutes of "
+               f"training per stage: {stages} alone, from a fresh graft")
+  steps = sum(1 for _, what in plan.programs() if "step" in what) * 2
+  out.append(f"  compiles (train and evaluation steps: {steps}; the engine's, per decoding "
+             "part: one per prompt chunk size and view used):")
+  out += [f"    {part:<14} {what}" for part, what in plan.programs()]
+  return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   try:
@@ -602,6 +644,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   except PipelineError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+
+  print("\n".join(plan_lines(plan)), flush=True)
+  if args.plan:
+    return 0
 
   def stop(*_):
     raise KeyboardInterrupt  # unwinds the part's own cleanup; a stage saves by itself

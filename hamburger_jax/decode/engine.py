@@ -18,7 +18,6 @@ import functools
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-import flax.struct
 import jax
 import jax.experimental
 import jax.numpy as jnp
@@ -26,14 +25,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hamburger_jax import sharding
+from hamburger_jax import precision, sharding
 from hamburger_jax.config import DEFAULT_CONFIDENCE, DEFAULT_PREFIX_CACHE_TOKENS
 from hamburger_jax.decode import serving
 from hamburger_jax.decode.paged_kv import PagedKVCache, blocks_for
 from hamburger_jax.decode.prefix_cache import CachedPrefix, PrefixCache, cacheable_prefix
 from hamburger_jax.decode.requests import Generation, GenerationError, Request
-from hamburger_jax.decode.sampling import SamplingParams, sample_rows
-from hamburger_jax.model.hamburger import Hamburger, continues
+from hamburger_jax.decode import step as decode_step
+from hamburger_jax.decode.sampling import SamplingParams
+from hamburger_jax.decode.step import DecodeState, StepVariant, base_of
+from hamburger_jax.model.decode_layout import decode_layout
+from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import Llama
 
 StreamCallback = Callable[[np.ndarray, np.ndarray], None]  # (group [B, K], count [B])
@@ -50,28 +52,6 @@ PREFILL_CHUNK_COST = 32
 LENGTH_BUCKETS = tuple(2 ** i for i in range(4, 18))
 VIEW_STEP = 128
 DEFAULT_BLOCK_SIZE = 16
-# A macro step whose continuing rows fit in slots / MICRO_BATCH_DIVISOR runs its micro steps on
-# those rows only (micro_batch_sizes).
-MICRO_BATCH_DIVISOR = 4
-
-
-@flax.struct.dataclass
-class DecodeState:
-  cache: PagedKVCache
-  features: jax.Array  # [B, F, D] base features at each slot's predicting position (base: F=1)
-  prompt_len: jax.Array  # [B]
-  tokens: jax.Array  # [B, N + K] emitted tokens
-  n_tokens: jax.Array  # [B]
-  groups: jax.Array  # [B, N] tokens emitted by each macro step
-  n_steps: jax.Array  # [B]
-  done: jax.Array  # [B] bool; empty slots are done
-  max_new: jax.Array  # [B] the slot's own max_new_tokens (<= N)
-  confidence: jax.Array  # [B] continue a group while P(continue) >= confidence
-  max_group: jax.Array  # [B] the most tokens one macro step of the slot may emit (<= K)
-  temperature: jax.Array  # [B] 0 = greedy
-  top_k: jax.Array  # [B] 0 = off
-  top_p: jax.Array  # [B] 1 = off
-  key: jax.Array  # [B] the slot's request key; token keys fold in the step and micro index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,25 +99,6 @@ def generate_slots(n: int) -> int:
   return 1 << (n - 1).bit_length()
 
 
-def micro_batch_sizes(slots: int) -> tuple[int, ...]:
-  """The micro batches (below `slots`) a macro step may gather its continuing rows into: one
-  row, and a quarter of the slots. Each is one more traced copy of the micro steps; the LM head
-  they run costs less for fewer rows (SmolLM2 on 2 CPU cores: 1 row ~3 ms, 4 rows ~8 ms, 16 rows
-  ~17 ms), which is what a macro step pays when only a few rows continue."""
-  return tuple(sorted({n for n in (1, slots // MICRO_BATCH_DIVISOR) if 1 <= n < slots}))
-
-
-def micro_branch(n_continuing: jax.Array, slots: int) -> jax.Array:
-  """Which micro batch a macro step runs: 0 none (no row continues), i the i-th of
-  micro_batch_sizes(slots) (the smallest that holds the continuing rows), last every slot."""
-  sizes = jnp.asarray((*micro_batch_sizes(slots), slots), jnp.int32)
-  return jnp.where(n_continuing == 0, 0, 1 + jnp.searchsorted(sizes, n_continuing))
-
-
-def base_of(model: Llama | Hamburger) -> Llama:
-  return model.base if isinstance(model, Hamburger) else model
-
-
 class Engine:
   """Generation and serving for a `Llama` (mode "base") or a `Hamburger` (mode "hamburger" or
   "base").
@@ -170,11 +131,22 @@ class Engine:
                max_seq_len: int | None = None, stop_ids: Sequence[int] | None = None,
                block_size: int = DEFAULT_BLOCK_SIZE, mesh: jax.sharding.Mesh | None = None,
                prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
-               turn_end_ids: Sequence[int] | None = None):
+               turn_end_ids: Sequence[int] | None = None, fused: bool | None = None,
+               dtype: str | None = None, variant: StepVariant = StepVariant(),
+               matmul_precision: str = precision.DEFAULT_PRECISION):
+    """`fused`, `dtype`: the decoding layout (model/decode_layout.py; None: the backend's
+    default, precision.decode_defaults). `variant`: what each macro step computes
+    (decode/step.py; the default is HAMburger as specified). `matmul_precision`: of float32
+    matmuls (hamburger_jax/precision.py: "highest" for the same greedy tokens on any
+    backend)."""
     self.tokenizer = tokenizer
-    base = base_of(model)
-    self.base_cfg = base.cfg
-    self.max_seq_len = max_seq_len or base.cfg.max_position_embeddings
+    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    defaults = precision.decode_defaults(platform)
+    self.fused = defaults["fused"] if fused is None else fused
+    self.dtype = defaults["dtype"] if dtype is None else dtype
+    self.variant = variant
+    self.precision = precision.check(matmul_precision)
+    self.max_seq_len = max_seq_len or base_of(model).cfg.max_position_embeddings
     if stop_ids is None:
       stop_ids = tokenizer.stop_ids if tokenizer is not None else ()
     self.stop_ids = tuple(int(i) for i in stop_ids)
@@ -198,20 +170,13 @@ class Engine:
 
   # ------------------------------------------------------------------ traced pieces
 
-  def _features(self, model, mode: str, x_btd, positions_bt, cache, slots_bt, merged_bt=None):
-    mask = cache.mask(slots_bt)
-    if mode == "hamburger":
-      return model.base_features(x_btd, positions_bt, mask, cache, slots_bt, merged_bt)
-    out = base_of(model).forward(x_btd, positions_bt, mask, cache, slots_bt)
-    return out.hidden[:, :, None, :], out.cache
-
   def init_state(self, layout: Layout) -> DecodeState:
     """A decode state of `layout`'s shapes with every slot empty (done) and every block-table
     entry the trash block, placed by `put`: what `prefill` and the decode programs take."""
     cfg = self.base_cfg
     b, n = layout.slots, layout.max_new
-    k = self.model.max_group if layout.mode == "hamburger" else 1
-    f = self.model.num_features if layout.mode == "hamburger" else 1
+    k = self.runner.max_group if layout.mode == "hamburger" else 1
+    f = self.runner.num_features if layout.mode == "hamburger" else 1
     cache = PagedKVCache.init(cfg.num_layers, layout.num_blocks, layout.block_size, b,
                               layout.blocks_per_row, cfg.num_kv_heads, cfg.head_dim,
                               jnp.dtype(cfg.dtype))
@@ -252,7 +217,8 @@ class Engine:
     cache = state.cache
     row = cache.replace(table=cache.table[slot][None], length=cache.length[slot][None])
     slots = (start + jnp.arange(ids_c.shape[0]))[None]
-    feats, row = self._features(model, mode, base_of(model).embed(ids_c[None]), slots, row, slots)
+    feats, row = decode_step.forward_features(model, mode, decode_step.base_of(model).embed(
+        ids_c[None]), slots, row, slots)
     state = state.replace(cache=cache.replace(k=row.k, v=row.v))
 
     def insert(state: DecodeState) -> DecodeState:
@@ -272,83 +238,6 @@ class Engine:
     small = jax.lax.cond(last, insert, lambda s: s, small)
     return small.replace(cache=small.cache.replace(k=k, v=v))
 
-  def _sample(self, logits_bv, state: DecodeState, micro: int, stochastic: bool) -> jax.Array:
-    # A token's key depends only on its request, macro step and micro index: never on the slot,
-    # the batch mates or when the request arrived.
-    keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.fold_in(k, s), micro))(
-        state.key, state.n_steps)
-    return sample_rows(logits_bv, keys, state.temperature, state.top_k, state.top_p,
-                       stochastic=stochastic)
-
-  def _propose(self, model, mode: str, state: DecodeState, stochastic: bool):
-    """One macro step's group: tokens [B, K'] and how many of them each row emits [B]."""
-    base = base_of(model)
-    remaining = state.max_new - state.n_tokens
-    stop_ids = jnp.asarray(self.stop_ids, jnp.int32)
-    h0 = state.features[:, -1]  # skip connection: token 0 is the base's own prediction
-    t0 = self._sample(base.logits(h0), state, 0, stochastic)
-    count = jnp.where(state.done, 0, 1).astype(jnp.int32)
-    if mode != "hamburger" or model.max_group == 1:
-      return t0[:, None], count
-    k = model.max_group
-    b = t0.shape[0]
-    tokens = jnp.zeros((b, k), jnp.int32).at[:, 0].set(t0)
-    cont = (~state.done & continues(model.stop_logits(h0), state.confidence)
-            & ~jnp.isin(t0, stop_ids) & (remaining > 1) & (state.max_group > 1))
-
-    rows_state = state.replace(cache=None)  # the per-row fields (never the KV pool)
-
-    def micro_loop(rs: DecodeState, tokens, count, cont):
-      """Micro steps 1..K-1 for the rows of `rs` (a slice of the state's rows)."""
-      left = rs.max_new - rs.n_tokens
-
-      def micro_step(i, x_btd, cache, tokens, count, cont):
-        """Runs inputs ending with e(t_{i-1}) and emits t_i where `cont`."""
-        h, cache = model.micro_step(i, x_btd, cache)
-        ti = model.micro_token(self._sample(model.micro_logits(h), rs, i, stochastic))
-        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, jnp.where(cont, ti, 0)[:, None], i,
-                                                     1)
-        count = count + cont
-        cont = cont & continues(model.stop_logits(h), rs.confidence) & ~jnp.isin(
-            ti, stop_ids) & (left > i + 1) & (rs.max_group > i + 1)
-        return cache, tokens, count, cont
-
-      # Micro step 1 reads the F features and e(t0) in one pass (one read of the weights).
-      x = jnp.concatenate([rs.features, base.embed(tokens[:, :1])], axis=1)
-      carry = (jnp.int32(2), *micro_step(1, x, model.micro_cache(tokens.shape[0]), tokens, count,
-                                         cont))
-
-      def body(carry):
-        i, cache, tokens, count, cont = carry
-        x = base.embed(jax.lax.dynamic_slice_in_dim(tokens, i - 1, 1, axis=1))
-        return (i + 1, *micro_step(i, x, cache, tokens, count, cont))
-
-      _, _, tokens, count, _ = jax.lax.while_loop(
-          lambda c: (c[0] < k) & jnp.any(c[4]), body, carry)
-      return tokens, count
-
-    def full(operands):
-      return micro_loop(rows_state, *operands)
-
-    def compact(size: int):
-      def run(operands):
-        """Only the rows that continue, gathered into a micro batch of `size` rows: a micro
-        step's LM head then reads `size` rows, not every slot (padding rows emit nothing)."""
-        tokens, count, cont = operands
-        idx = jnp.nonzero(cont, size=size, fill_value=b)[0]  # b: a padding row
-        take = lambda x: x[jnp.minimum(idx, b - 1)]
-        sub_tokens, sub_count = micro_loop(jax.tree.map(take, rows_state), take(tokens),
-                                           take(count), idx < b)
-        return (tokens.at[idx].set(sub_tokens, mode="drop"),
-                count.at[idx].set(sub_count, mode="drop"))
-      return run
-
-    # Rows whose stop head fired after token 0 need no micro decoder work at all; when few rows
-    # go on, the smallest micro batch that holds them runs the micro steps.
-    return jax.lax.switch(micro_branch(jnp.sum(cont), b),
-                          [lambda o: o[:2], *(compact(n) for n in micro_batch_sizes(b)), full],
-                          (tokens, count, cont))
-
   def _decode_impl(self, params, state: DecodeState, refill, limit, sink, *, mode: str,
                    stochastic: bool, stream: bool, view: int) -> DecodeState:
     """Macro steps until every slot is done, or (with `refill`) a slot finishes so the host can
@@ -361,52 +250,24 @@ class Engine:
     full_table = state.cache.table
     state = state.replace(cache=state.cache.replace(table=full_table[:, :view]))
     model = nnx.merge(self.graphdef, params)
-    base = base_of(model)
     offset = model.cfg.graft.position_offset if mode == "hamburger" else 0
     n_max = state.groups.shape[1]
-    rows = jnp.arange(state.done.shape[0])[:, None]
     stop_ids = jnp.asarray(self.stop_ids, jnp.int32)
     done_at_start = state.done
+    report = None
+    if stream:
+      report = lambda group, count: jax.experimental.io_callback(
+          serving.deliver_step, None, sink, group, count, ordered=True)
 
     def body(carry):
       step, state = carry
-      group, count = self._propose(model, mode, state, stochastic)
-      k = group.shape[1]
-      emitted = jnp.arange(k)[None, :] < count[:, None]
-      idx = jnp.where(emitted, state.n_tokens[:, None] + jnp.arange(k)[None, :], n_max + k)
-      tokens = state.tokens.at[rows, idx].set(group, mode="drop")
-      gidx = jnp.where(count > 0, state.n_steps, n_max)[:, None]
-      groups = state.groups.at[rows, gidx].set(count[:, None], mode="drop")
-      n_tokens = state.n_tokens + count
-      done = state.done | jnp.any(emitted & jnp.isin(group, stop_ids), axis=1) | (
-          n_tokens >= state.max_new)
-      if stream:
-        jax.experimental.io_callback(serving.deliver_step, None, sink, group, count,
-                                     ordered=True)
-      state = state.replace(tokens=tokens, groups=groups, n_tokens=n_tokens,
-                            n_steps=state.n_steps + (count > 0), done=done)
-
-      def advance(state: DecodeState) -> DecodeState:
-        # The emitted group becomes ONE base input at the position of its last token.
-        if mode == "hamburger":
-          x = model.smash(group, jnp.maximum(count, 1))
-        else:
-          x = base.embed(group[:, 0])
-        pos = state.prompt_len - 1 + state.n_tokens + offset
-        slot = state.cache.length
-        # Base adapters act only on a merged entry (a group of >= 2 tokens): after a single
-        # token the base runs its exact weights, so confidence 1.0 is the base, token for token.
-        merged = (count >= 2)[:, None] if mode == "hamburger" else None
-        feats, cache = self._features(model, mode, x[:, None], pos[:, None], state.cache,
-                                      slot[:, None], merged)
-        cache = cache.replace(length=cache.length + (~state.done).astype(jnp.int32))
-        return state.replace(cache=cache, features=feats[:, 0])
-
-      # Unconditional: a cond here would copy the whole KV pool every step (XLA cannot update a
-      # buffer in place through a conditional). When every slot is done this one forward is
-      # wasted (done slots write only their own unused entries or the trash block), and the
-      # loop ends.
-      return step + 1, advance(state)
+      # Unconditional: a branch around the step would copy the whole KV pool (XLA cannot
+      # update a buffer in place through a conditional). When every slot is done this one
+      # step is wasted (done slots write only their own unused entries or the trash block),
+      # and the loop ends.
+      return step + 1, decode_step.macro_step(
+          model, mode, state, stop_ids=stop_ids, stochastic=stochastic, offset=offset,
+          variant=self.variant, report=report)
 
     def cond(carry):
       step, state = carry
@@ -431,36 +292,49 @@ class Engine:
     nb = kv_blocks if kv_blocks is not None else slots * mb + 1
     return Layout(mode, slots, n, mb, nb, self.block_size)
 
+  def _spec(self, shape: tuple, dtype) -> jax.ShapeDtypeStruct:
+    """An abstract argument, replicated over the mesh if there is one (as `put` places it)."""
+    if self.mesh is None:
+      return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, P()))
+
+  def lower_prefill(self, layout: Layout, chunk: int) -> jax.stages.Lowered:
+    """The prefill program of one `chunk`-token prompt chunk, lowered (`prefill` runs it)."""
+    state = self._abstract_state(layout)
+    i32 = self._spec((), jnp.int32)
+    request = {k: self._spec((), getattr(state, k).dtype)
+               for k in ("max_new", "confidence", "max_group", "temperature", "top_k", "top_p")}
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    request["key"] = self._spec(key.shape, key.dtype)
+    fn = self._jit(self._prefill_impl, static_argnames=("mode",))
+    with precision.matmuls(self.precision):
+      return fn.lower(self.params, state, self._spec((chunk,), jnp.int32), i32, i32, i32,
+                      self._spec((), bool), request, mode=layout.mode)
+
   def _prefill_program(self, layout: Layout, chunk: int):
     key = ("prefill", layout, chunk)
     if key not in self.programs:
-      state = self._abstract_state(layout)
-      i32 = jax.ShapeDtypeStruct((), jnp.int32)
-      request = {k: jax.ShapeDtypeStruct((), getattr(state, k).dtype)
-                 for k in ("max_new", "confidence", "max_group", "temperature", "top_k",
-                           "top_p")}
-      request["key"] = jax.eval_shape(lambda: jax.random.key(0))
-      fn = self._jit(self._prefill_impl, static_argnames=("mode",))
-      self.programs[key] = fn.lower(
-          self.params, state, jax.ShapeDtypeStruct((chunk,), jnp.int32), i32, i32, i32,
-          jax.ShapeDtypeStruct((), bool), request, mode=layout.mode).compile()
+      self.programs[key] = self.lower_prefill(layout, chunk).compile()
     return self.programs[key]
+
+  def lower_prefix(self, layout: Layout, size: int) -> tuple[jax.stages.Lowered, ...]:
+    """(read, write) of a `size`-entry prefix of one slot (prefix caching), lowered."""
+    state = self._abstract_state(layout)
+    i32 = self._spec((), jnp.int32)
+    cache = state.cache
+    kv = self._spec((cache.k.shape[0], size, *cache.k.shape[3:]), cache.k.dtype)
+    # Not self._jit: reading must not donate the state, which goes on decoding.
+    read = jax.jit(lambda state, slot: state.cache.read_row(slot, size), **(
+        {} if self.mesh is None else {"out_shardings": NamedSharding(self.mesh, P())}))
+    write = self._jit(lambda state, slot, k, v, n: state.replace(
+        cache=state.cache.write_row(slot, k, v, n)))
+    return read.lower(state, i32), write.lower(state, i32, kv, kv, i32)
 
   def _prefix_programs(self, layout: Layout, size: int):
     """(read, write) of a `size`-entry prefix of one slot (prefix caching)."""
     key = ("prefix", layout, size)
     if key not in self.programs:
-      state = self._abstract_state(layout)
-      i32 = jax.ShapeDtypeStruct((), jnp.int32)
-      cache = state.cache
-      kv = jax.ShapeDtypeStruct((cache.k.shape[0], size, *cache.k.shape[3:]), cache.k.dtype)
-      # Not self._jit: reading must not donate the state, which goes on decoding.
-      read = jax.jit(lambda state, slot: state.cache.read_row(slot, size), **(
-          {} if self.mesh is None else {"out_shardings": NamedSharding(self.mesh, P())}))
-      write = self._jit(lambda state, slot, k, v, n: state.replace(
-          cache=state.cache.write_row(slot, k, v, n)))
-      self.programs[key] = (read.lower(state, i32).compile(),
-                            write.lower(state, i32, kv, kv, i32).compile())
+      self.programs[key] = tuple(p.compile() for p in self.lower_prefix(layout, size))
     return self.programs[key]
 
   def prompt_plan(self, ids: Sequence[int]) -> tuple[int, list[tuple[int, int, int]]]:
@@ -479,13 +353,18 @@ class Engine:
     blocks of each slot's table that attention reads (one of `views(layout)`)."""
     key = ("decode", layout, stochastic, stream, view)
     if key not in self.programs:
-      state = self._abstract_state(layout)
-      fn = self._jit(self._decode_impl, static_argnames=("mode", "stochastic", "stream", "view"))
-      i32 = jax.ShapeDtypeStruct((), jnp.int32)
-      self.programs[key] = fn.lower(self.params, state, jax.ShapeDtypeStruct((), bool), i32, i32,
-                                    mode=layout.mode, stochastic=stochastic, stream=stream,
-                                    view=view).compile()
+      self.programs[key] = self.lower_decode(layout, stochastic, stream, view).compile()
     return self.programs[key]
+
+  def lower_decode(self, layout: Layout, stochastic: bool, stream: bool,
+                   view: int) -> jax.stages.Lowered:
+    """The decode loop of `decode_program`, lowered."""
+    state = self._abstract_state(layout)
+    fn = self._jit(self._decode_impl, static_argnames=("mode", "stochastic", "stream", "view"))
+    i32 = self._spec((), jnp.int32)
+    with precision.matmuls(self.precision):
+      return fn.lower(self.params, state, self._spec((), bool), i32, i32, mode=layout.mode,
+                      stochastic=stochastic, stream=stream, view=view)
 
   def views(self, layout: Layout) -> list[int]:
     """The decode programs' views of a slot's table, in blocks: VIEW_STEP entries times a power
@@ -679,15 +558,22 @@ class Engine:
   def set_model(self, model: Llama | Hamburger) -> None:
     """Takes new weights; compiled programs are kept when the architecture is the same.
 
-    Base adapters stay unfolded: they act per row, only on macro steps whose input is a merged
-    entry, so mode "base" (which never marks an input merged) is the base model, exactly.
-    """
-    graphdef, params = nnx.split(model)
+    The engine decodes `model` in the decoding layout (model/decode_layout.py: fused
+    projections, folded adapters, its dtype); base adapters act only on macro steps whose input
+    is a merged entry, so mode "base" (which never marks an input merged) is the base model,
+    exactly. An abstract model (nnx.eval_shape) gives an engine whose programs can be lowered
+    and compiled (for a mesh of devices that are not attached) but not run."""
+    layout = lambda m: decode_layout(m, fused=self.fused, dtype=self.dtype)
+    abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model)))
+    runner = nnx.eval_shape(layout, model) if abstract else layout(model)
+    graphdef, params = nnx.split(runner)
     if getattr(self, "graphdef", graphdef) != graphdef:
       raise GenerationError("set_model needs a model of the same architecture as the engine's")
     if self.mesh is not None:
-      params = jax.device_put(params, sharding.state_shardings(params, self.mesh,
-                                                               sharding.INFER_RULES))
-    self.model = model
+      shardings = sharding.state_shardings(params, self.mesh, sharding.INFER_RULES)
+      params = (jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                             params, shardings) if abstract else jax.device_put(params, shardings))
+    self.model, self.runner = model, runner
+    self.base_cfg = base_of(runner).cfg
     self.graphdef, self.params = graphdef, params
     self.prefix_cache.clear()  # its entries were computed with the old weights

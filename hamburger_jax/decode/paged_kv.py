@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hamburger_jax.model.attention import attend
+from hamburger_jax.model.kv_cache import KVCache
 
 TRASH_BLOCK = 0
 
@@ -56,13 +56,14 @@ class PagedKVCache:
                                  fill_value=TRASH_BLOCK)
     return blocks, slots_bt % self.block_size
 
-  def write(self, layer: int, slots_bt: jax.Array, k_bthd: jax.Array,
-            v_bthd: jax.Array) -> "PagedKVCache":
-    """Writes T new entries per row at per-row slots [B, T] into the rows' blocks."""
+  def write_layers(self, slots_bt: jax.Array, k_lbthd: jax.Array,
+                   v_lbthd: jax.Array) -> "PagedKVCache":
+    """Writes T new entries per row, every layer, at per-row slots [B, T] into the rows'
+    blocks."""
     blocks, offsets = self._locate(slots_bt)
     dt = self.k.dtype
-    return self.replace(k=self.k.at[layer, blocks, offsets].set(k_bthd.astype(dt)),
-                        v=self.v.at[layer, blocks, offsets].set(v_bthd.astype(dt)))
+    return self.replace(k=self.k.at[:, blocks, offsets].set(k_lbthd.astype(dt)),
+                        v=self.v.at[:, blocks, offsets].set(v_lbthd.astype(dt)))
 
   def _locate_row(self, row: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
     """Block and offset [size] of one row's entries 0..size-1."""
@@ -85,26 +86,14 @@ class PagedKVCache:
     return self.replace(k=self.k.at[:, blocks, offsets].set(k_lthd.astype(dt)),
                         v=self.v.at[:, blocks, offsets].set(v_lthd.astype(dt)))
 
-  def mask(self, query_slots_bt: jax.Array) -> jax.Array:
-    """[B, T, slots] attention mask over a row's view: every slot up to and including its own."""
-    return jnp.arange(self.slots)[None, None, :] <= query_slots_bt[:, :, None]
-
-  def attend(self, layer: int, q_bthd: jax.Array, mask_bts: jax.Array) -> jax.Array:
-    return paged_attention(q_bthd, self.k[layer], self.v[layer], self.table, mask_bts)
-
-
-def paged_attention(q_bthd: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table_bm: jax.Array,
-                    mask_bts: jax.Array) -> jax.Array:
-  """Attention of each row's queries over the blocks of its table: [B, T, H*Dh].
-
-  The one place that reads the pool. Here a gather of the row's blocks into a contiguous view,
-  then dense attention (what a CPU does best); a TPU/GPU paged-attention kernel that reads the
-  blocks in place replaces this function alone."""
-  b, m = table_bm.shape
-  _, bs, hkv, dh = k_pool.shape
-  k = k_pool[table_bm].reshape(b, m * bs, hkv, dh).astype(q_bthd.dtype)
-  v = v_pool[table_bm].reshape(b, m * bs, hkv, dh).astype(q_bthd.dtype)
-  return attend(q_bthd, k, v, mask_bts)
+  def view(self) -> KVCache:
+    """Every layer's entries of each row, gathered from its blocks into a dense cache
+    [L, B, slots, Hkv, Dh] that a forward reads (the pool itself is then only written: read
+    per layer between the writes, the pool would be copied whole to be written in place)."""
+    b, m = self.table.shape
+    l, _, bs, hkv, dh = self.k.shape
+    gather = lambda pool: pool[:, self.table].reshape(l, b, m * bs, hkv, dh)
+    return KVCache(k=gather(self.k), v=gather(self.v), length=self.length)
 
 
 def blocks_for(entries: int, block_size: int) -> int:

@@ -44,6 +44,7 @@ class ServeStats:
   free_blocks_at_end: int = 0
   prefix_hits: int = 0  # prefills that copied a cached prefix (prefix_cache.py)
   prefix_tokens: int = 0  # prompt tokens copied from the prefix cache instead of prefilled
+  compile_s: float = 0.0  # compiling this call's programs (0: compiled before), before the clock
 
   @property
   def mean_in_flight(self) -> float:
@@ -215,6 +216,10 @@ def _serve(engine, requests: Iterable, stats: ServeStats, *, slots: int, kv_bloc
   stochastic = any(not r.sampling.greedy for r in queue)
   compile_s = engine.compile_programs(layout, [r.ids for r in queue], stochastic,
                                      stream is not None)
+  # Queueing and latency count from the end of compilation (reported apart: stats.compile_s),
+  # as they would once a server's programs are compiled.
+  stats.compile_s = compile_s
+  arrival += compile_s
   state = engine.init_state(layout)
   table = np.full((layout.slots, layout.blocks_per_row), TRASH_BLOCK, np.int32)
   live: dict[int, _Live] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,16 +31,18 @@ class MicroVocab(nnx.Variable):
 
 class Hamburger(nnx.Module):
 
-  def __init__(self, cfg: HamburgerConfig, *, rngs: nnx.Rngs, base: Llama | None = None):
+  def __init__(self, cfg: HamburgerConfig, *, rngs: nnx.Rngs, base: Llama | None = None,
+               folded_adapters: bool = False):
     """`base`: an already loaded base model to graft onto (else a randomly initialised one);
-    with graft.base_lora_rank > 0 it gets merged-entry adapters attached in place."""
+    with graft.base_lora_rank > 0 it gets merged-entry adapters attached in place (LoRA, or
+    with `folded_adapters` their decoding form: model/decode_layout.py)."""
     self.cfg = cfg
     b, g = cfg.base, cfg.graft
     if base is not None and base.cfg != b:
       raise ValueError(f"the base model's config {base.cfg} differs from the HAMburger config {b}")
     self.base = base if base is not None else Llama(b, rngs=rngs)
     if g.base_lora_rank:
-      lora.attach(self.base, g.base_lora_rank, g.base_lora_alpha, rngs)
+      lora.attach(self.base, g.base_lora_rank, g.base_lora_alpha, rngs, folded_adapters)
     self.embedder = CompositionalEmbedder(b.hidden_size, g.max_group, g.merger_head_dim, rngs=rngs,
                                           param_dtype=dtype_of(b.param_dtype),
                                           dtype=dtype_of(b.dtype))
@@ -47,6 +50,7 @@ class Hamburger(nnx.Module):
     self.feature_layers = g.resolved_feature_layers(b.num_layers)
     self.micro_ids = nnx.data(None)  # [N] token ids, when micro steps use a reduced vocabulary
     self.micro_head = nnx.data(None)  # [N, D]: the head's rows for those ids
+    self.merged_entry = "graft"  # how a merged entry is made (MERGED_ENTRIES; with_merged_entry)
 
   @property
   def max_group(self) -> int:
@@ -58,19 +62,28 @@ class Hamburger(nnx.Module):
 
   def smash(self, ids_nk: jax.Array, size_n: jax.Array) -> jax.Array:
     """Token ids of groups [..., K] and sizes [...] -> one base-input embedding each [..., D]."""
-    return self.embedder(self.base.embed(ids_nk), size_n)
+    e = self.base.embed(ids_nk)
+    if self.merged_entry == "last_token":
+      last = jnp.clip(size_n - 1, 0, ids_nk.shape[-1] - 1)
+      return jnp.take_along_axis(e, last[..., None, None], axis=-2)[..., 0, :]
+    return self.embedder(e, size_n)
 
-  def base_features(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,
-                    cache: KVCache | None = None,
-                    slots_bt: jax.Array | None = None,
-                    merged_bt: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
-    """Base forward -> micro-decoder features [B, T, F, D]: raw residuals, then the normed last.
+  def base_features(self, x_btd: jax.Array, positions_bt: jax.Array,
+                    mask_bts: jax.Array | None = None, cache=None,
+                    slots_bt: jax.Array | None = None, merged_bt=None,
+                    write: bool = True) -> tuple[jax.Array, Any]:
+    """Base forward -> micro-decoder features [B, T, F, D] (raw residuals, then the normed
+    last), and the cache with the inputs' entries written (`write`; without a cache: None), or
+    their keys and values (write=False: Llama.forward).
 
-    `merged_bt` [B, T] bool: inputs that are merged groups (size >= 2); base adapters act there
-    only, so prompt tokens and single-token entries run the exact base weights."""
+    `merged_bt`: inputs that are merged groups (size >= 2), where base adapters act (Linear:
+    [B, T] bool, or ALL_MERGED); prompt tokens and single-token entries run the exact base
+    weights."""
+    if self.merged_entry != "graft":
+      merged_bt = None  # an ablation (with_merged_entry): the exact base reads every entry
     out = self.base.forward(x_btd, positions_bt, mask_bts, cache, slots_bt,
-                            collect=self.feature_layers[:-1], merged_bt=merged_bt)
-    return jnp.stack([*out.collected, out.hidden], axis=-2), out.cache
+                            collect=self.feature_layers[:-1], merged_bt=merged_bt, write=write)
+    return jnp.stack([*out.collected, out.hidden], axis=-2), out.cache if write else out.kv
 
   def micro_hidden(self, features_nfd: jax.Array, teacher_nk: jax.Array) -> jax.Array:
     """Teacher-forced micro steps: features [N, F, D], group tokens [N, K] -> h [N, K, D].
@@ -102,7 +115,7 @@ class Hamburger(nnx.Module):
     engine runs step 1 with T = F + 1 (the features and e(t0) in one pass), later steps T = 1."""
     b, t, _ = x_btd.shape
     slots = jnp.broadcast_to(self.num_features + i - t + jnp.arange(t), (b, t))
-    h, cache = self.micro(x_btd, slots, cache.mask(slots), cache, slots)
+    h, cache = self.micro(x_btd, slots, None, cache, slots)
     return h[:, -1], cache
 
   def logits(self, h: jax.Array) -> jax.Array:
@@ -142,6 +155,23 @@ def sharing_weights(model: Hamburger, micro_vocab=None) -> Hamburger:
   and without a reduced vocabulary side by side."""
   out = nnx.merge(*nnx.split(model))
   out.set_micro_vocab(micro_vocab)
+  return out
+
+
+# How a merged entry is made: "graft" (the compositional embedder, read by the base with its
+# merged-entry adapters), "no_adapters" (the embedder's output read by the exact base),
+# "last_token" (the group's last token alone, through the exact base: what one KV entry per
+# group keeps with no learned merging). The last two are ablations (infer.ablate_merged).
+MERGED_ENTRIES = ("graft", "no_adapters", "last_token")
+
+
+def with_merged_entry(model: Hamburger, kind: str) -> Hamburger:
+  """A second model on `model`'s arrays (nothing copied) whose merged entries are made as
+  `kind` (MERGED_ENTRIES) in every program traced with it."""
+  if kind not in MERGED_ENTRIES:
+    raise ValueError(f"merged entry {kind!r}: use one of {', '.join(MERGED_ENTRIES)}")
+  out = nnx.merge(*nnx.split(model))
+  out.merged_entry = kind
   return out
 
 

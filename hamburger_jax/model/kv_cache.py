@@ -6,7 +6,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from hamburger_jax.model.attention import attend
+from hamburger_jax.model.attention import attend_with_new
 
 
 @flax.struct.dataclass
@@ -26,20 +26,23 @@ class KVCache:
   def slots(self) -> int:
     return self.k.shape[2]
 
-  def write(self, layer: int, slots_bt: jax.Array, k_bthd: jax.Array,
-            v_bthd: jax.Array) -> "KVCache":
-    """Writes T new entries per row at per-row slots [B, T]; rows advance independently."""
-    rows = jnp.arange(k_bthd.shape[0])[:, None]
+  def write_layers(self, slots_bt: jax.Array, k_lbthd: jax.Array,
+                   v_lbthd: jax.Array) -> "KVCache":
+    """Writes T new entries per row, every layer, at per-row slots [B, T] (rows advance
+    independently); slots past the end are dropped."""
+    rows = jnp.arange(k_lbthd.shape[1])[:, None]
     dt = self.k.dtype
     # A scatter on the loop-carried buffer is done in place by XLA (no copy of the cache).
-    return self.replace(k=self.k.at[layer, rows, slots_bt].set(k_bthd.astype(dt), mode="drop"),
-                        v=self.v.at[layer, rows, slots_bt].set(v_bthd.astype(dt), mode="drop"))
+    return self.replace(k=self.k.at[:, rows, slots_bt].set(k_lbthd.astype(dt), mode="drop"),
+                        v=self.v.at[:, rows, slots_bt].set(v_lbthd.astype(dt), mode="drop"))
 
-  def mask(self, query_slots_bt: jax.Array) -> jax.Array:
-    """[B, T, S] attention mask: a query sees every slot up to and including its own."""
-    return jnp.arange(self.slots)[None, None, :] <= query_slots_bt[:, :, None]
+  def view(self) -> "KVCache":
+    """What a forward reads (a dense cache is its own)."""
+    return self
 
-  def attend(self, layer: int, q_bthd: jax.Array, mask_bts: jax.Array) -> jax.Array:
-    """The queries' attention over this layer's entries, [B, T, H*Dh]."""
-    return attend(q_bthd, self.k[layer].astype(q_bthd.dtype), self.v[layer].astype(q_bthd.dtype),
-                  mask_bts)
+  def attend_new(self, layer: int, q_bthd: jax.Array, k_bthd: jax.Array, v_bthd: jax.Array,
+                 slots_bt: jax.Array) -> jax.Array:
+    """Attention of T new inputs at slots [B, T] (consecutive) over this layer's entries before
+    them and, causally, over the new inputs' own keys and values: [B, T, H*Dh]."""
+    return attend_with_new(q_bthd, self.k[layer], self.v[layer], k_bthd, v_bthd, slots_bt)
+

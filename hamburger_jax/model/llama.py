@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,6 @@ from flax import nnx
 from hamburger_jax import sharding
 from hamburger_jax.config import REMAT, LlamaConfig
 from hamburger_jax.model.attention import attend
-from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.model.rope import apply_rope, inverse_frequencies
 
 Initializer = Callable[..., jax.Array]
@@ -34,29 +33,56 @@ def dtype_of(name: str):
   return jnp.dtype(name)
 
 
+# `merged_bt` of a forward where every entry is a merged group: the adapters act everywhere, as
+# one set of kernels (Linear: the kernel with its adapter folded in), not per row.
+ALL_MERGED = "all"
+KV = tuple[jax.Array, jax.Array]  # keys, values of new entries, every layer: [L, B, T, Hkv, Dh]
+
+
 class Linear(nnx.Module):
-  """y = x @ kernel (+ bias). kernel is [in, out]: transformers' weight transposed."""
+  """y = x @ kernel (+ bias). kernel is [in, *out]: transformers' weight transposed, with the
+  output dimension split in several where one kernel holds several projections (a fused
+  q|k|v by KV head, gate|up)."""
 
-  def __init__(self, in_features: int, out_features: int, axes: tuple[str | None, str | None],
-               *, rngs: nnx.Rngs, use_bias: bool = False, param_type=nnx.Param,
-               init: Initializer | None = None, param_dtype=jnp.float32, dtype=jnp.float32):
+  def __init__(self, in_features: int, out_features: int | tuple[int, ...],
+               axes: tuple[str | None, ...], *, rngs: nnx.Rngs, use_bias: bool = False,
+               param_type=nnx.Param, init: Initializer | None = None, param_dtype=jnp.float32,
+               dtype=jnp.float32):
     init = init or _BASE_INIT
-    self.kernel = param_type(init(rngs.params(), (in_features, out_features), param_dtype),
+    out = (out_features,) if isinstance(out_features, int) else tuple(out_features)
+    self.kernel = param_type(init(rngs.params(), (in_features, *out), param_dtype),
                              logical_axes=axes)
-    self.bias = (param_type(init(rngs.params(), (out_features,), param_dtype),
-                            logical_axes=(axes[1],)) if use_bias else None)
+    self.bias = (param_type(init(rngs.params(), out, param_dtype), logical_axes=axes[1:])
+                 if use_bias else None)
     self.dtype = dtype
-    self.lora = nnx.data(None)  # an adapter (hamburger_jax.model.lora.LoRA) once attached
+    # A merged-entry adapter once attached (hamburger_jax.model.lora: LoRA to train,
+    # FoldedAdapter to decode).
+    self.lora = nnx.data(None)
 
-  def __call__(self, x: jax.Array, merged: jax.Array | None = None) -> jax.Array:
-    """`merged` [...] (x's leading dims): where True, an attached adapter adds its delta; where
-    False, or when None, this is the plain layer (the adapters are merged-entry adapters)."""
-    y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+  def __call__(self, x: jax.Array, merged: jax.Array | str | None = None) -> jax.Array:
+    """`merged`: None, the plain layer; ALL_MERGED, the layer with its adapter everywhere;
+    a bool array of x's leading dims, the adapter where True (merged entries) and the plain
+    layer elsewhere."""
+    kernel = self.kernel[...]
+    if self.lora is not None and isinstance(merged, str):
+      kernel = self.lora.folded(kernel)
+    y = matmul(x, kernel, self.dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
-    if self.lora is not None and merged is not None:
-      y = jnp.where(merged[..., None], y + self.lora(x), y)
+    if self.lora is not None and merged is not None and not isinstance(merged, str):
+      y = self.lora.per_row(x, y, merged)
     return y
+
+
+def matmul(x: jax.Array, kernel: jax.Array, dtype) -> jax.Array:
+  """x [..., in] @ kernel [in, *out] in `dtype`: one dot_general."""
+  x, kernel = x.astype(dtype), kernel.astype(dtype)
+  return jnp.dot(x, kernel) if kernel.ndim == 2 else jnp.tensordot(x, kernel, axes=1)
+
+
+def rows_where(merged: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+  """`a` where `merged` [leading dims] is True, else `b`."""
+  return jnp.where(merged.reshape(merged.shape + (1,) * (a.ndim - merged.ndim)), a, b)
 
 
 class RMSNorm(nnx.Module):
@@ -75,6 +101,9 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
+  """GQA self-attention. With cfg.fused_projections q, k and v are one kernel [D, G + 2, Hkv,
+  Dh]: the G query heads of every KV head, then the keys, then the values (one matmul; a tensor
+  split by KV heads keeps each group on one device)."""
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, param_type=nnx.Param,
                init: Callable[[int], Initializer] | None = None):
@@ -82,33 +111,53 @@ class Attention(nnx.Module):
     kw = dict(rngs=rngs, param_type=param_type, param_dtype=dtype_of(cfg.param_dtype),
               dtype=dtype_of(cfg.dtype))
     mk = (lambda fan_in: init(fan_in)) if init else (lambda fan_in: None)
-    self.q_proj = Linear(d, h * dh, ("embed", "heads"), init=mk(d), **kw)
-    self.k_proj = Linear(d, hkv * dh, ("embed", "kv_heads"), init=mk(d), **kw)
-    self.v_proj = Linear(d, hkv * dh, ("embed", "kv_heads"), init=mk(d), **kw)
+    if cfg.fused_projections:
+      self.qkv_proj = Linear(d, (h // hkv + 2, hkv, dh), ("embed", None, "kv_heads", None),
+                             init=mk(d), **kw)
+    else:
+      self.q_proj = Linear(d, h * dh, ("embed", "heads"), init=mk(d), **kw)
+      self.k_proj = Linear(d, hkv * dh, ("embed", "kv_heads"), init=mk(d), **kw)
+      self.v_proj = Linear(d, hkv * dh, ("embed", "kv_heads"), init=mk(d), **kw)
     self.o_proj = Linear(h * dh, d, ("heads", "embed"), init=mk(h * dh), **kw)
     self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, dh
+    self.fused = cfg.fused_projections
     self.rope_cfg = cfg  # static; frequencies are recomputed at trace time (an array here
     # would become module state)
 
-  def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,
-               cache: KVCache | None = None, slots_bt: jax.Array | None = None,
-               layer: int = 0, merged_bt: jax.Array | None = None
-               ) -> tuple[jax.Array, KVCache | None]:
+  def project(self, x_btd: jax.Array, merged_bt=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [B, T, H, Dh] (fused: [B, T, G, Hkv, Dh]), k and v [B, T, Hkv, Dh], before RoPE."""
     b, t, _ = x_btd.shape
-    q = self.q_proj(x_btd, merged_bt).reshape(b, t, self.num_heads, self.head_dim)
-    k = self.k_proj(x_btd, merged_bt).reshape(b, t, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(x_btd, merged_bt).reshape(b, t, self.num_kv_heads, self.head_dim)
+    h, hkv, dh = self.num_heads, self.num_kv_heads, self.head_dim
+    if self.fused:
+      y = self.qkv_proj(x_btd, merged_bt)  # [B, T, G + 2, Hkv, Dh]
+      g = h // hkv
+      # Split along a major dimension (free on a TPU, where the two minor ones are tiled); q
+      # stays [B, T, G, Hkv, Dh], which attention takes as it is.
+      return y[:, :, :g], y[:, :, g], y[:, :, g + 1]
+    return (self.q_proj(x_btd, merged_bt).reshape(b, t, h, dh),
+            self.k_proj(x_btd, merged_bt).reshape(b, t, hkv, dh),
+            self.v_proj(x_btd, merged_bt).reshape(b, t, hkv, dh))
+
+  def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array | None,
+               cache=None, slots_bt: jax.Array | None = None, layer: int = 0,
+               merged_bt=None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Attention output [B, T, D] and the inputs' keys and values [B, T, Hkv, Dh]. Without a
+    cache the inputs attend among themselves under `mask_bts`; with one (read only: the caller
+    writes the keys and values) each input at cache slot `slots_bt` attends to the cache's
+    earlier entries and, causally, to the inputs."""
+    q, k, v = self.project(x_btd, merged_bt)
     inv_freq = inverse_frequencies(self.rope_cfg)
     q = apply_rope(q, positions_bt, inv_freq)
     k = apply_rope(k, positions_bt, inv_freq)
     if cache is None:
-      return self.o_proj(attend(q, k, v, mask_bts), merged_bt), None
-    # The cache owns how its entries are read (a dense row, or a paged pool's blocks).
-    cache = cache.write(layer, slots_bt, k, v)
-    return self.o_proj(cache.attend(layer, q, mask_bts), merged_bt), cache
+      out = attend(q, k, v, mask_bts)
+    else:  # the cache owns how its entries are read (a dense row, or a paged pool's blocks)
+      out = cache.attend_new(layer, q, k, v, slots_bt)
+    return self.o_proj(out, merged_bt), (k, v)
 
 
 class MLP(nnx.Module):
+  """SwiGLU. With cfg.fused_projections gate and up are one kernel [D, 2, F]."""
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, param_type=nnx.Param,
                init: Callable[[int], Initializer] | None = None):
@@ -116,13 +165,21 @@ class MLP(nnx.Module):
     kw = dict(rngs=rngs, param_type=param_type, param_dtype=dtype_of(cfg.param_dtype),
               dtype=dtype_of(cfg.dtype))
     mk = (lambda fan_in: init(fan_in)) if init else (lambda fan_in: None)
-    self.gate_proj = Linear(d, f, ("embed", "mlp"), init=mk(d), **kw)
-    self.up_proj = Linear(d, f, ("embed", "mlp"), init=mk(d), **kw)
+    if cfg.fused_projections:
+      self.gate_up_proj = Linear(d, (2, f), ("embed", None, "mlp"), init=mk(d), **kw)
+    else:
+      self.gate_proj = Linear(d, f, ("embed", "mlp"), init=mk(d), **kw)
+      self.up_proj = Linear(d, f, ("embed", "mlp"), init=mk(d), **kw)
     self.down_proj = Linear(f, d, ("mlp", "embed"), init=mk(f), **kw)
+    self.fused = cfg.fused_projections
 
-  def __call__(self, x: jax.Array, merged_bt: jax.Array | None = None) -> jax.Array:
-    h = jax.nn.silu(self.gate_proj(x, merged_bt)) * self.up_proj(x, merged_bt)
-    return self.down_proj(h, merged_bt)
+  def __call__(self, x: jax.Array, merged_bt=None) -> jax.Array:
+    if self.fused:
+      y = self.gate_up_proj(x, merged_bt)  # [..., 2, F]
+      gate, up = y[..., 0, :], y[..., 1, :]
+    else:
+      gate, up = self.gate_proj(x, merged_bt), self.up_proj(x, merged_bt)
+    return self.down_proj(jax.nn.silu(gate) * up, merged_bt)
 
 
 class DecoderLayer(nnx.Module):
@@ -138,10 +195,10 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x_btd, positions_bt, mask_bts, cache=None, slots_bt=None, layer=0,
                merged_bt=None):
-    a, cache = self.self_attn(self.input_layernorm(x_btd), positions_bt, mask_bts, cache,
-                              slots_bt, layer, merged_bt)
+    a, kv = self.self_attn(self.input_layernorm(x_btd), positions_bt, mask_bts, cache,
+                           slots_bt, layer, merged_bt)
     x_btd = x_btd + a
-    return x_btd + self.mlp(self.post_attention_layernorm(x_btd), merged_bt), cache
+    return x_btd + self.mlp(self.post_attention_layernorm(x_btd), merged_bt), kv
 
 
 class DecoderStack(nnx.Module):
@@ -160,23 +217,26 @@ class DecoderStack(nnx.Module):
     self.scan = False
     self.remat = "none"
 
-  def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,
-               cache: KVCache | None = None, slots_bt: jax.Array | None = None,
-               collect: Sequence[int] = (), merged_bt: jax.Array | None = None
-               ) -> tuple[jax.Array, list[jax.Array], KVCache | None]:
-    """Returns the last residual stream, the residual outputs of layers `collect`, the cache.
+  def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array | None,
+               cache=None, slots_bt: jax.Array | None = None, collect: Sequence[int] = (),
+               merged_bt=None) -> tuple[jax.Array, list[jax.Array], KV | None]:
+    """Returns the last residual stream, the residual outputs of layers `collect`, and with a
+    cache (read only) the inputs' keys and values of every layer, for the caller to write.
 
-    `merged_bt` [B, T] bool: entries that are merged groups (only there do adapters act)."""
+    `merged_bt`: where the adapters act (Linear: None, ALL_MERGED, or [B, T] bool)."""
     x_btd = sharding.constrain_rows(x_btd)
     if self.scan and cache is None and len(self.layers) > 1:
       return self._scanned(x_btd, positions_bt, mask_bts, collect, merged_bt)
-    collected = []
+    collected, keys, values = [], [], []
     for i, layer in enumerate(self.layers):
-      x_btd, cache = layer(x_btd, positions_bt, mask_bts, cache, slots_bt, i, merged_bt)
+      x_btd, (k, v) = layer(x_btd, positions_bt, mask_bts, cache, slots_bt, i, merged_bt)
       x_btd = sharding.constrain_rows(x_btd)
+      keys.append(k)
+      values.append(v)
       if i in collect:
         collected.append(x_btd)
-    return x_btd, collected, cache
+    kv = (jnp.stack(keys), jnp.stack(values)) if cache is not None else None
+    return x_btd, collected, kv
 
   def _scanned(self, x_btd, positions_bt, mask_bts, collect, merged_bt):
     graphdef = nnx.graphdef(self.layers[0])
@@ -207,7 +267,8 @@ def set_layer_execution(model: nnx.Module, scan: bool, remat: str = "none") -> N
 class BaseOutput:
   hidden: jax.Array  # [B, T, D] final-normed last layer
   collected: list[jax.Array]  # residual outputs of the requested layers, each [B, T, D]
-  cache: KVCache | None
+  cache: Any = None  # the cache with the inputs' entries written (write=True)
+  kv: KV | None = None  # the inputs' keys and values (with a cache)
 
 
 class Llama(nnx.Module):
@@ -238,14 +299,20 @@ class Llama(nnx.Module):
     return jnp.einsum("...d,dv->...v", h.astype(dt), self.head_dv().astype(dt),
                       preferred_element_type=jnp.float32)
 
-  def forward(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,
-              cache: KVCache | None = None, slots_bt: jax.Array | None = None,
-              collect: Sequence[int] = (), merged_bt: jax.Array | None = None) -> BaseOutput:
-    """`merged_bt` [B, T] bool marks merged-entry inputs, where base adapters act; None (prompt,
+  def forward(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array | None = None,
+              cache=None, slots_bt: jax.Array | None = None, collect: Sequence[int] = (),
+              merged_bt=None, write: bool = True) -> BaseOutput:
+    """Without a cache: inputs attending among themselves under `mask_bts`. With one: inputs at
+    cache slots `slots_bt` after its earlier entries; `write` puts their keys and values in it
+    (else the caller writes `kv`, e.g. after a branch that must not carry the cache).
+    `merged_bt` marks merged-entry inputs, where base adapters act (Linear); None (prompt,
     base mode) runs the exact base weights everywhere."""
-    x, collected, cache = self.decoder(x_btd, positions_bt, mask_bts, cache, slots_bt, collect,
-                                       merged_bt)
-    return BaseOutput(self.norm(x), collected, cache)
+    x, collected, kv = self.decoder(x_btd, positions_bt, mask_bts,
+                                    None if cache is None else cache.view(), slots_bt, collect,
+                                    merged_bt)
+    if cache is not None and write:
+      cache = cache.write_layers(slots_bt, *kv)
+    return BaseOutput(self.norm(x), collected, cache, kv)
 
   def __call__(self, ids_bt: jax.Array, segment_ids_bt: jax.Array | None = None,
                positions_bt: jax.Array | None = None,

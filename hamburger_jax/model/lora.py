@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hamburger_jax.model.llama import GraftParam, Linear, torch_linear_init
+from hamburger_jax.model.llama import GraftParam, Linear, matmul, rows_where, torch_linear_init
 
 
 class LoRA(nnx.Module):
@@ -36,14 +36,51 @@ class LoRA(nnx.Module):
     """The dense [in, out] change to the kernel."""
     return self.scale * jnp.dot(self.a[...], self.b[...])
 
+  def folded(self, kernel: jax.Array) -> jax.Array:
+    """The kernel with this adapter in it: what a merged entry is multiplied by."""
+    return kernel + self.delta().reshape(kernel.shape).astype(kernel.dtype)
+
+  def per_row(self, x: jax.Array, y: jax.Array, merged: jax.Array) -> jax.Array:
+    """y (the plain layer's output) plus the low-rank delta where `merged` (training: the
+    delta's gradient reaches a and b; the base's kernel is read once)."""
+    return rows_where(merged, y + self(x).reshape(y.shape), y)
+
+
+class Folded(nnx.Variable):
+  """A kernel with its merged-entry adapter folded in (W + scale * a @ b): derived from a
+  trained LoRA for decoding (hamburger_jax/model/decode_layout.py), never trained or saved."""
+
+
+class FoldedAdapter(nnx.Module):
+  """A merged-entry adapter as decoding runs it: one folded kernel, so a merged entry costs one
+  matmul like any other (x @ folded), not three (x @ W, then (x @ a) @ b)."""
+
+  def __init__(self, kernel: jax.Array, axes: tuple):
+    self.kernel = Folded(kernel, logical_axes=axes)
+
+  def folded(self, kernel: jax.Array) -> jax.Array:
+    del kernel  # stored folded already
+    return self.kernel[...]
+
+  def per_row(self, x: jax.Array, y: jax.Array, merged: jax.Array) -> jax.Array:
+    """Where `merged`, the folded kernel's output; elsewhere y (the plain kernel's). Both
+    matmuls run over every row: used where some rows are merged and some not."""
+    return rows_where(merged, matmul(x, self.kernel[...], y.dtype), y)
+
 
 def base_linears(base: nnx.Module) -> list[Linear]:
   return [m for _, m in nnx.iter_graph(base.decoder) if isinstance(m, Linear)]
 
 
-def attach(base: nnx.Module, rank: int, alpha: float, rngs: nnx.Rngs) -> None:
-  """Adds an adapter to every projection of the base's decoder layers, in place."""
+def attach(base: nnx.Module, rank: int, alpha: float, rngs: nnx.Rngs,
+           folded: bool = False) -> None:
+  """Adds an adapter to every projection of the base's decoder layers, in place: a LoRA to
+  train, or (`folded`) a FoldedAdapter to be filled from one (model/decode_layout.py)."""
   for lin in base_linears(base):
+    axes = lin.kernel.get_metadata()["logical_axes"]
+    if folded:
+      lin.lora = FoldedAdapter(jnp.zeros(lin.kernel.shape, lin.kernel.dtype), axes)
+      continue
     n_in, n_out = lin.kernel.shape
-    lin.lora = LoRA(n_in, n_out, rank, alpha, lin.kernel.get_metadata()["logical_axes"],
-                    rngs=rngs, param_dtype=lin.kernel.dtype, dtype=lin.dtype)
+    lin.lora = LoRA(n_in, n_out, rank, alpha, axes, rngs=rngs, param_dtype=lin.kernel.dtype,
+                    dtype=lin.dtype)

@@ -35,8 +35,11 @@ class MicroStepDecoder(nnx.Module):
     self.stop_head = StopHead(base.hidden_size, rngs=rngs,
                               param_dtype=dtype_of(base.param_dtype), dtype=dtype_of(base.dtype))
 
-  def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,
+  def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array | None,
                cache: KVCache | None = None,
                slots_bt: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
-    h, _, cache = self.decoder(x_btd, positions_bt, mask_bts, cache, slots_bt)
-    return h, cache
+    """Hidden states [B, T, D]; with a cache, the cache with the inputs' entries written."""
+    h, _, kv = self.decoder(x_btd, positions_bt, mask_bts, cache, slots_bt)
+    if cache is None:
+      return h, None
+    return h, cache.write_layers(slots_bt, *kv)

@@ -31,10 +31,12 @@ def inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:
 
 
 def apply_rope(x_bthd: jax.Array, positions_bt: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-  """Rotates q or k [B, T, H, Dh] by per-token positions [B, T] (positions need not be contiguous)."""
+  """Rotates q or k [B, T, (heads...), Dh] by per-token positions [B, T] (positions need not be
+  contiguous); the heads may span several dimensions (a fused projection's [G, Hkv])."""
   freqs = positions_bt.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, Dh/2]
-  cos = jnp.cos(freqs)[:, :, None, :]
-  sin = jnp.sin(freqs)[:, :, None, :]
+  heads = (None,) * (x_bthd.ndim - 3)
+  cos = jnp.cos(freqs)[:, :, *heads, :]
+  sin = jnp.sin(freqs)[:, :, *heads, :]
   x = x_bthd.astype(jnp.float32)
   x1, x2 = jnp.split(x, 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -8,6 +8,7 @@ compiled for a device mesh that is not attached: a TPU pod's topology (hamburger
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterator
 
 import flax.struct
@@ -19,7 +20,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hamburger_jax import pretrained, sharding
+from hamburger_jax import precision, pretrained, sharding
 from hamburger_jax.config import ConfigError, HamburgerConfig
 from hamburger_jax.distillation import acceptance_metrics, distill_loss, micro_distill_loss
 from hamburger_jax.evaluation import teacher_forced
@@ -159,9 +160,9 @@ class Trainer:
                                       opt_state=opt_shardings)
     if abstract:
       self.frozen = with_shardings(frozen, self.frozen_shardings)
-      self.state = with_shardings(TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
-                                       opt_state=jax.eval_shape(self.tx.init, params)),
-                            self.state_shardings)
+      state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                         opt_state=jax.eval_shape(self.tx.init, params))
+      self.state = with_shardings(state, self.state_shardings)
     else:
       self.frozen = jax.device_put(frozen, self.frozen_shardings)
       params = jax.device_put(params, self.param_shardings)
@@ -172,6 +173,13 @@ class Trainer:
     self._eval_fns: dict[tuple[str, ...], Any] = {}
 
   # ---------------------------------------------------------------- programs
+
+  @contextlib.contextmanager
+  def tracing(self) -> Iterator[None]:
+    """How the steps are traced: under the mesh (activations split by rows:
+    sharding.constrain_rows) and at the run's float32 matmul precision (train.precision)."""
+    with jax.set_mesh(self.mesh), precision.matmuls(self.cfg.train.precision):
+      yield
 
   def batch_sharding(self, key: str, accum_axis: bool = True) -> NamedSharding:
     """How a batch field is split: rows over the data-parallel axes (after the accumulation
@@ -230,12 +238,12 @@ class Trainer:
     """The train step lowered for this trainer's state and `batch` (default: abstract_batch()):
     `.compile()` it to see what one optimiser step costs on the mesh's devices."""
     batch = self.abstract_batch() if batch is None else batch
-    with jax.set_mesh(self.mesh):
+    with self.tracing():
       return self.step_program(tuple(sorted(batch))).lower(self.state, self.frozen, batch)
 
   def lower_eval(self, batch: dict | None = None) -> jax.stages.Lowered:
     batch = self.abstract_batch(accum=0) if batch is None else batch
-    with jax.set_mesh(self.mesh):
+    with self.tracing():
       return self.eval_program(tuple(sorted(batch))).lower(self.state.params, self.frozen, batch)
 
   # ---------------------------------------------------------------- traced
@@ -323,7 +331,7 @@ class Trainer:
   def step(self, local_batches: list[dict[str, np.ndarray]]) -> dict[str, float]:
     self._check_concrete()
     batch = self.global_batch(local_batches)
-    with jax.set_mesh(self.mesh):  # traced under the mesh: activations split by rows
+    with self.tracing():
       self.state, metrics = self.step_program(tuple(batch))(self.state, self.frozen, batch)
     return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
@@ -337,7 +345,7 @@ class Trainer:
       if i >= max_batches:
         break
       batch = {k: v[0] for k, v in self.global_batch([b]).items()}
-      with jax.set_mesh(self.mesh):
+      with self.tracing():
         pool.add(self.eval_program(tuple(batch))(self.state.params, self.frozen, batch))
     # metrics.jsonl and TensorBoard take numbers: a metric with no items is logged as 0, and its
     # count (val_n_tf_* for the acceptance shares) tells it apart, as train.curves reads it.

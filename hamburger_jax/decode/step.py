@@ -1,0 +1,257 @@
+"""One macro step of decoding, the engine's loop body (docs/method.md section 3): token 0 from
+the base's features, the stop head and the micro steps (HAMburger mode), the group smashed
+into ONE base input, the base forward of that input and its KV entry written. The engine, the
+decode benches and `roofline.decode_step_program` all run this code.
+
+Where launches go (a small model's step on a GPU is bound by how many kernels it runs):
+- the micro steps are unrolled (K is static): each takes its token and, but for the last, its
+  stop head's decision inside; the next runs only if a row goes on (nested conditionals);
+- the base forward reads its cache without writing it and returns the new keys and values,
+  which are written for every layer at once after it: so the forward can sit in a branch (a
+  branch that wrote the pool would copy it) that picks the adapters' form per step: plain
+  kernels when no entry is merged, folded kernels when every live entry is, both (selected per
+  row) otherwise (model/llama.py: Linear).
+
+`StepVariant` takes parts out (infer.ablate_step) or fixes what tracing may assume
+(`forced`: every group runs to K tokens, every entry merges: roofline's step, no branches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from hamburger_jax.decode.sampling import sample_rows
+from hamburger_jax.model.hamburger import Hamburger, continues
+from hamburger_jax.model.llama import ALL_MERGED, Llama
+
+# A macro step whose continuing rows fit in slots / MICRO_BATCH_DIVISOR runs its micro steps on
+# those rows only (micro_batch_sizes).
+MICRO_BATCH_DIVISOR = 4
+PROPOSALS = ("micro", "stop_only", "token0")
+EMBEDDERS = ("graft", "token0")
+
+
+@flax.struct.dataclass
+class DecodeState:
+  cache: Any  # the KV cache (decode/paged_kv.py: PagedKVCache; model/kv_cache.py: KVCache)
+  features: jax.Array  # [B, F, D] base features at each slot's predicting position (base: F=1)
+  prompt_len: jax.Array  # [B]
+  tokens: jax.Array  # [B, N + K] emitted tokens
+  n_tokens: jax.Array  # [B]
+  groups: jax.Array  # [B, N] tokens emitted by each macro step
+  n_steps: jax.Array  # [B]
+  done: jax.Array  # [B] bool; empty slots are done
+  max_new: jax.Array  # [B] the slot's own max_new_tokens (<= N)
+  confidence: jax.Array  # [B] continue a group while P(continue) >= confidence
+  max_group: jax.Array  # [B] the most tokens one macro step of the slot may emit (<= K)
+  temperature: jax.Array  # [B] 0 = greedy
+  top_k: jax.Array  # [B] 0 = off
+  top_p: jax.Array  # [B] 1 = off
+  key: jax.Array  # [B] the slot's request key; token keys fold in the step and micro index
+
+
+@dataclasses.dataclass(frozen=True)
+class StepVariant:
+  """What a macro step computes, fixed when it is traced.
+
+  adapters: merged-entry adapters act on merged entries (False: the plain base everywhere).
+  proposal: "micro" (stop head, micro steps), "stop_only" (the stop head's decision computed,
+    no micro step), "token0" (token 0 alone).
+  embedder: "graft" (the compositional embedder) or "token0" (a group's entry is its first
+    token's embedding).
+  forced: every live row's group runs to K tokens (the rows' confidence is 0 and nothing stops
+    a group: the stop heads still run, their decisions all go on) and every entry is merged;
+    known when tracing, so the step has no branch: all micro steps run, the folded kernels
+    act."""
+  adapters: bool = True
+  proposal: str = "micro"
+  embedder: str = "graft"
+  forced: bool = False
+
+  def __post_init__(self):
+    if self.proposal not in PROPOSALS:
+      raise ValueError(f"proposal={self.proposal!r}: use one of {', '.join(PROPOSALS)}")
+    if self.embedder not in EMBEDDERS:
+      raise ValueError(f"embedder={self.embedder!r}: use one of {', '.join(EMBEDDERS)}")
+
+
+def base_of(model: Llama | Hamburger) -> Llama:
+  return model.base if isinstance(model, Hamburger) else model
+
+
+def has_adapters(model: Llama | Hamburger) -> bool:
+  return isinstance(model, Hamburger) and model.cfg.graft.base_lora_rank > 0
+
+
+def forward_features(model, mode: str, x_btd, positions_bt, cache, slots_bt, merged_bt=None,
+                     write: bool = True):
+  """The base forward of inputs at cache slots: features [B, T, F, D] (base mode: F = 1, the
+  normed last layer) and the cache written (`write`) or the inputs' keys and values."""
+  if mode == "hamburger":
+    return model.base_features(x_btd, positions_bt, None, cache, slots_bt, merged_bt, write)
+  out = base_of(model).forward(x_btd, positions_bt, None, cache, slots_bt, write=write)
+  return out.hidden[:, :, None, :], out.cache if write else out.kv
+
+
+def sample(logits_bv, state: DecodeState, micro: int, stochastic: bool) -> jax.Array:
+  """Each row's token. A token's key depends only on its request, macro step and micro index:
+  never on the slot, the batch mates or when the request arrived."""
+  keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.fold_in(k, s), micro))(
+      state.key, state.n_steps)
+  return sample_rows(logits_bv, keys, state.temperature, state.top_k, state.top_p,
+                     stochastic=stochastic)
+
+
+def micro_batch_sizes(slots: int) -> tuple[int, ...]:
+  """The micro batches (below `slots`) a macro step may gather its continuing rows into: one
+  row, and a quarter of the slots. Each is one more traced copy of the micro steps; the LM head
+  they run costs less for fewer rows (SmolLM2 on 2 CPU cores: 1 row ~3 ms, 4 rows ~8 ms, 16 rows
+  ~17 ms), which is what a macro step pays when only a few rows continue."""
+  return tuple(sorted({n for n in (1, slots // MICRO_BATCH_DIVISOR) if 1 <= n < slots}))
+
+
+def micro_branch(n_continuing: jax.Array, slots: int) -> jax.Array:
+  """Which micro batch a macro step runs: 0 none (no row continues), i the i-th of
+  micro_batch_sizes(slots) (the smallest that holds the continuing rows), last every slot."""
+  sizes = jnp.asarray((*micro_batch_sizes(slots), slots), jnp.int32)
+  return jnp.where(n_continuing == 0, 0, 1 + jnp.searchsorted(sizes, n_continuing))
+
+
+def _micro_steps(model: Hamburger, rs: DecodeState, tokens, count, cont, *, stop_ids,
+                 stochastic: bool, forced: bool):
+  """Micro steps 1..K-1 for the rows of `rs` (the state's per-row fields, no cache): unrolled,
+  each emitting t_i where `cont`; step i + 1 runs only if a row goes on (always if
+  `forced`)."""
+  k = model.max_group
+  base = model.base
+  left = rs.max_new - rs.n_tokens
+
+  def step(i, x, cache, tokens, count, cont):
+    h, cache = model.micro_step(i, x, cache)
+    ti = model.micro_token(sample(model.micro_logits(h), rs, i, stochastic))
+    tokens = tokens.at[:, i].set(jnp.where(cont, ti, 0))
+    count = count + cont
+    if i == k - 1:  # the group is full: no decision left to take
+      return tokens, count
+    go_on = (cont & continues(model.stop_logits(h), rs.confidence) & ~jnp.isin(ti, stop_ids)
+             & (left > i + 1) & (rs.max_group > i + 1))
+    x = base.embed(ti[:, None])
+    rest = lambda ops: step(i + 1, *ops)
+    ops = (x, cache, tokens, count, go_on)
+    if forced:
+      return rest(ops)
+    return jax.lax.cond(jnp.any(go_on), rest, lambda o: (o[2], o[3]), ops)
+
+  # Micro step 1 reads the F features and e(t0) in one pass (one read of the weights).
+  x = jnp.concatenate([rs.features, base.embed(tokens[:, :1])], axis=1)
+  return step(1, x, model.micro_cache(tokens.shape[0]), tokens, count, cont)
+
+
+def propose(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids: jax.Array,
+            stochastic: bool, variant: StepVariant = StepVariant()) -> tuple[jax.Array, jax.Array]:
+  """One macro step's group: tokens [B, K'] and how many of them each row emits [B]."""
+  base = base_of(model)
+  h0 = state.features[:, -1]  # skip connection: token 0 is the base's own prediction
+  t0 = sample(base.logits(h0), state, 0, stochastic)
+  count = jnp.where(state.done, 0, 1).astype(jnp.int32)
+  if mode != "hamburger" or model.max_group == 1:
+    return t0[:, None], count
+  k = model.max_group
+  b = t0.shape[0]
+  tokens = jnp.zeros((b, k), jnp.int32).at[:, 0].set(t0)
+  if variant.proposal == "token0":
+    return tokens, count
+  remaining = state.max_new - state.n_tokens
+  cont = (~state.done & continues(model.stop_logits(h0), state.confidence)
+          & ~jnp.isin(t0, stop_ids) & (remaining > 1) & (state.max_group > 1))
+  if variant.proposal == "stop_only":  # the decision computed and kept, never acted on
+    return tokens, count + (cont & (count > 9)).astype(count.dtype)
+  rows_state = state.replace(cache=None)  # the per-row fields (never the KV pool)
+  micro = lambda rs, *ops: _micro_steps(model, rs, *ops, stop_ids=stop_ids,
+                                        stochastic=stochastic, forced=variant.forced)
+  if variant.forced:
+    return micro(rows_state, tokens, count, cont)
+
+  def compact(size: int):
+    def run(operands):
+      """Only the rows that continue, gathered into a micro batch of `size` rows: a micro
+      step's LM head then reads `size` rows, not every slot (padding rows emit nothing)."""
+      tokens, count, cont = operands
+      idx = jnp.nonzero(cont, size=size, fill_value=b)[0]  # b: a padding row
+      take = lambda x: x[jnp.minimum(idx, b - 1)]
+      sub_tokens, sub_count = micro(jax.tree.map(take, rows_state), take(tokens), take(count),
+                                    idx < b)
+      return (tokens.at[idx].set(sub_tokens, mode="drop"),
+              count.at[idx].set(sub_count, mode="drop"))
+    return run
+
+  # Rows whose stop head fired after token 0 need no micro decoder work at all; when few rows
+  # go on, the smallest micro batch that holds them runs the micro steps.
+  return jax.lax.switch(micro_branch(jnp.sum(cont), b),
+                        [lambda o: o[:2], *(compact(n) for n in micro_batch_sizes(b)),
+                         lambda o: micro(rows_state, *o)],
+                        (tokens, count, cont))
+
+
+def advance(model: Llama | Hamburger, mode: str, state: DecodeState, group: jax.Array,
+            count: jax.Array, *, offset: int, variant: StepVariant = StepVariant()
+            ) -> DecodeState:
+  """The emitted group becomes ONE base input at the position of its last token; the base
+  forward of it gives the next features and its KV entry."""
+  if mode == "hamburger" and variant.embedder == "graft":
+    x = model.smash(group, jnp.maximum(count, 1))
+  else:
+    x = base_of(model).embed(group[:, 0])
+  pos = (state.prompt_len - 1 + state.n_tokens + offset)[:, None]
+  slot = state.cache.length[:, None]
+  view = state.cache.view()  # read before the branch, written after it
+  run = lambda merged: forward_features(model, mode, x[:, None], pos, view, slot, merged,
+                                        write=False)
+  if mode != "hamburger" or not has_adapters(model) or not variant.adapters:
+    feats, kv = run(None)
+  elif variant.forced:
+    feats, kv = run(ALL_MERGED)
+  else:
+    # Base adapters act only on a merged entry (a group of >= 2 tokens): after a single token
+    # the base runs its exact weights, so confidence 1.0 is the base, token for token.
+    merged = count >= 2  # empty and finished rows emit nothing: they agree with either form
+    every = jnp.all(merged | (count == 0))
+    branches = [lambda: run(None), lambda: run(ALL_MERGED)]
+    if merged.shape[0] > 1:  # one row always agrees with itself
+      branches.append(lambda: run(merged[:, None]))
+    index = jnp.where(~jnp.any(merged), 0, jnp.where(every, 1, len(branches) - 1))
+    feats, kv = jax.lax.switch(index, branches)
+  cache = state.cache.write_layers(slot, *kv)
+  cache = cache.replace(length=cache.length + (~state.done).astype(jnp.int32))
+  return state.replace(cache=cache, features=feats[:, 0])
+
+
+def macro_step(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids: jax.Array,
+               stochastic: bool, offset: int = 0, variant: StepVariant = StepVariant(),
+               report: Callable[[jax.Array, jax.Array], None] | None = None) -> DecodeState:
+  """One macro step of every slot: the group proposed, emitted into the state's buffers
+  (`report(group, count)` sees it), then the base step that reads it. Done slots emit nothing
+  and write only where nothing is read (their own unused entries, or a pool's trash block)."""
+  group, count = propose(model, mode, state, stop_ids=stop_ids, stochastic=stochastic,
+                         variant=variant)
+  k = group.shape[1]
+  n_max = state.groups.shape[1]
+  rows = jnp.arange(state.done.shape[0])[:, None]
+  emitted = jnp.arange(k)[None, :] < count[:, None]
+  idx = jnp.where(emitted, state.n_tokens[:, None] + jnp.arange(k)[None, :], n_max + k)
+  tokens = state.tokens.at[rows, idx].set(group, mode="drop")
+  gidx = jnp.where(count > 0, state.n_steps, n_max)[:, None]
+  groups = state.groups.at[rows, gidx].set(count[:, None], mode="drop")
+  n_tokens = state.n_tokens + count
+  done = state.done | jnp.any(emitted & jnp.isin(group, stop_ids), axis=1) | (
+      n_tokens >= state.max_new)
+  if report is not None:
+    report(group, count)
+  state = state.replace(tokens=tokens, groups=groups, n_tokens=n_tokens,
+                        n_steps=state.n_steps + (count > 0), done=done)
+  return advance(model, mode, state, group, count, offset=offset, variant=variant)

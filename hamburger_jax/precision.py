@@ -1,0 +1,58 @@
+"""The precision policy, per backend, in one place: the dtype and the weight layout decoding
+runs in, and the precision of float32 matmuls.
+
+Decoding (Engine; model/decode_layout.py):
+  cpu      float32 weights and compute, fused projections;
+  gpu/tpu  bfloat16 weights and compute (norms, softmax, logits and the argmax over them stay
+           float32 in the model code), fused projections.
+float32 matmuls (`precision`: Engine(matmul_precision=...), train.precision, the benches'
+--precision): "highest" computes them in full float32 on every backend (a TPU otherwise runs
+them as bfloat16 passes, a GPU as TF32); "default" leaves the backend's own choice (faster on
+an accelerator). A bfloat16 model is the same under both. Tests of exact greedy equality pin
+float32 decoding and "highest" (`pin`), so that they hold on any backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import jax
+
+from hamburger_jax.config import PRECISIONS
+
+DEFAULT_PRECISION = "default"
+DECODE_DTYPES = {"cpu": "float32", "gpu": "bfloat16", "tpu": "bfloat16"}
+_pinned: dict[str, str | None] = {"decode_dtype": None}
+
+
+def decode_defaults(platform: str) -> dict:
+  """{"dtype", "fused"}: how an engine on `platform` decodes unless told otherwise (or `pin`
+  fixed it for every backend)."""
+  dtype = _pinned["decode_dtype"] or DECODE_DTYPES.get(platform, "float32")
+  return {"dtype": dtype, "fused": True}
+
+
+def pin(decode_dtype: str = "float32", matmuls: str = "highest") -> None:
+  """One policy on every backend, for this process: engines decode in `decode_dtype` and
+  float32 matmuls run at `matmuls` (jax's default matmul precision). What exact comparisons of
+  greedy tokens need to hold on a GPU or TPU as on the CPU (tests/conftest.py pins it)."""
+  _pinned["decode_dtype"] = decode_dtype
+  jax.config.update("jax_default_matmul_precision", None if check(matmuls) == "default"
+                    else matmuls)
+
+
+def check(setting: str) -> str:
+  if setting not in PRECISIONS:
+    raise ValueError(f"precision={setting!r}: use one of {', '.join(PRECISIONS)}")
+  return setting
+
+
+@contextlib.contextmanager
+def matmuls(setting: str) -> Iterator[None]:
+  """Programs traced in the block compute float32 matmuls at `setting` (PRECISIONS)."""
+  if check(setting) == "default":
+    yield
+    return
+  with jax.default_matmul_precision(setting):
+    yield

@@ -1,0 +1,150 @@
+"""The decoding layout (model/decode_layout.py): fused q|k|v and gate|up kernels and folded
+merged-entry adapters compute what the training layout computes; the engine's step launches
+what the targets ask on SmolLM2's shapes (lowered dots, counted without weights)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hamburger_jax import pretrained, roofline
+from hamburger_jax.config import GraftConfig, HamburgerConfig
+from hamburger_jax.convert.mapping import WeightsError
+from hamburger_jax.decode import launches
+from hamburger_jax.model import lora
+from hamburger_jax.model.decode_layout import decode_layout
+from hamburger_jax.model.hamburger import Hamburger
+from hamburger_jax.model.llama import ALL_MERGED, causal_segment_mask
+from hamburger_jax.run_config import load_run_config
+from hamburger_jax.testing import DECODE_CFG
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def adapted() -> Hamburger:
+  """A tiny HAMburger whose merged-entry adapters are non-zero (b = 0 at init would hide them)."""
+  model = Hamburger(HamburgerConfig(DECODE_CFG, GraftConfig(merger_head_dim=16, base_lora_rank=4)),
+                    rngs=nnx.Rngs(0))
+  for i, lin in enumerate(lora.base_linears(model.base)):
+    lin.lora.b.set_value(0.1 * jax.random.normal(jax.random.key(i), lin.lora.b.shape))
+  return model
+
+
+def _inputs(model, b=2, t=9):
+  ids = jax.random.randint(jax.random.key(1), (b, t), 0, DECODE_CFG.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  return model.base.embed(ids), pos, causal_segment_mask(jnp.ones((b, t), jnp.int32))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_decoding_layout_computes_the_training_layouts_forward(adapted, fused):
+  """Plain entries: the same features (to float32 rounding: one matmul of q|k|v is three
+  matmuls' columns). Merged entries, per row or all: the folded kernels give what the
+  adapters give unfolded."""
+  runner = decode_layout(adapted, fused=fused)
+  assert runner.cfg.base.fused_projections == fused
+  x, pos, mask = _inputs(adapted)
+  feats = lambda m, merged: np.asarray(m.base_features(x, pos, mask, merged_bt=merged)[0])
+  np.testing.assert_allclose(feats(runner, None), feats(adapted, None), rtol=1e-5, atol=1e-5)
+  rows = jax.random.bernoulli(jax.random.key(2), 0.5, x.shape[:2])
+  np.testing.assert_allclose(feats(runner, rows), feats(adapted, rows), rtol=1e-4, atol=1e-4)
+  every = jnp.ones(x.shape[:2], bool)
+  np.testing.assert_allclose(feats(runner, ALL_MERGED), feats(adapted, every), rtol=1e-4,
+                             atol=1e-4)
+  assert not np.allclose(feats(adapted, every), feats(adapted, None), atol=1e-3)  # they act
+  h = jax.random.normal(jax.random.key(3), (3, 6, DECODE_CFG.hidden_size))
+  pos6, mask6 = jnp.broadcast_to(jnp.arange(6), (3, 6)), causal_segment_mask(jnp.ones((3, 6),
+                                                                                     jnp.int32))
+  np.testing.assert_allclose(runner.micro(h, pos6, mask6)[0], adapted.micro(h, pos6, mask6)[0],
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_fused_kernels_hold_the_separate_ones(adapted):
+  """q|k|v [D, G + 2, Hkv, Dh] and gate|up [D, 2, F] are the checkpoint's kernels, moved: each
+  separate kernel is read back exactly, so converters and exports keep one layout."""
+  runner = decode_layout(adapted)
+  src, dst = adapted.base.decoder.layers[1], runner.base.decoder.layers[1]
+  d, h, hkv, dh = (DECODE_CFG.hidden_size, DECODE_CFG.num_heads, DECODE_CFG.num_kv_heads,
+                   DECODE_CFG.head_dim)
+  g = h // hkv
+  qkv = np.asarray(dst.self_attn.qkv_proj.kernel[...])
+  assert qkv.shape == (d, g + 2, hkv, dh)
+  q = qkv[:, :g].transpose(0, 2, 1, 3).reshape(d, h * dh)  # back to head h = kv * G + g
+  np.testing.assert_array_equal(q, src.self_attn.q_proj.kernel[...])
+  np.testing.assert_array_equal(qkv[:, g].reshape(d, -1), src.self_attn.k_proj.kernel[...])
+  np.testing.assert_array_equal(qkv[:, g + 1].reshape(d, -1), src.self_attn.v_proj.kernel[...])
+  gate_up = np.asarray(dst.mlp.gate_up_proj.kernel[...])
+  np.testing.assert_array_equal(gate_up[:, 0], src.mlp.gate_proj.kernel[...])
+  np.testing.assert_array_equal(gate_up[:, 1], src.mlp.up_proj.kernel[...])
+  np.testing.assert_array_equal(dst.self_attn.o_proj.kernel[...], src.self_attn.o_proj.kernel[...])
+  # The folded kernel of a merged entry: W + scale * a @ b.
+  want = src.mlp.down_proj.kernel[...] + src.mlp.down_proj.lora.delta()
+  np.testing.assert_allclose(dst.mlp.down_proj.lora.kernel[...], want, rtol=1e-6)
+
+
+def test_the_decoding_layout_is_neither_saved_nor_laid_out_twice(adapted, tmp_path):
+  runner = decode_layout(adapted)
+  with pytest.raises(ValueError, match="decoding layout already"):
+    decode_layout(runner)
+  with pytest.raises(WeightsError, match="decoding layout"):
+    pretrained.save_graft(runner, str(tmp_path / "x"), "random")
+  assert not (tmp_path / "x").exists()
+  plain = Hamburger(HamburgerConfig(DECODE_CFG, GraftConfig(merger_head_dim=16)), rngs=nnx.Rngs(0))
+  assert decode_layout(plain, fused=False) is plain  # nothing to change: the same arrays
+  with pytest.raises(ValueError, match="dtype='float16'"):
+    decode_layout(plain, dtype="float16")
+
+
+def test_bfloat16_layout_keeps_norms_softmax_and_logits_in_float32(adapted):
+  runner = decode_layout(adapted, dtype="bfloat16")
+  kernels = [v for p, v in nnx.to_flat_state(nnx.state(runner)) if p[-1] == "kernel"]
+  assert kernels and all(v.dtype == jnp.bfloat16 for v in kernels)
+  x, pos, mask = _inputs(runner)
+  feats = runner.base_features(x, pos, mask)[0]
+  assert feats.dtype == jnp.bfloat16
+  assert runner.logits(feats[:, -1, -1]).dtype == jnp.float32
+
+
+def test_micro_vocabulary_carries_over(adapted):
+  from hamburger_jax.model.hamburger import sharing_weights  # pylint: disable=C0415
+  reduced = sharing_weights(adapted, micro_vocab=np.arange(5, 12))
+  runner = decode_layout(reduced)
+  np.testing.assert_array_equal(runner.micro_ids[...], np.arange(5, 12))
+
+
+def test_smollm2_step_launches_meet_their_targets():
+  """SmolLM2-135M's shapes with the shipped graft (abstract: no weights): the base step lowers
+  to at most 190 matmuls (30 layers of q|k|v, o, gate|up, down and attention's two, and the
+  head), a merged entry to as many, and the forced-K HAMburger macro step to at most 1.6x the
+  base macro step's."""
+  cfg = load_run_config(str(REPO / "configs" / "smollm2_135m.yaml"), shared_only=True)
+  hcfg = HamburgerConfig(pretrained.architecture(cfg.model), cfg.graft)
+  assert hcfg.graft.base_lora_rank == 16 and hcfg.base.num_layers == 30
+  model = nnx.eval_shape(lambda: Hamburger(hcfg, rngs=nnx.Rngs(0)))
+  runner = nnx.eval_shape(decode_layout, model)
+  figs = launches.figures(runner, 1, 512, model, tpu=False)
+  dots = {name: f["dots"] for name, f in figs.items()}
+  assert dots["base step"] == dots["merged step"] == 30 * 6 + 1 <= 190
+  assert dots["macro step, HAMburger forced K"] <= 1.6 * dots["macro step, base mode"]
+  assert dots["micro step"] == 4 * 6 + 1 + 3  # 4 micro layers, the head, the stop head
+
+
+def test_engine_decodes_in_the_backends_layout(adapted):
+  from hamburger_jax import precision  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  engine = Engine(adapted, None, stop_ids=())
+  want = precision.decode_defaults(jax.devices()[0].platform)
+  assert (engine.fused, engine.dtype) == (want["fused"], want["dtype"])
+  assert engine.model is adapted and engine.runner.cfg.base.fused_projections == engine.fused
+  separate = Engine(adapted, None, stop_ids=(), fused=False)
+  prompts = [[1, 2, 3, 4], [5, 6]]
+  for mode in ("base", "hamburger"):
+    a = engine.generate(prompts, max_new_tokens=8, mode=mode, confidence=0.5)
+    b = separate.generate(prompts, max_new_tokens=8, mode=mode, confidence=0.5)
+    assert [(g.token_ids, g.groups) for g in a] == [(g.token_ids, g.groups) for g in b]
