@@ -11,6 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from hamburger_jax import platforms
+
+platforms.cpu_unless_tpu()
+
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
   from hamburger_jax.decode.engine import Engine
   from hamburger_jax.decode.requests import Generation, GenerationError, Request

@@ -5,7 +5,8 @@ machine. What the compiler reports per chip (memory, FLOPs, bytes, fusions, coll
 what a run on that slice would use.
 
 Needs libtpu (`pip install "jax[tpu]"` at the pinned jax version, requirements-test.txt) and
-JAX_PLATFORMS=cpu (`use_cpu_backend`): the default backend stays the CPU, libtpu only compiles.
+JAX_PLATFORMS=cpu (platforms.use_cpu_backend): the default backend stays the CPU, libtpu only
+compiles.
 """
 
 from __future__ import annotations
@@ -13,15 +14,17 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import glob
-import importlib.util
 import os
 import re
+import threading
 import time
+import warnings
 from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
+
+from hamburger_jax.platforms import libtpu_installed, use_cpu_backend
 
 GIB = 2**30
 # HBM per chip, GiB (cloud.google.com/tpu/docs/v4, v5e, v5p, v6e), by jax's device_kind. A v4
@@ -34,6 +37,7 @@ GPU_HBM_GIB = {"H100": 80 * 1e9 / GIB, "H200": 141 * 1e9 / GIB}
 # What a program may use of a chip's HBM: XLA's runtime, fragmentation and the buffers of the
 # run's other programs need the rest.
 DEFAULT_HEADROOM = 0.10
+COMPILE_STACK_BYTES = 512 * 2**20
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
                "collective-permute")
 
@@ -41,27 +45,6 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
 class AotError(ValueError):
   """A topology, config or environment that cannot be compiled for (the message says what to
   do)."""
-
-
-def use_cpu_backend() -> None:
-  """The CPU as jax's backend and libtpu as a compiler only: set before jax starts a backend
-  (libtpu would otherwise look for a TPU, warn and fall back). libtpu's start-up probes for the
-  host's accelerator type and workers are answered so that it stays quiet."""
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-  os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
-  # Compiling holds no chip: several processes (test workers, a bench beside a check) may.
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-
-def libtpu_installed() -> bool:
-  return importlib.util.find_spec("libtpu") is not None
-
-
-def tpu_attached() -> bool:
-  """Whether this host has TPU chips (their device files), as opposed to libtpu alone."""
-  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def tpu_devices(topology: str, num_slices: int = 1) -> list:
@@ -131,7 +114,9 @@ def no_persistent_cache() -> Iterator[None]:
   was = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
   try:
-    yield
+    with warnings.catch_warnings():  # a cache opened before this block still looks entries up
+      warnings.filterwarnings("ignore", message="Error reading persistent compilation cache")
+      yield
   finally:
     jax.config.update("jax_enable_compilation_cache", was)
 
@@ -161,10 +146,15 @@ def compile_all(lowered: dict[str, Any], progress: Callable[[str], None] = lambd
     compiled = lowered[name].compile()
     return report_of(name, compiled, time.perf_counter() - t)
 
-  with no_persistent_cache():
-    workers = workers or max(1, min(len(lowered), os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+  workers = workers or max(1, min(len(lowered), os.cpu_count() or 1))
+  # The TPU compiler recurses deeply on a large program: a worker thread gets the stack a main
+  # thread has (a 30-layer train step overflowed the default one).
+  previous = threading.stack_size(COMPILE_STACK_BYTES)
+  try:
+    with no_persistent_cache(), concurrent.futures.ThreadPoolExecutor(workers) as pool:
       return dict(zip(lowered, pool.map(one, lowered)))
+  finally:
+    threading.stack_size(previous)
 
 
 def report_of(name: str, compiled, compile_s: float) -> ProgramReport:

@@ -5,14 +5,32 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Callable
+
+
+def write_atomic(path: str, write: Callable[[str], None]) -> None:
+  """`write(tmp)` writes the file's content to the temporary path `tmp` (of this process);
+  it is then synced and renamed to `path`. A failure leaves `path` as it was and no
+  temporary file behind."""
+  tmp = f"{path}.tmp-{os.getpid()}"
+  try:
+    write(tmp)
+    with open(tmp, "rb+") as f:
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def write_text_atomic(path: str, text: str) -> None:
+  def write(tmp: str) -> None:
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.write(text)
+  write_atomic(path, write)
 
 
 def write_json_atomic(path: str, obj: Any, **dump_kwargs: Any) -> None:
   """json.dump(obj) to `path` through a temporary file of this process, synced, then renamed."""
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(obj, f, **dump_kwargs)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  write_text_atomic(path, json.dumps(obj, **dump_kwargs))

@@ -139,6 +139,7 @@ def write_tiny_llama_gguf(path: str, seed: int = 0) -> LlamaConfig:
   w.add_token_list([chr(33 + i) for i in range(cfg.vocab_size - 1)] + ["AB"])
   w.add_token_types([1] * cfg.vocab_size)
   w.add_token_merges(["A B"])
+  w.add_chat_template("{% for m in messages %}{{ m['content'] }}!{% endfor %}")
 
   def tensor(name: str, shape: tuple[int, ...], qtype=None) -> None:
     x = (0.05 * rng.standard_normal(shape)).astype(np.float32)

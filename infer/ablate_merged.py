@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from infer import cli
+from hamburger_jax import cli
 
 VARIANTS = ("graft", "no_adapters", "last_token")  # model/hamburger.py: MERGED_ENTRIES
 METRICS = ("merged", "unmerged", "s2", "s3", "s4")

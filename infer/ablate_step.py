@@ -2,7 +2,7 @@
 
   python -m infer.ablate_step --batch 1 --rounds 6
 
-Decodes the bench prompts (infer.bench.PROMPTS, EOS ignored) in base mode and in HAMburger mode
+Decodes the bench prompts (hamburger_jax.benchmarks.prompts, EOS ignored) in base mode and in HAMburger mode
 with parts of the HAMburger step taken out (decode/step.py: StepVariant), each variant its own
 engine, then `--rounds` rounds that run every variant once in turn (the machine's drift hits
 them alike). Variants:
@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from infer import cli
+from hamburger_jax import cli
 
 VARIANTS = ("hamburger", "no_adapters", "token0_only", "no_micro_steps", "all_out")
 
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
   import numpy as np  # pylint: disable=import-outside-toplevel
   from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
-  from infer.bench import PROMPTS, chat_ids  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.benchmarks.prompts import PROMPTS, chat_ids  # pylint: disable=C0415
 
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
   model, tok = cli.load_model("both", checkpoint, args.base)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hamburger_jax import aot
+from hamburger_jax import aot, platforms
 
 
 def main(argv=None) -> int:
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     v = getattr(args, flag)
     if v is not None and v < 1:
       p.error(f"--{flag.replace('_', '-')} {v} must be >= 1")
-  aot.use_cpu_backend()  # before jax starts a backend
+  platforms.use_cpu_backend()  # before jax starts a backend
 
   from hamburger_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode import aot as engine_aot  # pylint: disable=import-outside-toplevel
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
         dtype=args.dtype, tensor=args.tensor,
         prompt_len=args.prompt_len or engine_aot.DEFAULT_PROMPT_LEN,
         max_new=args.max_new or engine_aot.DEFAULT_MAX_NEW,
-        progress=lambda what: print(what, "...", file=sys.stderr, flush=True))
+        progress=lambda what: print(f"{what} ...", file=sys.stderr, flush=True))
   except (ConfigError, aot.AotError, GenerationError, RuntimeError, ValueError) as e:
     raise SystemExit(f"error: {e}") from None
   print("\n".join(engine_aot.report_lines(check)))

@@ -50,7 +50,7 @@ from typing import Any, Sequence
 from hamburger_jax.evaluation import tasks as eval_tasks
 from hamburger_jax.evaluation.report import markdown
 from hamburger_jax.evaluation.scoring import SyntheticTask, ckey
-from infer import cli
+from hamburger_jax import cli
 
 TEXT_TASKS = ("gsm_symbolic", "basic_arithmetic", "chain_sum", "letter_counting", "gcd", "lcm",
               "humaneval", "mt_bench", "sharegpt_heldout")

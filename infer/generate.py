@@ -16,7 +16,7 @@ import json
 import sys
 import time
 
-from infer import cli
+from hamburger_jax import cli
 
 DEFAULT_PROMPTS = (
     "What is the capital of France? Answer in one sentence.",

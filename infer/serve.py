@@ -18,7 +18,7 @@ import json
 import sys
 
 from hamburger_jax.config import DEFAULT_PREFIX_CACHE_TOKENS
-from infer import cli
+from hamburger_jax import cli
 
 REQUEST_FIELDS = ("prompt", "max_new_tokens", "confidence", "max_group", "temperature",
                   "top_k", "top_p", "seed", "id")

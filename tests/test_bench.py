@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from infer.bench import lockstep_cost
+from hamburger_jax.benchmarks.timing import lockstep_cost
 
 
 def _gen(groups):
@@ -27,7 +27,7 @@ def test_run_serve_reports_the_serving_figures():
   """The serve bench's figures on the tiny model (plumbing and counts, never timings)."""
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   from hamburger_jax.testing import tiny_decode_model  # pylint: disable=import-outside-toplevel
-  from infer.bench import run_serve  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.benchmarks.serving import run_serve  # pylint: disable=C0415
   engine = Engine(tiny_decode_model(), None, stop_ids=())  # every request runs its max_new
   runs, serve = [], engine.serve  # each call's ServeRun, for its stats
   engine.serve = lambda *a, **kw: runs.append(serve(*a, **kw)) or runs[-1]
@@ -53,7 +53,7 @@ def test_serve_prefix_cache_compares_off_and_on(capsys):
   import types  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   from hamburger_jax.testing import DECODE_STOP, tiny_decode_model  # pylint: disable=C0415
-  from infer.bench import serve_prefix_cache  # pylint: disable=import-outside-toplevel
+  from infer.bench_serve import serve_prefix_cache  # pylint: disable=import-outside-toplevel
   engine = Engine(tiny_decode_model(), None, stop_ids=(), turn_end_ids=[DECODE_STOP])
   system = list(range(20, 36)) + [DECODE_STOP]
   workload = [(system + [i, i + 1, DECODE_STOP, 1], 6) for i in range(1, 5)]
@@ -72,7 +72,7 @@ def test_serve_fixed_pool_prints_the_streams_ceiling(capsys):
   import types  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   from hamburger_jax.testing import tiny_decode_model  # pylint: disable=import-outside-toplevel
-  from infer.bench import serve_fixed_pool  # pylint: disable=import-outside-toplevel
+  from infer.bench_serve import serve_fixed_pool  # pylint: disable=import-outside-toplevel
   engine = Engine(tiny_decode_model(), None, stop_ids=(), block_size=4)
   workload = [([1, 2, 3], 24), ([4, 5], 20), ([6, 7, 8, 9], 16), ([10], 24), ([11, 12], 20)]
   variants = [("base", "base", 1.0, None), ("forced", "hamburger", 0.0, None)]
@@ -88,7 +88,7 @@ def test_serve_fixed_pool_prints_the_streams_ceiling(capsys):
 
 
 def test_run_interleaved_alternates_the_settings_and_keeps_each_ones_best():
-  from infer import bench  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.benchmarks.timing import run_interleaved  # pylint: disable=C0415
   calls, times = [], iter([9.0, 8.0, 3.0, 1.0, 4.0, 2.0, 5.0])
 
   class FakeEngine:
@@ -97,8 +97,8 @@ def test_run_interleaved_alternates_the_settings_and_keeps_each_ones_best():
       t = next(times)
       return [SimpleNamespace(decode_s=t, compile_s=t if len(calls) <= 2 else 0.0, tag=len(calls))]
 
-  out = bench.run_interleaved(FakeEngine(), [[1]], 4, 2, {"base": {"mode": "base"},
-                                                          "ham": {"mode": "hamburger"}})
+  out = run_interleaved(FakeEngine(), [[1]], 4, 2, {"base": {"mode": "base"},
+                                                    "ham": {"mode": "hamburger"}})
   # Each compiled and run once, then the rounds alternate (never all of one, then the other).
   assert calls == ["base", "hamburger", "base", "hamburger", "base", "hamburger"]
   best_s, compile_s, gens = out["base"]

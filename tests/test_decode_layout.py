@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hamburger_jax import pretrained, roofline
+from hamburger_jax import pretrained
 from hamburger_jax.config import GraftConfig, HamburgerConfig
 from hamburger_jax.convert.mapping import WeightsError
 from hamburger_jax.decode import launches

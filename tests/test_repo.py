@@ -11,8 +11,12 @@ import dataclasses
 import functools
 import glob
 import graphlib
+import json
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
@@ -128,3 +132,31 @@ def test_no_import_cycles():
     list(graphlib.TopologicalSorter(graph).static_order())
   except graphlib.CycleError as e:
     pytest.fail(f"import cycle: {' -> '.join(e.args[1])}")
+
+
+# Imported here only because they are installed here (optional imports of the image's
+# packages), or this machine's compiler for TPUs: not needed on an accelerator host.
+OPTIONAL_HERE = {"libtpu", "ipython", "traitlets", "hamburger-jax"}
+
+
+def test_runbook_wheels_cover_what_the_accelerator_check_imports():
+  """docs/accelerators.md's wheel list and the image packages it names cover every
+  distribution the accelerator check's parts import (grain needs portpicker: a missing one is
+  a failed import on the device host, found there too late)."""
+  import re  # pylint: disable=import-outside-toplevel
+  doc = (Path(REPO) / "docs" / "accelerators.md").read_text(encoding="utf-8")
+  norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+  wheels = {norm(m) for m in re.findall(r"([A-Za-z0-9_.-]+)==[0-9]", doc)}
+  image = re.search(r"<!-- image-packages -->(.*?)<!-- /image-packages -->", doc, re.S)
+  assert image, "docs/accelerators.md lost its image-packages list"
+  listed = wheels | {norm(n.strip()) for n in image.group(1).split(",")}
+  probe = ("import importlib, json, sys, importlib.metadata as md\n"
+           "import infer.accelerator_check as a\n"
+           "[importlib.import_module(m) for m in a.PART_MODULES]\n"
+           "pd = md.packages_distributions()\n"
+           "tops = {n.split('.')[0] for n in sys.modules} - set(sys.stdlib_module_names)\n"
+           "print(json.dumps(sorted({d for t in tops for d in pd.get(t, [])})))\n")
+  res = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
+                       timeout=300, check=True)
+  imported = {norm(d) for d in json.loads(res.stdout.strip().splitlines()[-1])}
+  assert imported - listed - OPTIONAL_HERE == set()

@@ -16,7 +16,8 @@ from hamburger_jax.model.decode_layout import decode_layout
 from hamburger_jax.model.hamburger import sharing_weights
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.testing import DECODE_CFG, DECODE_STOP, tiny_decode_model
-from infer import ablate_step, widths
+from hamburger_jax.benchmarks import widths
+from infer import ablate_step
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +100,9 @@ def test_ablate_step_rejects_bad_flags(capsys, argv, match):
 
 
 def test_step_costs_times_each_step_in_a_loop(model):
-  from infer import bench  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.benchmarks.timing import step_costs  # pylint: disable=C0415
   for m in (model, sharing_weights(model, micro_vocab=np.arange(7))):
-    cost = bench.step_costs(decode_layout(m), repeats=1, batch=2)
+    cost = step_costs(decode_layout(m), repeats=1, batch=2)
     assert set(cost) == {"base", "merged", "micro"} and all(v > 0 for v in cost.values())
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hamburger_jax import aot
+from hamburger_jax import aot, platforms
 
 
 def main(argv=None) -> int:
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
       p.error(f"--{flag.replace('_', '-')} {v} must be >= 1")
   if args.hbm_gib is not None and not args.hbm_gib > 0:
     p.error(f"--hbm-gib {args.hbm_gib} must be > 0")
-  aot.use_cpu_backend()  # before jax starts a backend
+  platforms.use_cpu_backend()  # before jax starts a backend
 
   from hamburger_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
   from hamburger_jax.data import prepare  # pylint: disable=import-outside-toplevel
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         max_len=args.max_len or prepare.DEFAULT_MAX_LEN,
         batch_tokens=args.batch_tokens or prepare.DEFAULT_BATCH_TOKENS,
         teacher_pass=not args.no_teacher_pass,
-        progress=lambda what: print(what, "...", file=sys.stderr, flush=True))
+        progress=lambda what: print(f"{what} ...", file=sys.stderr, flush=True))
   except (ConfigError, aot.AotError, RuntimeError) as e:  # RuntimeError: an asset not installed
     raise SystemExit(f"error: {e}") from None
   print("\n".join(train_aot.report_lines(check)))

@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from hamburger_jax.run_config import RECIPES, TRAINABLE
-from infer import cli
+from hamburger_jax import cli
 
 
 def sft_rows(rows, width: int) -> dict[str, np.ndarray]:

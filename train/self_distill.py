@@ -29,7 +29,7 @@ from typing import Iterable, Iterator
 
 from hamburger_jax.data.sources import Conversation, sharegpt_conversations
 from hamburger_jax.evaluation import tasks as eval_tasks
-from infer import cli
+from hamburger_jax import cli
 
 REASONING = {t.name: t for t in (eval_tasks.GSM_SYMBOLIC, eval_tasks.BASIC_ARITHMETIC,
                                  eval_tasks.CHAIN_SUM, eval_tasks.LETTER_COUNTING, eval_tasks.GCD,

@@ -69,7 +69,7 @@ def check_engine(topology: str, *, config: str | None = None, checkpoint: str | 
   mesh = sharding.make_mesh(data=1, fsdp=1, tensor=tensor, devices=devices)
   model, what = abstract_model(config, checkpoint)
   engine = Engine(model, None, stop_ids=(), mesh=mesh, dtype=dtype)
-  lowered, order = {}, []
+  lowered = {}
   chunks = sorted({size for _, _, size in prefill_chunks(prompt_len)})
   for b in batches:
     progress(f"lowering the engine's programs for {b} slots")

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from hamburger_jax import aot, roofline
+from hamburger_jax import aot, platforms, roofline
 from hamburger_jax.decode import step as decode_step
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.kv_cache import KVCache
@@ -92,7 +92,7 @@ def lowered_dots(step, args) -> int:
 
 def tpu_fusions(step, args) -> int | None:
   """Fusions of the program compiled for one TPU v5e chip; None without libtpu."""
-  if not aot.libtpu_installed():
+  if not platforms.libtpu_installed():
     return None
   device = aot.tpu_devices(TPU_TOPOLOGY)[0]
   place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(device))

@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-from jax.sharding import Mesh
-
 from hamburger_jax import aot, pretrained, roofline, sharding
-from hamburger_jax.config import ConfigError
+from hamburger_jax.config import ConfigError, load_yaml
 from hamburger_jax.data import prepare
 from hamburger_jax.run_config import RunConfig, load_run_config, stage_names
-from hamburger_jax.config import load_yaml
 from hamburger_jax.segmentation import TeacherSpec
 from hamburger_jax.training.trainer import DEFAULT_TEACHER_TOP_K, Trainer
 

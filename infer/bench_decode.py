@@ -1,0 +1,156 @@
+"""infer.bench --mode base (our base decode against transformers' generate) and --mode
+hamburger (HAMburger against its base in one engine, with the micro step's cost ratio r and
+the ceiling it allows), each with the launch figures of the programs it times."""
+
+from __future__ import annotations
+
+import os
+
+from hamburger_jax import cli
+from hamburger_jax.benchmarks import widths
+from hamburger_jax.benchmarks.prompts import PROMPTS, chat_ids
+from hamburger_jax.benchmarks.timing import lockstep_cost, run_interleaved, step_costs, timed
+
+
+def bench_base(args) -> None:
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.roofline import copy_bandwidth_gb_s  # pylint: disable=C0415
+
+  model, tok = pretrained.load("base", base=args.base, dtype=args.dtype,
+                               param_dtype=args.dtype)
+  # exactly n new tokens per row
+  engine = Engine(model, tok, stop_ids=(), matmul_precision=args.precision)
+  kind, path = pretrained.resolve_base(args.base or pretrained.DEFAULT_BASE)
+  if kind != "gguf":
+    raise SystemExit("error: --mode base compares with transformers' generate on a GGUF file: "
+                     "pass --base FILE.gguf (or none: SmolLM2)")
+  ref = transformers.AutoModelForCausalLM.from_pretrained(
+      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+  # No EOS on either side, so rows run the full length without min_new_tokens (which would mask
+  # EOS out of the argmax and make greedy rows differ from ours).
+  ref.generation_config.eos_token_id = None
+  bw = copy_bandwidth_gb_s()
+  wbytes = widths.weight_bytes(model)
+  print(f"{pretrained.describe('base', None, args.base)}, weights {args.dtype} "
+        f"({wbytes / 1e6:.0f} MB), greedy, "
+        f"{args.new_tokens} new tokens/row, torch threads {torch.get_num_threads()}, "
+        f"copy bandwidth {bw:.1f} GB/s")
+  rows = []
+  for b in args.batches:
+    ids = chat_ids(tok, (PROMPTS * (b // len(PROMPTS) + 1))[:b])
+    ours_s, compile_s, gens = run_interleaved(engine, ids, args.new_tokens, args.repeats,
+                                              {"base": {"mode": "base"}})["base"]
+    ours_tps = b * args.new_tokens / ours_s
+    # transformers: left-padded batch, same prompts, same number of new tokens.
+    width = max(map(len, ids))
+    input_ids = torch.full((b, width), tok.pad_id or 0, dtype=torch.long)
+    mask = torch.zeros((b, width), dtype=torch.long)
+    for i, row in enumerate(ids):
+      input_ids[i, width - len(row):] = torch.tensor(row)
+      mask[i, width - len(row):] = 1
+    kwargs = dict(attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False,
+                  pad_token_id=tok.pad_id)
+    with torch.no_grad():
+      ref.generate(input_ids, **kwargs)  # warm-up
+      hf_s = min(timed(lambda: ref.generate(input_ids, **kwargs)) for _ in range(args.repeats))
+      hf_out = ref.generate(input_ids, **kwargs)[:, width:].tolist()
+    if any(len(h) != args.new_tokens for h in hf_out):
+      raise RuntimeError("transformers stopped early: the EOS override did not take effect")
+    hf_tps = b * args.new_tokens / hf_s
+    same = sum(g.token_ids == h for g, h in zip(gens, hf_out))
+    rows.append((b, ours_tps, hf_tps, compile_s, same))
+  print("\n| batch | ours tok/s | transformers tok/s | ratio | identical greedy rows | "
+        "compile s |")
+  print("|---|---|---|---|---|---|")
+  for b, o, h, c, same in rows:
+    print(f"| {b} | {o:.1f} | {h:.1f} | {o / h:.2f}x | {same}/{b} | {c:.1f} |")
+  b1 = [r for r in rows if r[0] == 1]
+  if b1:
+    roofline = bw * 1e9 / wbytes
+    print(f"\nbatch-1 roofline: {bw:.1f} GB/s / {wbytes / 1e6:.0f} MB per token = "
+          f"{roofline:.1f} tok/s; ours {b1[0][1]:.1f} tok/s = {b1[0][1] / roofline:.0%} of it")
+  by_b = {r[0]: r[1] for r in rows}
+  if 1 in by_b and 8 in by_b:
+    print(f"batch 8 throughput / batch 1: {by_b[8] / by_b[1]:.2f}x")
+  print("\n".join(launch_lines(args, engine.runner, 1, 512)))
+
+def launch_lines(args, runner, batch: int, kv_len: int, model=None) -> list[str]:
+  """The launch figures of the programs a decode bench times (decode/launches.py): lowered
+  dots per step, and with libtpu installed (unless --no-tpu-fusions) the fusions on one TPU
+  v5e chip."""
+  from hamburger_jax import platforms  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode import launches  # pylint: disable=import-outside-toplevel
+  tpu = platforms.libtpu_installed() and not args.no_tpu_fusions
+  figs = cli.phase("launch figures" + (" (TPU v5e compiles)" if tpu else ""),
+                   lambda: launches.figures(runner, batch, kv_len, model, tpu=tpu))
+  note = "" if tpu else ", not counted: libtpu is not installed or --no-tpu-fusions"
+  return [f"\nlaunches per step (batch {batch}, KV {kv_len}; dots: matmuls in the lowered "
+          "program, each a kernel launch on a GPU; fusions: the program compiled for one TPU "
+          f"v5e chip{note}):\n", *launches.report_lines(figs)]
+
+
+def with_micro_vocab(model, checkpoint: str | None, size: int):
+  """A second HAMburger sharing `model`'s weights whose micro steps use the checkpoint's first
+  `size` micro-vocabulary ids; a missing or unfit list is a one-line error."""
+  from hamburger_jax import micro_vocab, pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.model.hamburger import sharing_weights  # pylint: disable=C0415
+  try:
+    ids = pretrained.micro_vocab_ids(checkpoint, size, model.cfg.base.vocab_size)
+  except micro_vocab.MicroVocabError as e:
+    raise SystemExit(f"error: {e}") from None
+  return sharing_weights(model, micro_vocab=ids)
+
+def bench_hamburger(args) -> None:
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+
+
+  checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
+  model, tok = cli.load_model("both", checkpoint, args.base, untrained_ok=True)
+  label = checkpoint or ("UNTRAINED graft (random weights; use --confidence 0 to force K-token "
+                         "steps)")
+  engine = Engine(model, tok, stop_ids=(), matmul_precision=args.precision)
+  engines = {"full": engine}
+  if args.micro_vocab is not None:
+    engines["reduced"] = Engine(with_micro_vocab(model, checkpoint, args.micro_vocab), tok,
+                                stop_ids=(), matmul_precision=args.precision)
+  print(f"HAMburger on {pretrained.describe('base', None, args.base)}: {label}")
+  print(f"greedy, {args.new_tokens} new tokens/row (EOS ignored), confidence {args.confidence}"
+        f"{group_cap(args.max_group)}; r = micro step / base step, measured at each batch size "
+        f"({widths.STEPS} steps per jitted loop)")
+  print(f"engine layout: {'fused' if engine.fused else 'separate'} projections, "
+        f"{engine.dtype}; adapter cost = a base step reading a merged entry (the adapters "
+        "folded into the kernels) vs an unmerged one; micro vocab = the ids micro steps choose "
+        "among (full: the whole vocabulary); same tokens = rows whose tokens equal the full "
+        "vocabulary's")
+  print("\n| batch | micro vocab | base tok/s | HAMburger tok/s | ratio | tokens/step k | "
+        "KV entries/token | r | adapter cost | ceiling | of ceiling | same tokens | "
+        "compile s (base, ham) |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  ham = {"mode": "hamburger", "confidence": args.confidence, "max_group": args.max_group}
+  for b in args.batches:
+    ids = chat_ids(tok, (PROMPTS * (b // len(PROMPTS) + 1))[:b])
+    runs = {"base": {"mode": "base"}, **{name: ham for name in engines}}
+    out = run_interleaved(engine, ids, args.new_tokens, args.repeats, runs, engines)
+    base_s, base_c, _ = out["base"]
+    full_tokens = [g.token_ids for g in out["full"][2]]
+    for name, eng in engines.items():
+      ham_s, ham_c, gens = out[name]
+      cost = step_costs(eng.runner, args.repeats, b)
+      r = cost["micro"] / cost["base"]
+      k = b * args.new_tokens / sum(g.macro_steps for g in gens)
+      ceiling = args.new_tokens / lockstep_cost(gens, r)
+      ratio = base_s / ham_s
+      same = sum(g.token_ids == t for g, t in zip(gens, full_tokens))
+      vocab = "full" if name == "full" else str(args.micro_vocab)
+      print(f"| {b} | {vocab} | {b * args.new_tokens / base_s:.1f} | "
+            f"{b * args.new_tokens / ham_s:.1f} | {ratio:.2f}x | {k:.2f} | {1 / k:.2f} | "
+            f"{r:.3f} | {cost['merged'] / cost['base'] - 1:+.1%} | {ceiling:.2f}x | "
+            f"{ratio / ceiling:.0%} | {same}/{b} | {base_c:.0f}, {ham_c:.0f} |")
+  print("\n".join(launch_lines(args, engine.runner, 1, widths.KV_ENTRIES, model)))
+
+def group_cap(max_group: int | None) -> str:
+  return f", groups of at most {max_group} tokens" if max_group else ""

@@ -1,0 +1,137 @@
+"""Every mode of the bench and ablation CLIs runs end to end on tiny models (a 2-layer GGUF base
+and an untrained graft on it), in seconds: what they print is checked for its tables, never for
+timings. (The random-weights modes: tests/test_flops.py; infer.ablate_merged on teacher data:
+tests/test_eval_cli.py.)"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from hamburger_jax import cache, pretrained
+from hamburger_jax.config import GraftConfig
+from hamburger_jax.testing import write_tiny_llama_gguf
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, str]:
+  tmp = tmp_path_factory.mktemp("tiny-cli")
+  base = str(tmp / "tiny.gguf")
+  write_tiny_llama_gguf(base)
+  graft = GraftConfig(num_features=2, micro_layers=1, merger_head_dim=16, base_lora_rank=4)
+  model, _ = pretrained.load_hamburger(pretrained.UNTRAINED, base, graft=graft)
+  ckpt = str(tmp / "graft")
+  pretrained.save_graft(model, ckpt, base, dtype="float32")
+  return {"base": base, "checkpoint": ckpt}
+
+
+@pytest.fixture(autouse=True)
+def _no_weight_cache(monkeypatch):
+  monkeypatch.setenv(cache.NO_WEIGHT_CACHE_ENV, "1")
+
+
+def _tables(out: str) -> list[list[str]]:
+  blocks, current = [], []
+  for line in out.splitlines() + [""]:
+    if line.startswith("|"):
+      current.append(line)
+    elif current:
+      blocks.append(current)
+      current = []
+  return blocks
+
+
+def _bench(capsys, *argv: str) -> str:
+  from infer import bench  # pylint: disable=import-outside-toplevel
+  assert bench.main([*argv, "--repeats", "1", "--no-tpu-fusions"]) == 0
+  return capsys.readouterr().out
+
+
+def test_bench_base_against_transformers(tiny, capsys):
+  out = _bench(capsys, "--mode", "base", "--base", tiny["base"], "--batches", "1,2",
+               "--new-tokens", "4")
+  rows = _tables(out)[0][2:]
+  assert [r.split("|")[1].strip() for r in rows] == ["1", "2"]
+  assert all(re.search(r"\| \d/\d \|", r) for r in rows)  # identical greedy rows counted
+  assert "base step" in _tables(out)[1][2]
+
+
+def test_bench_hamburger_against_its_base(tiny, capsys):
+  out = _bench(capsys, "--mode", "hamburger", "--base", tiny["base"], "--checkpoint",
+               tiny["checkpoint"], "--batches", "1,2", "--new-tokens", "4", "--confidence", "0")
+  rows = _tables(out)[0][2:]
+  assert len(rows) == 2 and all("| 4.00 |" in r for r in rows)  # forced groups of K = 4
+  launches = [r.split("|")[1].strip() for r in _tables(out)[1][2:]]
+  assert launches[:3] == ["base step", "merged step", "micro step"]
+
+
+def test_bench_serve_every_part(tiny, capsys):
+  out = _bench(capsys, "--mode", "serve", "--base", tiny["base"], "--checkpoint",
+               tiny["checkpoint"], "--requests", "4", "--slots", "2", "--new-range", "2,4",
+               "--kv-blocks", "40", "--parts", "abp", "--round-steps", "2")
+  assert "(a) KV pool" in out and "(b) one fixed KV pool" in out and "(p) prefix cache" in out
+  assert "(c) when slots are refilled" in out
+  assert len(_tables(out)) == 5  # a, b, p, c and the launch figures
+
+
+def test_bench_widths(tiny, capsys):
+  out = _bench(capsys, "--mode", "widths", "--base", tiny["base"], "--batches", "1,2")
+  assert "fused projections" in out and "separate projections" in out
+  assert len(_tables(out)) == 4  # fused, separate, projection variants, launches
+
+
+def test_ablate_step_every_variant(tiny, capsys):
+  from infer import ablate_step  # pylint: disable=import-outside-toplevel
+  assert ablate_step.main(["--base", tiny["base"], "--checkpoint", tiny["checkpoint"],
+                           "--new-tokens", "4", "--rounds", "1"]) == 0
+  rows = [r.split("|")[1].strip() for r in _tables(capsys.readouterr().out)[0][2:]]
+  assert rows == ["base", *ablate_step.VARIANTS]
+
+
+def test_accelerator_check_parts_on_tiny_models():
+  """The parts an accelerator host runs, in this process on the tiny models: each returns its
+  markdown; the reference part compares against tokens computed here on the CPU."""
+  import argparse  # pylint: disable=import-outside-toplevel
+  from infer import accelerator_check as ac  # pylint: disable=import-outside-toplevel
+  args = argparse.Namespace(tiny=True)
+  env = "\n".join(ac.part_environment(args))
+  assert "jax" in env and "every module the parts import loads" in env
+  ref = ac.part_reference(args)
+  assert any(l.startswith("| base | 8/8 |") for l in ref), ref
+  decode = ac.part_decode(args)
+  assert sum(l.startswith("| 1 |") for l in decode) == 4  # base and 3 HAMburger settings
+
+
+def test_accelerator_check_writes_its_report(tmp_path):
+  """The parent runs parts in children, each capped, and keeps what finished when the minutes
+  run out: here the whole budget goes to the environment part's share and the rest are left."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  report = tmp_path / "report.md"
+  res = subprocess.run([sys.executable, "-m", "infer.accelerator_check", "--tiny",
+                        "--budget-minutes", "0.5", "--out", str(report)], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+  text = report.read_text()
+  assert text.startswith("# Accelerator check") and "| environment | done |" in text
+  assert "not run: no minutes left" in text or "stopped at its cap" in text
+  assert res.returncode == 1  # not every part finished
+
+
+@pytest.mark.slow
+def test_stored_greedy_reference_is_what_the_cpu_decodes():
+  """The shipped graft's reference tokens (the accelerator check's) are what this code decodes
+  on a CPU at the stated precision: base, and HAMburger at 0.5 and 0.8."""
+  import argparse  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import assets  # pylint: disable=import-outside-toplevel
+  from infer import accelerator_check as ac  # pylint: disable=import-outside-toplevel
+  try:
+    assets.smollm2_gguf()
+  except assets.AssetError as e:
+    pytest.skip(str(e))
+  lines = ac.part_reference(argparse.Namespace(tiny=False))
+  rows = [l for l in lines if l.startswith("| base") or l.startswith("| hamburger")]
+  assert len(rows) == 3 and all("| 8/8 | - |" in r for r in rows), lines
