@@ -136,14 +136,22 @@ def compile_report(name: str, lower: Callable[[], Any]) -> tuple[ProgramReport, 
 
 
 def compile_all(lowered: dict[str, Any], progress: Callable[[str], None] = lambda _: None,
-                workers: int | None = None) -> dict[str, ProgramReport]:
+                workers: int | None = None, knob: str = "") -> dict[str, ProgramReport]:
   """Compiles lowered programs (name -> jax Lowered) side by side, one per core (XLA compiles
   outside Python's lock); each one's report, in the order given. The compile seconds are each
-  program's own wall time, so they overlap."""
+  program's own wall time, so they overlap. A program the compiler refuses for the chip's own
+  HBM raises AotError naming it and `knob` (what to turn)."""
   def one(name: str) -> ProgramReport:
     progress(f"compiling {name}")
     t = time.perf_counter()
-    compiled = lowered[name].compile()
+    try:
+      compiled = lowered[name].compile()
+    except Exception as e:  # pylint: disable=broad-except  # libtpu's XlaRuntimeError
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      # The compiler holds a program to the topology's own HBM, whatever hbm_gib reports.
+      raise AotError(f"{name} does not fit: {str(e).splitlines()[0].rstrip('.')}"
+                     + (f"; {knob}" if knob else "")) from None
     return report_of(name, compiled, time.perf_counter() - t)
 
   workers = workers or max(1, min(len(lowered), os.cpu_count() or 1))

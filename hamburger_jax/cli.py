@@ -35,14 +35,44 @@ def add_model_flags(p: argparse.ArgumentParser, *, checkpoint_help: str | None =
                    "group keeps the full vocabulary (default: the full vocabulary throughout)")
 
 
+def add_confidence_flag(p: argparse.ArgumentParser, default: float = DEFAULT_CONFIDENCE,
+                        help_: str = "") -> None:
+  """--confidence: one level (a decode's); add_confidences_flag takes a list."""
+  p.add_argument("--confidence", type=float, default=default,
+                 help=help_ or "continue a group while P(continue) >= this (docs/method.md, "
+                 "section 3)")
+
+
+def add_confidences_flag(p: argparse.ArgumentParser, default: str = "0.6,0.7,0.8,0.9",
+                         help_: str = "") -> None:
+  """--confidence as a comma-separated list (the evaluation and curve CLIs, which sweep it;
+  parse with parse_confidences)."""
+  p.add_argument("--confidence", default=default,
+                 help=help_ or "comma-separated confidence levels in [0, 1] (docs/SPEC.md 3)")
+
+
+def parse_confidences(spec: str) -> list[float]:
+  """A comma list of confidences in [0, 1], sorted and deduplicated; ValueError says what is
+  wrong."""
+  try:
+    values = [float(x) for x in spec.split(",") if x.strip()]
+  except ValueError:
+    raise ValueError(f"--confidence {spec!r}: give comma-separated numbers in [0, 1], e.g. "
+                     "0.6,0.8") from None
+  bad = [v for v in values if not 0.0 <= v <= 1.0]
+  if not values or bad:
+    raise ValueError(f"--confidence {spec!r}: every confidence must be in [0, 1]"
+                     + (f" (got {bad[0]:g})" if bad else ""))
+  return sorted(set(values))
+
+
 def add_decode_flags(p: argparse.ArgumentParser, *, max_new_tokens: int | None = 128,
                      max_new_help: str | None = None, confidence: bool = True,
                      sampling: bool = True) -> None:
   """--max-new-tokens, --max-group, and (optionally) --confidence and the sampling flags."""
   p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=max_new_help)
   if confidence:
-    p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE,
-                   help="continue a group while P(continue) >= this (docs/method.md, section 3)")
+    add_confidence_flag(p)
   p.add_argument("--max-group", type=int, default=None,
                  help="the most tokens one macro step may emit, 1..K (default: the model's K); "
                  "a smaller cap merges fewer tokens into each KV entry")
@@ -116,13 +146,19 @@ def phase(what: str, fn: Callable[[], T]) -> T:
 
 
 def load_model(mode: str, checkpoint: str | None, base: str | None, *,
-               untrained_ok: bool = False, **overrides: Any):
-  """pretrained.load with a progress line; a model that cannot load is a one-line error."""
+               untrained_ok: bool = False, config: str | None = None, **overrides: Any):
+  """pretrained.load (or, with `config`, pretrained.load_run: a run config's model) with a
+  progress line; a model that cannot load is a one-line error."""
   from hamburger_jax import pretrained
-  what = pretrained.describe(mode, checkpoint, base)
+  if config is not None:
+    what, load = f"the model of {config}", lambda: pretrained.load_run(
+        config, checkpoint, overrides.get("micro_vocab"))
+  else:
+    what = pretrained.describe(mode, checkpoint, base)
+    load = lambda: pretrained.load(mode, checkpoint, base, untrained_ok=untrained_ok,
+                                   **overrides)
   try:
-    return phase(f"loading weights ({what})", lambda: pretrained.load(
-        mode, checkpoint, base, untrained_ok=untrained_ok, **overrides))
+    return phase(f"loading weights ({what})", load)
   except (ValueError, RuntimeError, FileNotFoundError) as e:  # weights/config/asset errors
     raise SystemExit(f"error: {e}") from None
 
@@ -153,11 +189,11 @@ def check_peak_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 
 def device_peak(args: argparse.Namespace, dtype: str):
-  """The device's peaks (roofline.device_peak: a CPU's measured now), or --peak-tflops and
+  """The device's peaks (peaks.device_peak: a CPU's measured now), or --peak-tflops and
   --peak-gb-s."""
-  from hamburger_jax import roofline
+  from hamburger_jax import peaks
   try:
-    return phase("the device's peaks", lambda: roofline.device_peak(
+    return phase("the device's peaks", lambda: peaks.device_peak(
         dtype, tflops=args.peak_tflops, gb_s=args.peak_gb_s))
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None

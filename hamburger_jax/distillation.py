@@ -1,7 +1,7 @@
 """The distillation recipe: HAMburger taught densely by the original base (the teacher).
 
 The teacher is the frozen base on the UNMERGED sequence; its signals were stored when the data was
-segmented (hamburger_jax.data.prepare), so a training step never runs it. Per predicted group g
+segmented (hamburger_jax.data.teacher_pass), so a training step never runs it. Per predicted group g
 the batch holds (layout.py): the K-token window from the group's first token (window_ids,
 window_size), the teacher's top-k next-token distribution at each window token, and the
 teacher's F micro-decoder features at the group's predicting position.

@@ -29,6 +29,22 @@ def use_cpu_backend() -> None:
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
+# libtpu's flags that keep a v5p compile off its SparseCores. Its SparseCore code generator
+# overflowed its stack on the 135M H100 config's merger step (a crash, exit 139); a GPU checked
+# by proxy has no SparseCore, so nothing of the figure is lost there.
+NO_SPARSE_CORE_FLAGS = tuple(
+    f"--xla_tpu_enable_offloading_{op}_to_sparsecore=false"
+    for op in ("gather", "scatter", "sort", "reduce", "copy", "reshape")
+) + ("--xla_tpu_enable_sparse_core_compute_offload=false",)
+
+
+def no_sparse_core() -> None:
+  """Adds NO_SPARSE_CORE_FLAGS to LIBTPU_INIT_ARGS: before libtpu starts, which reads it once."""
+  have = os.environ.get("LIBTPU_INIT_ARGS", "").split()
+  os.environ["LIBTPU_INIT_ARGS"] = " ".join(
+      have + [f for f in NO_SPARSE_CORE_FLAGS if f not in have])
+
+
 def gpu_attached() -> bool:
   return bool(glob.glob("/dev/nvidia[0-9]*"))
 

@@ -1,43 +1,29 @@
-"""Loading real models: a base from GGUF or an HF directory, and HAMburger graft checkpoints.
-
-A graft checkpoint (the params-only export of a training run, what `infer.generate --checkpoint`
-reads) is a directory holding `hamburger.json` (configs + base source) and `graft.safetensors`
-(grafted weights under their dotted param paths), plus `base.safetensors` when the base was
-trained too. Written with `max_shard_mb`, each of those is instead a series of files of at most
-that size (`graft-00001-of-00003.safetensors`, ...), listed with their sizes and sha256 in
-`hamburger.json` (`shards`); a tensor larger than a file is split across files. Loading reads
-either form.
+"""Loading real models: a base from GGUF or an HF directory, a HAMburger on it from a graft
+checkpoint (its on-disk format: hamburger_jax/graft_checkpoint.py), a run config's model.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
-import shutil
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load_file, save_file
 
 from hamburger_jax import assets
 from hamburger_jax import micro_vocab as micro_vocab_lib
 from hamburger_jax.config import (KNOWN_ARCHITECTURES, ConfigError, GraftConfig,
                                   HamburgerConfig, LlamaConfig, from_dict, to_dict)
 from hamburger_jax.convert import gguf, hf, mapping
-from hamburger_jax.convert.mapping import Rule, WeightsError
+from hamburger_jax.convert.mapping import WeightsError
+from hamburger_jax.graft_checkpoint import (BASE, GRAFT, META_FILE, base_table, graft_table,
+                                            read_meta, read_tensors, tensors_source)
 from hamburger_jax.model.hamburger import Hamburger, copy_top_layers_into_micro
-from hamburger_jax.model.llama import GraftParam, Llama
+from hamburger_jax.model.llama import Llama
 from hamburger_jax.tokenizer import Tokenizer
 
 DEFAULT_BASE = "smollm2"
-GRAFT_FILE, BASE_FILE, META_FILE = "graft.safetensors", "base.safetensors", "hamburger.json"
-GRAFT, BASE = "graft", "base"  # the tables a checkpoint holds: `<name>.safetensors` or its shards
-# The smallest shard limit: a shard must hold its safetensors header and some tensor bytes.
-MIN_SHARD_BYTES = 4096
 DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                   "checkpoints", "smollm2-135m-hamburger")
 UNTRAINED = "untrained"  # load_hamburger's name for a freshly grafted, untrained model
@@ -89,209 +75,6 @@ def vocab_size(checkpoint: str | None = None, base_source: str | None = None) ->
   if kind == "gguf":
     return gguf.GGUFFile(path).config().vocab_size
   return hf.read_config(path).vocab_size
-
-
-def graft_table(model: Hamburger) -> dict[str, Rule]:
-  """Dotted param path -> the grafted param (what graft.safetensors holds)."""
-  return {".".join(map(str, p)): Rule(tuple(p))
-          for p, _ in nnx.to_flat_state(nnx.state(model, GraftParam))}
-
-
-def base_table(model: Hamburger) -> dict[str, Rule]:
-  return {".".join(map(str, p)): Rule(tuple(p))
-          for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
-          if not isinstance(v, GraftParam)}
-
-
-def save_graft(model: Hamburger, path: str, base_source: str, *, dtype: str = "bfloat16",
-               include_base: bool = False, extra: dict | None = None,
-               max_shard_mb: float | None = None) -> None:
-  """Writes a graft checkpoint atomically (temp dir + rename).
-
-  `max_shard_mb`: write each table in files of at most this many MiB (e.g. 16 where files move
-  through transfers capped per file); None: one file per table."""
-  check_shard_limit(max_shard_mb)  # before any export work
-  if model.cfg.base.fused_projections:
-    raise WeightsError("this model is in the decoding layout (fused projections, folded "
-                       "adapters: model/decode_layout.py); export the model it was made from")
-  np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
-              "float16": np.float16}[dtype]
-  tables = {GRAFT: graft_table(model)}
-  if include_base:
-    tables[BASE] = base_table(model)
-  tensors = {name: {k: np.ascontiguousarray(v.astype(np_dtype))
-                    for k, v in mapping.export(model, table).items()}
-             for name, table in tables.items()}
-  # The base's architecture; the layout key (always the separate projections here) is left out,
-  # so exports read as they always have.
-  base_config = {k: v for k, v in to_dict(model.cfg.base).items() if k != "fused_projections"}
-  meta = {"format": "hamburger-jax/graft-v1", "base_source": base_source,
-          "base_config": base_config, "graft": to_dict(model.cfg.graft),
-          "dtype": dtype, "include_base": include_base, **(extra or {})}
-  _write_checkpoint(path, meta, tensors, max_shard_mb)
-
-
-def reshard_graft(path: str, out: str | None = None, *, max_shard_mb: float | None) -> str:
-  """Rewrites the graft checkpoint at `path` (sharded or not) in files of at most `max_shard_mb`
-  MiB (None: one file per table), at `out` or in place, atomically; returns where. The tensors
-  are copied bit for bit."""
-  check_shard_limit(max_shard_mb)
-  meta = read_meta(path)
-  names = [GRAFT] + ([BASE] if meta.get("include_base") else [])
-  tensors = {name: read_tensors(path, name, meta) for name in names}
-  meta = {k: v for k, v in meta.items() if k != "shards"}
-  out = out or path
-  # Same tensors, so the checkpoint's micro-step vocabulary still belongs to it.
-  keep = [os.path.join(path, micro_vocab_lib.FILE)]
-  _write_checkpoint(out, meta, tensors, max_shard_mb,
-                    keep=[f for f in keep if os.path.isfile(f)])
-  return out
-
-
-def check_shard_limit(max_shard_mb: float | None) -> None:
-  if max_shard_mb is not None and not max_shard_mb * 2**20 >= MIN_SHARD_BYTES:
-    raise ValueError(f"max_shard_mb={max_shard_mb} is too small: a shard must hold at least "
-                     f"{MIN_SHARD_BYTES} bytes ({MIN_SHARD_BYTES / 2**20:g} MiB)")
-
-
-def shard_file(name: str, index: int, count: int) -> str:
-  """The file of shard `index` (1-based) of `count` of table `name`."""
-  return f"{name}-{index:05d}-of-{count:05d}.safetensors"
-
-
-def _part_key(name: str, i: int) -> str:
-  return f"{name}@{i}"  # dotted param paths hold no '@'
-
-
-def _header_bytes(key: str, arr: np.ndarray) -> int:
-  """An upper bound on what `key` adds to a safetensors header (its JSON entry: dtype, shape,
-  offsets of up to 20 digits each, quoting)."""
-  return len(json.dumps(key)) + 96 + 21 * arr.ndim
-
-
-def _plan_shards(tensors: Mapping[str, np.ndarray], limit: int
-                 ) -> tuple[list[dict[str, np.ndarray]], dict[str, list[int]]]:
-  """Packs `tensors` (in name order) into shards of at most `limit` bytes each, header included.
-  A tensor goes whole into the current shard, else whole into a new one, else (larger than a
-  shard) flattened and split over as many shards as it fills, as parts `name@0`, `name@1`, ...
-  Returns the shards and the shape of each split tensor."""
-  capacity = limit - 24  # the 8-byte header length, the header's braces, its padding to 8
-  shards: list[dict[str, np.ndarray]] = [{}]
-  split: dict[str, list[int]] = {}
-  room = capacity
-
-  def add(key: str, arr: np.ndarray) -> None:
-    nonlocal room
-    shards[-1][key] = arr
-    room -= arr.nbytes + _header_bytes(key, arr)
-
-  def new_shard() -> None:
-    nonlocal room
-    shards.append({})
-    room = capacity
-
-  for name in sorted(tensors):
-    arr = tensors[name]
-    need = arr.nbytes + _header_bytes(name, arr)
-    if need > room and need <= capacity:
-      new_shard()
-    if need <= room:
-      add(name, arr)
-      continue
-    flat, start, parts = arr.reshape(-1), 0, 0
-    while start < flat.size:
-      key = _part_key(name, parts)
-      fit = (room - _header_bytes(key, flat[:1])) // arr.itemsize
-      if fit < 1:
-        if not shards[-1]:
-          raise ValueError(f"a shard of {limit} bytes cannot hold any part of tensor {name!r}")
-        new_shard()
-        continue
-      add(key, flat[start:start + fit])
-      start, parts = start + fit, parts + 1
-    split[name] = list(arr.shape)
-  return [s for s in shards if s], split
-
-
-def _sha256(path: str) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 22), b""):
-      h.update(block)
-  return h.hexdigest()
-
-
-def _write_tables(directory: str, meta: dict[str, Any],
-                  tensors: Mapping[str, Mapping[str, np.ndarray]],
-                  max_shard_mb: float | None) -> dict[str, Any]:
-  """Writes each table of `tensors` into `directory`; returns `meta` with the shard index."""
-  if max_shard_mb is None:
-    for name, table in tensors.items():
-      save_file(dict(table), os.path.join(directory, f"{name}.safetensors"))
-    return meta
-  limit = int(max_shard_mb * 2**20)
-  meta["shards"] = {}
-  for name, table in tensors.items():
-    shards, split = _plan_shards(table, limit)
-    files = []
-    for i, shard in enumerate(shards, start=1):
-      file = shard_file(name, i, len(shards))
-      path = os.path.join(directory, file)
-      save_file(shard, path)
-      size = os.path.getsize(path)
-      if size > limit:  # the plan's header bound is wrong: never ship an oversized shard
-        raise RuntimeError(f"internal: shard {file} is {size} bytes, over the {limit}-byte limit")
-      files.append({"file": file, "bytes": size, "sha256": _sha256(path)})
-    meta["shards"][name] = {"files": files, "split": split}
-  return meta
-
-
-def _write_checkpoint(path: str, meta: dict[str, Any],
-                      tensors: Mapping[str, Mapping[str, np.ndarray]],
-                      max_shard_mb: float | None, keep: Sequence[str] = ()) -> None:
-  """Writes `meta` and each table of `tensors` into a temp dir beside `path`, with copies of the
-  files `keep`, then swaps it in."""
-  path = path.rstrip("/") or path
-  tmp, old = path + ".tmp", path + ".old"
-  for stale in (tmp, old):  # left by a run killed mid-export
-    if os.path.exists(stale):
-      shutil.rmtree(stale)
-  os.makedirs(tmp)
-  try:
-    meta = _write_tables(tmp, dict(meta), tensors, max_shard_mb)
-    with open(os.path.join(tmp, META_FILE), "w") as f:
-      json.dump(meta, f, indent=2)
-    for f in keep:
-      shutil.copy2(f, tmp)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  # The previous checkpoint moves aside rather than being deleted first: `path` is missing only
-  # between two renames.
-  if os.path.exists(path):
-    os.replace(path, old)
-  os.replace(tmp, path)
-  if os.path.exists(old):
-    shutil.rmtree(old)
-
-
-def read_meta(path: str) -> dict[str, Any]:
-  meta_path = os.path.join(path, META_FILE)
-  if not os.path.exists(meta_path):
-    raise WeightsError(f"{path} is not a HAMburger checkpoint (no {META_FILE}); pass the "
-                       f"directory written by train.main's export or hamburger_jax.pretrained.save_graft")
-  try:
-    with open(meta_path, encoding="utf-8") as f:
-      meta = json.load(f)
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise WeightsError(f"{meta_path} is not valid JSON ({e}): the checkpoint is damaged; "
-                       "re-export it (train.main writes it at the end of a run)") from None
-  missing = [k for k in ("base_source", "base_config", "graft")
-             if not isinstance(meta, dict) or k not in meta]
-  if missing:
-    raise WeightsError(f"{meta_path} lacks {', '.join(missing)}: it is not a HAMburger "
-                       "checkpoint's metadata, or it is damaged; re-export the checkpoint")
-  return meta
 
 
 def _same_architecture(a: LlamaConfig, b: LlamaConfig) -> bool:
@@ -433,79 +216,7 @@ def load_graft(model: Hamburger, checkpoint: str) -> None:
     tables.append((BASE, base_table(model)))
   for name, table in tables:
     mapping.load(model, read_tensors(checkpoint, name, meta), table,
-                 _tensors_source(checkpoint, name, meta))
-
-
-def _shard_entry(checkpoint: str, name: str, meta: Mapping[str, Any]) -> Any:
-  """Table `name`'s entry in the shard index (None: the table is one file)."""
-  shards = meta.get("shards")
-  if shards is not None and not isinstance(shards, Mapping):
-    raise WeightsError(f"{os.path.join(checkpoint, META_FILE)}: the shard index is damaged; "
-                       "re-export the checkpoint")
-  return (shards or {}).get(name)
-
-
-def _tensors_source(checkpoint: str, name: str, meta: Mapping[str, Any]) -> str:
-  """What errors about table `name`'s tensors call its file(s)."""
-  entry = _shard_entry(checkpoint, name, meta)
-  if not entry:
-    return os.path.join(checkpoint, f"{name}.safetensors")
-  return os.path.join(checkpoint, f"{name}-*-of-{len(entry['files']):05d}.safetensors")
-
-
-def _read_file(path: str) -> dict[str, np.ndarray]:
-  try:
-    return load_file(path)
-  except FileNotFoundError:
-    raise WeightsError(f"{path} is missing: the checkpoint is incomplete; re-export it") from None
-  except Exception as e:  # pylint: disable=broad-except  # safetensors' SafetensorError & co.
-    raise WeightsError(f"{path} cannot be read ({e}): the file is truncated or corrupted; "
-                       "re-export the checkpoint or restore the file") from None
-
-
-def read_tensors(checkpoint: str, name: str, meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
-  """Table `name` (graft or base) of a checkpoint whose metadata is `meta`: one file, or its
-  shards checked against the index (size and sha256) and split tensors joined again."""
-  entry = _shard_entry(checkpoint, name, meta)
-  if entry is None:
-    return _read_file(os.path.join(checkpoint, f"{name}.safetensors"))
-  meta_path = os.path.join(checkpoint, META_FILE)
-  try:
-    files = [(str(f["file"]), int(f["bytes"]), str(f["sha256"])) for f in entry["files"]]
-    split = {str(k): tuple(int(d) for d in v) for k, v in entry["split"].items()}
-  except (KeyError, TypeError, ValueError, AttributeError):
-    raise WeightsError(f"{meta_path}: the shard index of {name!r} is damaged; re-export the "
-                       "checkpoint") from None
-  tensors: dict[str, np.ndarray] = {}
-  for file, size, digest in files:
-    if os.path.basename(file) != file or not file.endswith(".safetensors"):
-      raise WeightsError(f"{meta_path}: shard {file!r} is not a file name in the checkpoint "
-                         "directory; re-export the checkpoint")
-    path = os.path.join(checkpoint, file)
-    if not os.path.isfile(path):
-      raise WeightsError(f"{path} is missing: the checkpoint is incomplete (hamburger.json lists "
-                         f"{len(files)} shards of {name!r}); copy every shard, or re-export it")
-    if os.path.getsize(path) != size:
-      raise WeightsError(f"{path} has {os.path.getsize(path)} bytes but the index lists {size}: "
-                         "the file is truncated or was not copied whole; copy it again")
-    if _sha256(path) != digest:
-      raise WeightsError(f"{path} is corrupted (its sha256 differs from the index's); copy it "
-                         "again or re-export the checkpoint")
-    for key, value in _read_file(path).items():
-      if key in tensors:
-        raise WeightsError(f"{path}: tensor {key!r} is in two shards; re-export the checkpoint")
-      tensors[key] = value
-  for tensor, shape in split.items():
-    parts = []
-    while _part_key(tensor, len(parts)) in tensors:
-      parts.append(tensors.pop(_part_key(tensor, len(parts))).reshape(-1))
-    flat = np.concatenate(parts) if parts else np.zeros((0,), np.float32)
-    if flat.size != int(np.prod(shape, dtype=np.int64)):
-      raise WeightsError(f"{_tensors_source(checkpoint, name, meta)}: the parts of tensor "
-                         f"{tensor!r} hold {flat.size} values, not the {shape} it was split "
-                         "from; a shard is missing or from another export")
-    tensors[tensor] = flat.reshape(shape)
-  return tensors
+                 tensors_source(checkpoint, name, meta))
 
 
 def load_base_for_run(model_cfg, seed: int = 0) -> tuple[Llama, Tokenizer | None]:
@@ -567,6 +278,26 @@ def abstract_run_model(cfg) -> Hamburger:
   the run's graft and dtypes. What compiling the run's programs ahead of time needs."""
   hcfg = HamburgerConfig(architecture(cfg.model), cfg.graft)
   return nnx.eval_shape(lambda: Hamburger(hcfg, rngs=nnx.Rngs(cfg.train.seed)))
+
+
+def load_run(config: str, checkpoint: str | None = None, micro_vocab: int | None = None
+             ) -> tuple[Hamburger, Tokenizer | None]:
+  """A run config's model (its base, e.g. a random tiny one rebuilt from its seed, and the
+  graft as the run builds it), with a graft checkpoint of that run loaded over it and micro
+  steps on the checkpoint's first `micro_vocab` ids: what evaluating or answering with a run's
+  model needs when its base cannot be reloaded by name."""
+  from hamburger_jax.run_config import load_run_config  # pylint: disable=import-outside-toplevel
+  cfg = load_run_config(config, ["train.init_from=''"], shared_only=True)
+  ids = None
+  if micro_vocab is not None:  # checked before the weights load
+    vocab = architecture(cfg.model).vocab_size
+    ids = micro_vocab_ids(checkpoint, micro_vocab, vocab)
+  model, tok = build_run_model(cfg)
+  if checkpoint:
+    load_graft(model, checkpoint)
+  if ids is not None:
+    model.set_micro_vocab(ids)
+  return model, tok
 
 
 def check_init_from(cfg) -> None:

@@ -15,42 +15,12 @@ from gguf.quants import quantize
 
 from hamburger_jax import pretrained, segmentation
 from hamburger_jax.config import LLAMA_3_2_1B, GraftConfig, HamburgerConfig, LlamaConfig
-from hamburger_jax.data import prepare
+from hamburger_jax.data import teacher_pass
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import causal_segment_mask
 
+from hamburger_jax.data.synthetic import synthetic_samples
 from hamburger_jax.data.tfds_builder import build_dataset
-
-
-def synthetic_samples(n: int, vocab: int, max_group: int, seed: int = 0,
-                      prompt_len: tuple[int, int] = (4, 12),
-                      response_len: tuple[int, int] = (8, 40)) -> list[dict]:
-  """Responses that count upward mod (vocab - 3) from a prompt-dependent start (so the next
-  tokens are predictable and the graft has something to learn), split into random groups."""
-  rng = np.random.default_rng(seed)
-  out = []
-  for _ in range(n):
-    p = int(rng.integers(*prompt_len))
-    r = int(rng.integers(*response_len))
-    prompt = rng.integers(3, vocab, size=p)
-    start = int(prompt[-1])
-    response = 3 + (start + np.arange(r)) % (vocab - 3)
-    groups, left = [], r
-    while left:
-      g = int(min(left, rng.integers(1, max_group + 1)))
-      groups.append(g)
-      left -= g
-    out.append({"input_ids": np.concatenate([prompt, response]).astype(np.int32),
-                "prompt_len": p, "groups": groups, "source": "synthetic"})
-  return out
-
-
-def build_synthetic_dataset(out_dir: str, vocab: int, max_group: int, n_train: int = 256,
-                            n_val: int = 32, seed: int = 0, overwrite: bool = False) -> str:
-  train = synthetic_samples(n_train, vocab, max_group, seed)
-  val = synthetic_samples(n_val, vocab, max_group, seed + 1)
-  return build_dataset(out_dir, {"train": lambda: train, "validation": lambda: val},
-                       max_group=max_group, metadata={"source": "synthetic"}, overwrite=overwrite)
 
 
 def build_synthetic_teacher_dataset(out_dir: str, run_cfg, top_k: int = 8, n_train: int = 64,
@@ -65,11 +35,11 @@ def build_synthetic_teacher_dataset(out_dir: str, run_cfg, top_k: int = 8, n_tra
   def with_signals(samples: list[dict]) -> list[dict]:
     pairs = [(s["input_ids"][:s["prompt_len"]], s["input_ids"][s["prompt_len"]:]) for s in samples]
     stats = segmentation.response_token_stats(base, pairs, teacher=teacher)
-    return [{**s, **prepare.teacher_signals(st, s["groups"])} for s, st in zip(samples, stats)]
+    return [{**s, **teacher_pass.teacher_signals(st, s["groups"])} for s, st in zip(samples, stats)]
 
   train = with_signals(synthetic_samples(n_train, base.cfg.vocab_size, k, seed))
   val = with_signals(synthetic_samples(n_val, base.cfg.vocab_size, k, seed + 1))
-  meta, shapes = prepare.teacher_metadata(base, teacher)
+  meta, shapes = teacher_pass.teacher_metadata(base, teacher)
   return build_dataset(out_dir, {"train": lambda: train, "validation": lambda: val},
                        max_group=k, metadata={"source": "synthetic", **meta}, teacher=shapes)
 
@@ -229,3 +199,16 @@ def reference_hamburger(model, prompt: list[int], max_new: int, confidence: floa
     positions.append(len(prompt) - 1 + len(tokens) + offset)
     merged.append(len(group) >= 2)
   return tokens, groups
+
+
+def markdown_tables(text: str) -> list[list[dict[str, str]]]:
+  """The markdown tables in a command's output, each a list of rows keyed by its header."""
+  blocks, current = [], []
+  for line in text.splitlines() + [""]:
+    if line.startswith("|"):
+      current.append(line)
+    elif current:
+      blocks.append(current)
+      current = []
+  split = lambda l: [c.strip() for c in l.strip("|").split("|")]
+  return [[dict(zip(split(b[0]), split(l))) for l in b[2:]] for b in blocks]

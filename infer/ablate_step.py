@@ -2,10 +2,10 @@
 
   python -m infer.ablate_step --batch 1 --rounds 6
 
-Decodes the bench prompts (hamburger_jax.benchmarks.prompts, EOS ignored) in base mode and in HAMburger mode
-with parts of the HAMburger step taken out (decode/step.py: StepVariant), each variant its own
-engine, then `--rounds` rounds that run every variant once in turn (the machine's drift hits
-them alike). Variants:
+Decodes the bench prompts (hamburger_jax.benchmarks.prompts, EOS ignored) in base mode and in
+HAMburger mode with parts of the HAMburger step taken out (decode/step.py: StepVariant), each
+variant its own engine, then `--rounds` rounds that run every variant once in turn (the
+machine's drift hits them alike). Variants:
 - hamburger: the engine as it is;
 - no_adapters: the merged-entry adapters never act (the plain base weights everywhere);
 - token0_only: the proposal cut to token 0 (no stop head, no micro-step switch);
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
   cli.add_model_flags(p, checkpoint_help="graft checkpoint (default: the shipped one)")
   p.add_argument("--batch", type=int, default=1, help="prompts decoded together")
   p.add_argument("--new-tokens", type=int, default=128)
-  p.add_argument("--confidence", type=float, default=0.8)
+  cli.add_confidence_flag(p)
   p.add_argument("--rounds", type=int, default=6)
   args = p.parse_args(argv)
   for flag, v in (("--batch", args.batch), ("--new-tokens", args.new_tokens),

@@ -17,8 +17,8 @@ Runs its parts in priority order, each in its own process with its share of the 
   decode_1b     Llama-3.2-1B on random weights: a macro step's MFU and roofline, engine tok/s
   train_1b      its train step (the paper's setting, trainable all): MFU
 
-`--tiny`: the same parts on the tiny models (configs/tiny.yaml, the decode tests' model; the
-reference tokens computed on this host's CPU device in the same run), to prove the plumbing.
+`--tiny`: the same parts on configs/tiny.yaml's random model (the reference tokens computed on
+this host's CPU device in the same run), to prove the plumbing.
 `--write-reference` (on a CPU) writes the stored reference tokens.
 """
 
@@ -29,6 +29,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -40,6 +41,7 @@ PARTS = ("environment", "tests", "reference", "precision", "decode", "decode_1b"
 # parts still to run (a quick part hands its minutes on).
 SHARES = {"environment": 0.03, "tests": 0.3, "reference": 0.11, "precision": 0.09,
           "decode": 0.2, "decode_1b": 0.14, "train_1b": 0.13}
+TINY_CONFIG = "configs/tiny.yaml"
 REFERENCE_FILE = "greedy_reference.json"  # in the shipped checkpoint's directory
 REFERENCE_TOKENS = 32
 REFERENCE_CONFIDENCES = (0.5, 0.8)
@@ -86,18 +88,26 @@ def part_tests(args) -> list[str]:
   else:  # two test processes on one device: each allocates what it uses, not most of it
     cmd += ["-n", "2"]
   env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-  res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-  lines = [l for l in res.stdout.splitlines() if l.strip()]
+  # pytest stops short of the part's cap, so that how far it got reaches the report.
+  code, out, _ = run_capped(cmd, max(args.seconds - 20, 10), env=env)
+  lines = [l for l in out.splitlines() if l.strip()]
   tail = [l for l in lines if "passed" in l or "failed" in l or l.startswith("FAILED")]
-  return [f"- `{' '.join(cmd[1:])}`: exit {res.returncode}", *(f"- {l}" for l in tail[-12:])]
+  if code is None:
+    done = sum(l.count(".") for l in lines if set(l.split("[")[0].strip()) <= set(".sxFE"))
+    fails = sum(l.count("F") + l.count("E") for l in lines
+                if set(l.split("[")[0].strip()) <= set(".sxFE"))
+    return [f"- `{' '.join(cmd[1:])}`: stopped at {max(args.seconds - 20, 10):.0f} s, "
+            f"{done} passed and {fails} failed or errored so far", *(f"- {l}" for l in tail[-12:])]
+  return [f"- `{' '.join(cmd[1:])}`: exit {code}", *(f"- {l}" for l in tail[-12:])]
 
 
 def _models(args):
   """(model, tokenizer, prompts as token ids) the decoding parts use."""
-  if args.tiny:
-    from hamburger_jax.testing import tiny_decode_model  # pylint: disable=C0415
-    prompts = [[1 + (7 * i + j) % 90 for j in range(5 + 3 * i)] for i in range(8)]
-    return tiny_decode_model(), None, prompts
+  if args.tiny:  # configs/tiny.yaml's model: random weights, token-id prompts
+    from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+    model, _ = pretrained.load_run(TINY_CONFIG)
+    prompts = [[3 + (7 * i + j) % 250 for j in range(5 + 3 * i)] for i in range(8)]
+    return model, None, prompts
   from hamburger_jax.benchmarks.prompts import PROMPTS, chat_ids  # pylint: disable=C0415
   model, tok = cli.load_model("both", None, None)
   return model, tok, chat_ids(tok, PROMPTS)
@@ -192,7 +202,7 @@ def _cli_part(argv: list[str]) -> list[str]:
 
 
 def part_decode_1b(args) -> list[str]:
-  config = "configs/tiny.yaml" if args.tiny else "configs/llama3_2_1b.yaml"
+  config = TINY_CONFIG if args.tiny else "configs/llama3_2_1b.yaml"
   return _cli_part(["infer.bench", "--config", config, "--random-weights", "--batches",
                     "1,4" if args.tiny else "1,32", "--new-tokens", "16" if args.tiny else "32",
                     "--repeats", "2"])
@@ -200,7 +210,7 @@ def part_decode_1b(args) -> list[str]:
 
 def part_train_1b(args) -> list[str]:
   if args.tiny:
-    return _cli_part(["train.bench", "--config", "configs/tiny.yaml", "--random-weights",
+    return _cli_part(["train.bench", "--config", TINY_CONFIG, "--random-weights",
                       "--rows", "2", "--steps", "1", "--trainable", "all", "--no-sft",
                       "--input-batches", "2"])
   return _cli_part(["train.bench", "--config", "configs/llama3_2_1b_h100.yaml",
@@ -216,6 +226,21 @@ RUNNERS = {"environment": part_environment, "tests": part_tests, "reference": pa
 # ----------------------------------------------------------------------------- the run
 
 
+def run_capped(cmd: list[str], seconds: float, env=None) -> tuple[int | None, str, str]:
+  """Runs cmd for at most `seconds`: (exit code, or None when stopped; stdout; stderr). A stopped
+  command's whole process group is killed (pytest's workers too, which would otherwise go on
+  using the device under the next part), and what it printed so far is returned."""
+  with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                        start_new_session=True) as proc:
+    try:
+      out, err = proc.communicate(timeout=seconds)
+      return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, signal.SIGKILL)
+      out, err = proc.communicate()
+      return None, out, err
+
+
 def run_parts(args) -> tuple[list[str], list[tuple[str, str, float, float]]]:
   """Each part in its own process, capped; returns the report's sections and its summary."""
   sections, summary = [], []
@@ -229,7 +254,8 @@ def run_parts(args) -> tuple[list[str], list[tuple[str, str, float, float]]]:
     if part == "environment":
       cap = max(cap, min(60.0, max(left, 0)))
     print(f"== {part}: up to {cap:.0f} s", file=sys.stderr, flush=True)
-    cmd = [sys.executable, "-m", "infer.accelerator_check", "--part", part]
+    cmd = [sys.executable, "-m", "infer.accelerator_check", "--part", part,
+           "--seconds", f"{cap:.0f}"]
     if args.tiny:
       cmd.append("--tiny")
     t = time.monotonic()
@@ -237,16 +263,13 @@ def run_parts(args) -> tuple[list[str], list[tuple[str, str, float, float]]]:
     if cap < 5:
       status = "not run: no minutes left"
     else:
-      try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=cap, check=False)
-        body = res.stdout.strip().splitlines()
-        if res.returncode:
-          status = f"failed (exit {res.returncode})"
-          body += ["", "stderr:", *res.stderr.strip().splitlines()[-15:]]
-      except subprocess.TimeoutExpired as e:
+      code, out, err = run_capped(cmd, cap)
+      body = out.strip().splitlines()
+      if code is None:
         status = f"stopped at its cap ({cap:.0f} s)"
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        body = out.strip().splitlines()
+      elif code:
+        status = f"failed (exit {code})"
+        body += ["", "stderr:", *err.strip().splitlines()[-15:]]
     spent = time.monotonic() - t
     summary.append((part, status, spent, cap))
     sections += [f"## {part}", "", *(body or ["(no output)"]), ""]
@@ -289,6 +312,7 @@ def main(argv=None) -> int:
   p.add_argument("--out", default="accelerator_check.md", help="the markdown report")
   p.add_argument("--tiny", action="store_true", help="tiny models: the plumbing, on a CPU")
   p.add_argument("--part", choices=PARTS, default=None, help=argparse.SUPPRESS)
+  p.add_argument("--seconds", type=float, default=600.0, help=argparse.SUPPRESS)  # a part's cap
   p.add_argument("--write-reference", action="store_true",
                  help=f"write the shipped graft's {REFERENCE_FILE} (on a CPU) and stop")
   args = p.parse_args(argv)

@@ -19,9 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hamburger_jax.config import DEFAULT_CONFIDENCE
-from hamburger_jax.decode.requests import GenerationError, check_settings
 from hamburger_jax import cli
+from hamburger_jax.decode.requests import GenerationError, check_settings
 from infer import bench_decode, bench_random, bench_serve, bench_widths
 
 
@@ -55,7 +54,7 @@ def main(argv=None) -> int:
   p.add_argument("--no-tpu-fusions", action="store_true",
                  help="skip compiling the timed programs for a TPU v5e chip (their fusions; "
                  "the lowered dots are always counted)")
-  p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE)
+  cli.add_confidence_flag(p)
   p.add_argument("--max-group", type=int, default=None,
                  help="hamburger / serve: cap HAMburger's groups at this many tokens (1..K)")
   p.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32],

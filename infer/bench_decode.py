@@ -9,6 +9,7 @@ import os
 from hamburger_jax import cli
 from hamburger_jax.benchmarks import widths
 from hamburger_jax.benchmarks.prompts import PROMPTS, chat_ids
+from hamburger_jax.benchmarks.report import group_cap, launch_lines
 from hamburger_jax.benchmarks.timing import lockstep_cost, run_interleaved, step_costs, timed
 
 
@@ -17,7 +18,7 @@ def bench_base(args) -> None:
   import transformers  # pylint: disable=import-outside-toplevel
   from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.roofline import copy_bandwidth_gb_s  # pylint: disable=C0415
+  from hamburger_jax.peaks import copy_bandwidth_gb_s  # pylint: disable=C0415
 
   model, tok = pretrained.load("base", base=args.base, dtype=args.dtype,
                                param_dtype=args.dtype)
@@ -75,22 +76,8 @@ def bench_base(args) -> None:
   by_b = {r[0]: r[1] for r in rows}
   if 1 in by_b and 8 in by_b:
     print(f"batch 8 throughput / batch 1: {by_b[8] / by_b[1]:.2f}x")
-  print("\n".join(launch_lines(args, engine.runner, 1, 512)))
-
-def launch_lines(args, runner, batch: int, kv_len: int, model=None) -> list[str]:
-  """The launch figures of the programs a decode bench times (decode/launches.py): lowered
-  dots per step, and with libtpu installed (unless --no-tpu-fusions) the fusions on one TPU
-  v5e chip."""
-  from hamburger_jax import platforms  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.decode import launches  # pylint: disable=import-outside-toplevel
-  tpu = platforms.libtpu_installed() and not args.no_tpu_fusions
-  figs = cli.phase("launch figures" + (" (TPU v5e compiles)" if tpu else ""),
-                   lambda: launches.figures(runner, batch, kv_len, model, tpu=tpu))
-  note = "" if tpu else ", not counted: libtpu is not installed or --no-tpu-fusions"
-  return [f"\nlaunches per step (batch {batch}, KV {kv_len}; dots: matmuls in the lowered "
-          "program, each a kernel launch on a GPU; fusions: the program compiled for one TPU "
-          f"v5e chip{note}):\n", *launches.report_lines(figs)]
-
+  print("\n".join(launch_lines(engine.runner, 1, 512,
+                               tpu_fusions=not args.no_tpu_fusions)))
 
 def with_micro_vocab(model, checkpoint: str | None, size: int):
   """A second HAMburger sharing `model`'s weights whose micro steps use the checkpoint's first
@@ -150,7 +137,5 @@ def bench_hamburger(args) -> None:
             f"{b * args.new_tokens / ham_s:.1f} | {ratio:.2f}x | {k:.2f} | {1 / k:.2f} | "
             f"{r:.3f} | {cost['merged'] / cost['base'] - 1:+.1%} | {ceiling:.2f}x | "
             f"{ratio / ceiling:.0%} | {same}/{b} | {base_c:.0f}, {ham_c:.0f} |")
-  print("\n".join(launch_lines(args, engine.runner, 1, widths.KV_ENTRIES, model)))
-
-def group_cap(max_group: int | None) -> str:
-  return f", groups of at most {max_group} tokens" if max_group else ""
+  print("\n".join(launch_lines(engine.runner, 1, widths.KV_ENTRIES, model,
+                               tpu_fusions=not args.no_tpu_fusions)))

@@ -10,7 +10,7 @@ import numpy as np
 
 from hamburger_jax.benchmarks.timing import engine_decode_s, time_decode_step
 from hamburger_jax import cli
-from infer.bench_decode import launch_lines
+from hamburger_jax.benchmarks.report import launch_lines
 
 
 def bench_random(args) -> None:
@@ -18,7 +18,7 @@ def bench_random(args) -> None:
   with its FLOPs counted (ours and XLA's), MFU and the fraction of the memory roofline; and the
   engine's decode speed on random prompts, HAMburger with forced K-token groups (confidence 0:
   random weights make no groups worth stopping)."""
-  from hamburger_jax import pretrained, roofline  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import peaks, pretrained, roofline  # pylint: disable=C0415
   from hamburger_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   from hamburger_jax.model.decode_layout import decode_layout  # pylint: disable=C0415
@@ -80,11 +80,12 @@ def bench_random(args) -> None:
           f"{per_step / r['step_s']:.1f} | {engine_tps} | {ours / per_step / 1e6:.1f}M | "
           + ("- | - | " if r["xla"] is None else
              f"{r['xla'] / per_step / 1e6:.1f}M | {r['xla'] / ours:.3f} | ") +
-          f"{roofline.mfu(ours, r['step_s'], peak):.1%} | {read / 1e6:.0f} | "
-          f"{roofline.roofline_fraction(read, r['step_s'], peak):.1%} | "
-          f"{roofline.bound(ours, read, peak)} | {r['compile_s']:.0f}, {engine_c} |")
+          f"{peaks.mfu(ours, r['step_s'], peak):.1%} | {read / 1e6:.0f} | "
+          f"{peaks.roofline_fraction(read, r['step_s'], peak):.1%} | "
+          f"{peaks.bound(ours, read, peak)} | {r['compile_s']:.0f}, {engine_c} |")
   runner = engine.runner if engine is not None else decode_layout(model)
-  print("\n".join(launch_lines(args, runner, 1, args.prompt_len + args.new_tokens, model)))
+  print("\n".join(launch_lines(runner, 1, args.prompt_len + args.new_tokens, model,
+                               tpu_fusions=not args.no_tpu_fusions)))
 
 def check_random_weights_flags(p: argparse.ArgumentParser, args) -> None:
   """--random-weights and the flags that go (or never go) with it: one-line errors."""

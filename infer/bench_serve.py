@@ -4,10 +4,12 @@ rounds."""
 
 from __future__ import annotations
 
+import os
+
 from hamburger_jax.benchmarks.prompts import serve_workload
 from hamburger_jax.benchmarks.serving import run_serve
 from hamburger_jax import cli
-from infer.bench_decode import group_cap, launch_lines
+from hamburger_jax.benchmarks.report import group_cap, launch_lines
 
 
 def bench_serve(args) -> None:
@@ -38,7 +40,8 @@ def bench_serve(args) -> None:
     serve_fixed_pool(args, engine, workload, variants)
   if args.round_steps:
     serve_rounds(args, engine, workload, variants)
-  print("\n".join(launch_lines(args, engine.runner, 1, 512, model)))
+  print("\n".join(launch_lines(engine.runner, 1, 512, model,
+                               tpu_fusions=not args.no_tpu_fusions)))
 
 def serve_slots(args, engine, workload, variants) -> None:
   print("\n(a) KV pool holds every slot's longest request\n")
@@ -127,6 +130,7 @@ def serve_rounds(args, engine, workload, variants) -> None:
 
 def plot_serve(slots: list[int], curve: dict[str, list[float]], path: str) -> None:
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.evaluation.plots import save_figure  # pylint: disable=C0415
   fig = Figure(figsize=(6, 4), dpi=120)
   ax = fig.subplots()
   for name, tps in curve.items():
@@ -134,8 +138,8 @@ def plot_serve(slots: list[int], curve: dict[str, list[float]], path: str) -> No
   ax.set_xlabel("slots (requests decoded at once)")
   ax.set_ylabel("generated tokens / s")
   ax.set_xticks(slots)
-  ax.set_title("Continuous batching throughput (2 CPU cores)")
+  ax.set_title(f"Continuous batching throughput ({os.cpu_count()} CPU cores)")
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
-  fig.savefig(path)
+  save_figure(fig, path)

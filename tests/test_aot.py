@@ -77,6 +77,35 @@ def test_a_config_that_cannot_fit_fails_with_one_line(capsys):
   assert "data.rows" in lines[0] or "mesh.fsdp" in lines[0]
 
 
+def test_a_program_the_compiler_refuses_is_one_line_with_its_knob():
+  """Past the chip's own HBM the TPU compiler itself refuses (whatever --hbm-gib reports): the
+  error names the program and what to turn, not a traceback."""
+  from jax.sharding import SingleDeviceSharding  # pylint: disable=import-outside-toplevel
+  dev = aot.tpu_devices("v5e:2x2")[0]
+  x = jax.ShapeDtypeStruct((70000,), np.float32, sharding=SingleDeviceSharding(dev))
+  lowered = jax.jit(lambda v: jax.numpy.sort(jax.numpy.outer(v, v), axis=0)[0]).lower(x)
+  with pytest.raises(aot.AotError, match=r"^outer does not fit: RESOURCE_EXHAUSTED.*HBM.*"
+                                         r"; use fewer rows$"):
+    aot.compile_all({"outer": lowered}, knob="use fewer rows")
+
+
+def test_libtpu_takes_the_no_sparse_core_flags():
+  """libtpu aborts on a flag it does not know: `train.aot --no-sparse-core`'s flags start it."""
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import platforms  # pylint: disable=import-outside-toplevel
+  code = ("from hamburger_jax import aot, platforms\n"
+          "platforms.use_cpu_backend(); platforms.no_sparse_core(); platforms.no_sparse_core()\n"
+          "print(len(aot.tpu_devices('v5p:2x2x1')), os.environ['LIBTPU_INIT_ARGS'])\n")
+  env = {k: v for k, v in os.environ.items() if k != "LIBTPU_INIT_ARGS"}
+  res = subprocess.run([sys.executable, "-c", "import os\n" + code], capture_output=True,
+                       text=True, env=env, cwd=REPO, timeout=120, check=False)
+  assert res.returncode == 0, res.stderr[-2000:]
+  chips, *flags = res.stdout.split()
+  assert chips == "4" and flags == list(platforms.NO_SPARSE_CORE_FLAGS)  # once, however called
+
+
 def test_bad_topologies_are_one_line_errors():
   for bad, says in (("v9x:2x2", "generation"), ("v5e:4", "AxB"), ("v5e:1x1", "2x2")):
     with pytest.raises(aot.AotError, match=says):

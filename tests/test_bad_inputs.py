@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hamburger_jax import pretrained
+from hamburger_jax import graft_checkpoint, pretrained
 from hamburger_jax.config import ConfigError, GraftConfig, HamburgerConfig, LlamaConfig
 from hamburger_jax.convert.mapping import WeightsError
 from hamburger_jax.data import prepare, sources, tfds_builder
@@ -247,7 +247,7 @@ def graft_dir(tmp_path_factory) -> Path:
                     num_heads=4, num_kv_heads=2)
   model = Hamburger(HamburgerConfig(cfg, GraftConfig(merger_head_dim=16)), rngs=nnx.Rngs(0))
   path = tmp_path_factory.mktemp("graft") / "ckpt"
-  pretrained.save_graft(model, str(path), "random", dtype="float32")
+  graft_checkpoint.save_graft(model, str(path), "random", dtype="float32")
   return path
 
 
@@ -273,7 +273,7 @@ def _tiny_hamburger() -> Hamburger:
 def test_damaged_graft_safetensors_names_the_file(graft_dir: Path, tmp_path: Path, damage: str,
                                                   message: str) -> None:
   ckpt = _copy(graft_dir, tmp_path / "ckpt")
-  weights = ckpt / pretrained.GRAFT_FILE
+  weights = ckpt / graft_checkpoint.GRAFT_FILE
   data = weights.read_bytes()
   if damage == "truncate":
     weights.write_bytes(data[:len(data) // 2])
@@ -297,7 +297,7 @@ def test_damaged_graft_safetensors_names_the_file(graft_dir: Path, tmp_path: Pat
 def test_broken_hamburger_json_names_the_file(graft_dir: Path, tmp_path: Path, content,
                                               message: str) -> None:
   ckpt = _copy(graft_dir, tmp_path / "ckpt")
-  meta = ckpt / pretrained.META_FILE
+  meta = ckpt / graft_checkpoint.META_FILE
   if isinstance(content, bytes):
     meta.write_bytes(content)
   else:
@@ -313,7 +313,7 @@ def test_broken_hamburger_json_names_the_file(graft_dir: Path, tmp_path: Path, c
 def test_bad_config_in_hamburger_json_fails_before_the_base_loads(graft_dir: Path,
                                                                   tmp_path: Path) -> None:
   ckpt = _copy(graft_dir, tmp_path / "ckpt")
-  meta_path = ckpt / pretrained.META_FILE
+  meta_path = ckpt / graft_checkpoint.META_FILE
   meta = json.loads(meta_path.read_text())
   meta["graft"]["max_group"] = 0
   meta["base_source"] = str(tmp_path / "no-such-base.gguf")  # loading it would fail differently

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from hamburger_jax import assets, pretrained
+from hamburger_jax.graft_checkpoint import save_graft
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -25,7 +26,7 @@ def graft_checkpoint(tmp_path_factory) -> str:
   # An untrained graft: enough to check the plumbing.
   model, _ = pretrained.load_hamburger(pretrained.UNTRAINED)
   path = str(tmp_path_factory.mktemp("ckpt") / "graft")
-  pretrained.save_graft(model, path, "smollm2")
+  save_graft(model, path, "smollm2")
   return path
 
 

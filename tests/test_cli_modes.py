@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hamburger_jax import cache, pretrained
+from hamburger_jax import cache, graft_checkpoint, pretrained, testing
 from hamburger_jax.config import GraftConfig
 from hamburger_jax.testing import write_tiny_llama_gguf
 
@@ -25,7 +25,7 @@ def tiny(tmp_path_factory) -> dict[str, str]:
   graft = GraftConfig(num_features=2, micro_layers=1, merger_head_dim=16, base_lora_rank=4)
   model, _ = pretrained.load_hamburger(pretrained.UNTRAINED, base, graft=graft)
   ckpt = str(tmp / "graft")
-  pretrained.save_graft(model, ckpt, base, dtype="float32")
+  graft_checkpoint.save_graft(model, ckpt, base, dtype="float32")
   return {"base": base, "checkpoint": ckpt}
 
 
@@ -34,15 +34,12 @@ def _no_weight_cache(monkeypatch):
   monkeypatch.setenv(cache.NO_WEIGHT_CACHE_ENV, "1")
 
 
-def _tables(out: str) -> list[list[str]]:
-  blocks, current = [], []
-  for line in out.splitlines() + [""]:
-    if line.startswith("|"):
-      current.append(line)
-    elif current:
-      blocks.append(current)
-      current = []
-  return blocks
+def _tables(out: str) -> list[list[dict[str, str]]]:
+  return testing.markdown_tables(out)
+
+
+def _first_column(table: list[dict[str, str]]) -> list[str]:
+  return [next(iter(r.values())) for r in table]
 
 
 def _bench(capsys, *argv: str) -> str:
@@ -54,18 +51,19 @@ def _bench(capsys, *argv: str) -> str:
 def test_bench_base_against_transformers(tiny, capsys):
   out = _bench(capsys, "--mode", "base", "--base", tiny["base"], "--batches", "1,2",
                "--new-tokens", "4")
-  rows = _tables(out)[0][2:]
-  assert [r.split("|")[1].strip() for r in rows] == ["1", "2"]
-  assert all(re.search(r"\| \d/\d \|", r) for r in rows)  # identical greedy rows counted
-  assert "base step" in _tables(out)[1][2]
+  rows = _tables(out)[0]
+  assert _first_column(rows) == ["1", "2"]
+  # identical greedy rows counted
+  assert all(any(re.fullmatch(r"\d/\d", v) for v in r.values()) for r in rows)
+  assert _first_column(_tables(out)[1])[0] == "base step"
 
 
 def test_bench_hamburger_against_its_base(tiny, capsys):
   out = _bench(capsys, "--mode", "hamburger", "--base", tiny["base"], "--checkpoint",
                tiny["checkpoint"], "--batches", "1,2", "--new-tokens", "4", "--confidence", "0")
-  rows = _tables(out)[0][2:]
-  assert len(rows) == 2 and all("| 4.00 |" in r for r in rows)  # forced groups of K = 4
-  launches = [r.split("|")[1].strip() for r in _tables(out)[1][2:]]
+  rows = _tables(out)[0]
+  assert len(rows) == 2 and all("4.00" in r.values() for r in rows)  # forced groups of K = 4
+  launches = _first_column(_tables(out)[1])
   assert launches[:3] == ["base step", "merged step", "micro step"]
 
 
@@ -88,7 +86,7 @@ def test_ablate_step_every_variant(tiny, capsys):
   from infer import ablate_step  # pylint: disable=import-outside-toplevel
   assert ablate_step.main(["--base", tiny["base"], "--checkpoint", tiny["checkpoint"],
                            "--new-tokens", "4", "--rounds", "1"]) == 0
-  rows = [r.split("|")[1].strip() for r in _tables(capsys.readouterr().out)[0][2:]]
+  rows = _first_column(_tables(capsys.readouterr().out)[0])
   assert rows == ["base", *ablate_step.VARIANTS]
 
 
@@ -119,6 +117,32 @@ def test_accelerator_check_writes_its_report(tmp_path):
   assert text.startswith("# Accelerator check") and "| environment | done |" in text
   assert "not run: no minutes left" in text or "stopped at its cap" in text
   assert res.returncode == 1  # not every part finished
+
+
+def test_a_part_over_its_cap_is_stopped_with_its_children():
+  """A part that runs over its cap is killed with the processes it started (pytest's workers
+  would otherwise go on using the device under the next part), and what it printed is kept."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  from infer import accelerator_check as ac  # pylint: disable=import-outside-toplevel
+  child = ("import subprocess, sys, time\n"
+           "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+           "print('started', p.pid, flush=True)\n"
+           "time.sleep(120)\n")
+  t = time.monotonic()
+  code, out, _ = ac.run_capped([sys.executable, "-c", child], 3)
+  assert code is None and time.monotonic() - t < 30
+  word, pid = out.split()
+  assert word == "started"
+  for _ in range(50):  # the orphan is reaped by init once killed
+    if subprocess.run(["ps", "-p", pid, "-o", "stat="], capture_output=True,
+                      text=True, check=False).stdout.strip() in ("", "Z"):
+      break
+    time.sleep(0.1)
+  else:
+    raise AssertionError(f"process {pid}, started by the stopped part, is still running")
+  assert ac.run_capped([sys.executable, "-c", "print('hi')"], 30)[:2] == (0, "hi\n")
 
 
 @pytest.mark.slow

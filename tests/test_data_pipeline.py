@@ -15,7 +15,7 @@ import tensorflow_datasets as tfds
 from flax import nnx
 
 from hamburger_jax.config import LlamaConfig
-from hamburger_jax.data import pipeline, prepare, sources, tfds_builder
+from hamburger_jax.data import pipeline, prepare, sources, teacher_pass, tfds_builder
 from hamburger_jax.data.tfds_builder import DatasetExistsError, build_dataset
 from hamburger_jax.layout import LayoutError
 from hamburger_jax.model.llama import Llama, causal_segment_mask
@@ -543,7 +543,7 @@ def test_stored_teacher_signals_equal_an_online_teacher_forward(tmp_path):
                           strategy="fixed:3", max_len=80, val_fraction=0.0, teacher=teacher)
   builder = tfds.builder_from_directory(str(tmp_path / "ds"))
   assert builder.info.metadata["teacher"]["feature_layers"] == [0, 2]
-  assert builder.info.metadata["base_fingerprint"] == prepare.base_fingerprint(model)
+  assert builder.info.metadata["base_fingerprint"] == teacher_pass.base_fingerprint(model)
   data = builder.as_data_source()["train"]
   assert len(data) == 6
   for i in range(len(data)):
@@ -587,7 +587,7 @@ def test_a_split_over_the_tfds_spill_limit_builds_without_tensorflow(tmp_path, m
 
 def test_self_distill_mix_is_interleaved_and_checked():
   """A self-distillation run stopped early still holds every source of its mix in proportion."""
-  from train.self_distill import interleave, parse_mix  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.data.self_distill import interleave, parse_mix  # pylint: disable=C0415
   sources = [[f"a{i}" for i in range(60)], [f"b{i}" for i in range(30)], [f"c{i}" for i in range(10)]]
   out = interleave(sources)
   assert sorted(out) == sorted(sum(sources, []))  # every prompt once
@@ -597,7 +597,7 @@ def test_self_distill_mix_is_interleaved_and_checked():
   for src in sources:  # each source keeps its own order
     assert [x for x in out if x in src] == src
   assert parse_mix("gcd:3,sharegpt:2") == [("gcd", 3), ("sharegpt", 2)]
-  with pytest.raises(SystemExit, match="NAME:COUNT"):
+  with pytest.raises(ValueError, match="NAME:COUNT"):
     parse_mix("gsm8k:3")
   from train.self_distill import parse_confidences  # pylint: disable=import-outside-toplevel
   assert parse_confidences(None, None) is None
@@ -611,7 +611,8 @@ def test_self_distill_mix_is_interleaved_and_checked():
 def test_self_distill_sharegpt_skip_takes_later_prompts(monkeypatch, capsys):
   """--sharegpt-skip N: the prompts after the first N that fit, so a later run gets prompts an
   earlier one (e.g. the shipped graft's data) never saw; over-long prompts count in neither."""
-  from train import self_distill  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.data import self_distill  # pylint: disable=import-outside-toplevel
+  from train import self_distill as self_distill_cli  # pylint: disable=import-outside-toplevel
   convs = [sources.Conversation([{"role": "user", "content": "w " * n}], "r", "sharegpt", f"c{i}")
            for i, n in enumerate([1, 9, 2, 3, 9, 4, 5])]
   monkeypatch.setattr(self_distill, "sharegpt_conversations", lambda: iter(convs))
@@ -626,7 +627,8 @@ def test_self_distill_sharegpt_skip_takes_later_prompts(monkeypatch, capsys):
   assert ids(n=2, skip=2) == ["c3", "c5"]
   assert ids(n=9, skip=4) == ["c6"]
   with pytest.raises(SystemExit):  # before any model is loaded
-    self_distill.main(["--mix", "sharegpt:1", "--out", "unused.jsonl", "--sharegpt-skip", "-1"])
+    self_distill_cli.main(["--mix", "sharegpt:1", "--out", "unused.jsonl", "--sharegpt-skip",
+                           "-1"])
   assert "--sharegpt-skip=-1 must be >= 0" in capsys.readouterr().err
 
 
@@ -670,7 +672,7 @@ def test_on_policy_answers_record_the_groups_hamburger_emitted(tmp_path):
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   from hamburger_jax.segmentation import TeacherSpec  # pylint: disable=import-outside-toplevel
   from hamburger_jax.testing import DECODE_STOP, tiny_decode_model  # pylint: disable=C0415
-  from train.self_distill import distill  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.data.self_distill import distill  # pylint: disable=import-outside-toplevel
   model, tok = tiny_decode_model(), _TinyVocabTokenizer()
   engine = Engine(model, None, stop_ids=(DECODE_STOP,))
   convs = [sources.Conversation([{"role": "user", "content": f"q{i}" * (i + 1)}], "", "t", str(i))

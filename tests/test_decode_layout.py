@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hamburger_jax import pretrained
+from hamburger_jax import graft_checkpoint, pretrained
 from hamburger_jax.config import GraftConfig, HamburgerConfig
 from hamburger_jax.convert.mapping import WeightsError
 from hamburger_jax.decode import launches
@@ -93,7 +93,7 @@ def test_the_decoding_layout_is_neither_saved_nor_laid_out_twice(adapted, tmp_pa
   with pytest.raises(ValueError, match="decoding layout already"):
     decode_layout(runner)
   with pytest.raises(WeightsError, match="decoding layout"):
-    pretrained.save_graft(runner, str(tmp_path / "x"), "random")
+    graft_checkpoint.save_graft(runner, str(tmp_path / "x"), "random")
   assert not (tmp_path / "x").exists()
   plain = Hamburger(HamburgerConfig(DECODE_CFG, GraftConfig(merger_head_dim=16)), rngs=nnx.Rngs(0))
   assert decode_layout(plain, fused=False) is plain  # nothing to change: the same arrays

@@ -1,7 +1,7 @@
 """hamburger_jax.roofline: the analytic FLOP counts against the traced programs (exactly) and
-XLA's cost analysis (within elementwise work), the byte counts, peaks, MFU and roofline
-arithmetic by hand, and both benches' --random-weights paths end to end on configs/tiny.yaml
-(their printed columns, never their timings)."""
+XLA's cost analysis (within elementwise work), the byte counts; hamburger_jax.peaks: peaks, MFU
+and roofline arithmetic by hand; and both benches' --random-weights paths end to end on
+configs/tiny.yaml (their printed columns, never their timings)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hamburger_jax import layout, pretrained, roofline, testing
+from hamburger_jax import layout, peaks, pretrained, roofline, testing
+from hamburger_jax.data import synthetic
 from hamburger_jax.config import LLAMA_3_2_1B, ConfigError, GraftConfig, HamburgerConfig
 from hamburger_jax.data import pipeline
 from hamburger_jax.model.hamburger import Hamburger
@@ -99,7 +100,7 @@ def _train_batch(trainer, teacher: bool = False) -> dict:
   teacher signals of the right shapes (stage 1 reads their shapes only, for counting)."""
   cfg = trainer.cfg
   d, k = cfg.data, cfg.graft.max_group
-  records = testing.synthetic_samples(d.rows, cfg.model.random.vocab_size, k)
+  records = synthetic.synthetic_samples(d.rows, cfg.model.random.vocab_size, k)
   rows = [[pipeline.record_layout(r, k)] for r in records]
   batch = layout.pack_rows(rows, d.entries, d.groups, k).as_dict()
   if teacher:
@@ -157,18 +158,18 @@ def test_decode_bytes_by_hand():
 
 
 def test_mfu_roofline_and_bound_by_hand():
-  peak = roofline.Peak("test", flops=100e12, bandwidth=2e12, source="test")
-  assert roofline.mfu(40e12, 0.5, peak) == pytest.approx(0.8)  # 80 TFLOP/s of 100
-  assert roofline.roofline_fraction(1.4e9, 1e-3, peak) == pytest.approx(0.7)  # 1.4 TB/s of 2
+  peak = peaks.Peak("test", flops=100e12, bandwidth=2e12, source="test")
+  assert peaks.mfu(40e12, 0.5, peak) == pytest.approx(0.8)  # 80 TFLOP/s of 100
+  assert peaks.roofline_fraction(1.4e9, 1e-3, peak) == pytest.approx(0.7)  # 1.4 TB/s of 2
   # 1 TFLOP takes 10 ms at peak, 1 GB takes 0.5 ms: compute; 100 GFLOP and 10 GB: memory.
-  assert roofline.bound(1e12, 1e9, peak) == "compute"
-  assert roofline.bound(1e11, 1e10, peak) == "memory"
+  assert peaks.bound(1e12, 1e9, peak) == "compute"
+  assert peaks.bound(1e11, 1e10, peak) == "memory"
   # Batch-1 decode of Llama-3.2-1B in bf16 on an H100 SXM: ~2.5 GB a step at 3.35 TB/s.
-  h100 = roofline.ACCELERATORS["H100 SXM"]
+  h100 = peaks.ACCELERATORS["H100 SXM"]
   step_bytes = roofline.decode_step_bytes(HamburgerConfig(dataclasses.replace(
       LLAMA_3_2_1B, dtype="bfloat16", param_dtype="bfloat16")), "base", 1, 1024)
   assert step_bytes == 2 * (1_235_814_400 + 2 * 16 * 1024 * 8 * 64)
-  assert roofline.roofline_fraction(step_bytes, step_bytes / 3.35e12, h100) == pytest.approx(1.0)
+  assert peaks.roofline_fraction(step_bytes, step_bytes / 3.35e12, h100) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("kind,key", [
@@ -176,17 +177,17 @@ def test_mfu_roofline_and_bound_by_hand():
     ("NVIDIA H200", "H200"), ("TPU v4", "TPU v4"), ("TPU v5 lite", "TPU v5e"),
     ("TPU v5", "TPU v5p"), ("TPU v5p", "TPU v5p"), ("NVIDIA A100-SXM4-80GB", None)])
 def test_device_kinds_map_to_their_peaks(kind, key):
-  assert roofline.accelerator_key(kind) == key
+  assert peaks.accelerator_key(kind) == key
 
 
 def test_device_peak_looks_up_accelerators_and_takes_overrides():
   fake = lambda kind, platform="gpu": types.SimpleNamespace(device_kind=kind, platform=platform)
-  assert roofline.device_peak(device=fake("TPU v5 lite")).flops == 197e12
-  given = roofline.device_peak(device=fake("NVIDIA H200"), tflops=500)
+  assert peaks.device_peak(device=fake("TPU v5 lite")).flops == 197e12
+  given = peaks.device_peak(device=fake("NVIDIA H200"), tflops=500)
   assert (given.flops, given.bandwidth, given.source) == (500e12, 4.8e12, "given")
   with pytest.raises(ValueError, match="--peak-tflops"):
-    roofline.device_peak(device=fake("NVIDIA A100-SXM4-80GB"))
-  cpu = roofline.device_peak(device=fake("cpu", "cpu"), tflops=1.5, gb_s=20)  # nothing measured
+    peaks.device_peak(device=fake("NVIDIA A100-SXM4-80GB"))
+  cpu = peaks.device_peak(device=fake("cpu", "cpu"), tflops=1.5, gb_s=20)  # nothing measured
   assert (cpu.flops, cpu.bandwidth, cpu.source) == (1.5e12, 20e9, "given")
 
 
@@ -202,22 +203,9 @@ def test_architecture_needs_no_weights():
     pretrained.architecture(unknown)
 
 
-def _tables(out: str) -> list[list[dict[str, str]]]:
-  """The markdown tables in `out`, each a list of rows keyed by its header."""
-  blocks, current = [], []
-  for line in out.splitlines() + [""]:
-    if line.startswith("|"):
-      current.append(line)
-    elif current:
-      blocks.append(current)
-      current = []
-  split = lambda l: [c.strip() for c in l.strip("|").split("|")]
-  return [[dict(zip(split(b[0]), split(l))) for l in b[2:]] for b in blocks]
-
-
 def _table(out: str) -> list[dict[str, str]]:
   """The rows of the first markdown table in `out`, keyed by its header."""
-  return _tables(out)[0]
+  return testing.markdown_tables(out)[0]
 
 
 def test_infer_bench_random_weights_end_to_end(capsys):
@@ -238,7 +226,7 @@ def test_infer_bench_random_weights_end_to_end(capsys):
     assert r["MFU"].endswith("%") and r["roofline"].endswith("%")
     assert r["bound"] in ("compute", "memory")
   # Beside the timings, the launch figures of the programs timed.
-  launches = {r["program"]: r for r in _tables(out)[1]}
+  launches = {r["program"]: r for r in testing.markdown_tables(out)[1]}
   assert list(launches) == ["base step", "merged step", "micro step", "macro step, base mode",
                             "macro step, HAMburger forced K"]
   dots = {name: int(r["lowered dots"]) for name, r in launches.items()}

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hamburger_jax import pretrained
+from hamburger_jax import graft_checkpoint, pretrained
 from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig
 from hamburger_jax.model import lora
 from hamburger_jax.model.hamburger import Hamburger, without_adapters
@@ -56,7 +56,7 @@ def test_merge_and_drop():
 
 def test_graft_checkpoint_holds_the_adapters(tmp_path):
   src = _model(perturb=True)
-  pretrained.save_graft(src, str(tmp_path / "c"), "random", dtype="float32")
+  graft_checkpoint.save_graft(src, str(tmp_path / "c"), "random", dtype="float32")
   dst = _model(perturb=False)
   pretrained.load_graft(dst, str(tmp_path / "c"))
   np.testing.assert_array_equal(np.asarray(dst.base(IDS, merged_bt=EVERYWHERE)),

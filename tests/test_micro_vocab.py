@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 import pytest
-from hamburger_jax import micro_vocab, pretrained, testing
+from hamburger_jax import graft_checkpoint, micro_vocab, pretrained, testing
 from hamburger_jax.decode.engine import Engine
 from hamburger_jax.model.hamburger import sharing_weights
 from hamburger_jax.testing import DECODE_CFG, DECODE_STOP, tiny_decode_model
@@ -26,9 +26,9 @@ def model():
 @pytest.fixture
 def checkpoint(tmp_path) -> str:
   """A checkpoint directory whose metadata is the shipped graft's (vocabulary 49152)."""
-  with open(os.path.join(pretrained.DEFAULT_CHECKPOINT, pretrained.META_FILE)) as f:
+  with open(os.path.join(pretrained.DEFAULT_CHECKPOINT, graft_checkpoint.META_FILE)) as f:
     meta = json.load(f)
-  (tmp_path / pretrained.META_FILE).write_text(json.dumps(meta))
+  (tmp_path / graft_checkpoint.META_FILE).write_text(json.dumps(meta))
   return str(tmp_path)
 
 

@@ -13,7 +13,6 @@ from hamburger_jax.data import pipeline
 from hamburger_jax.decode.engine import Engine
 from hamburger_jax.evaluation.teacher_forced import split_batches
 from hamburger_jax.run_config import load_run_config
-from infer import eval as ev
 from hamburger_jax import training
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")

@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from hamburger_jax.data import pipeline, prepare, tfds_builder
+from hamburger_jax.data import pipeline, prepare, teacher_pass, tfds_builder
+from hamburger_jax.data import shards as shardlib
 from train import prepare_data
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +48,7 @@ tfds.disable_progress_bar()
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
-  from hamburger_jax.testing import synthetic_samples  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.data.synthetic import synthetic_samples  # pylint: disable=C0415
   d = tmp_path_factory.mktemp("inputs")
   (d / "tiny.yaml").write_text(CONFIG)
   lines = []
@@ -100,7 +101,7 @@ def reference(inputs: SimpleNamespace, cached_tokenizer, tmp_path_factory) -> Pa
   assert f"{NUM_SHARDS} shards by 1 process x 1 device" in stdout
   assert "samples written      34 (train" in stdout and "dropped (too long)   6" in stdout
   assert "4: " in stdout.split("group sizes")[1]  # groups of up to 4 tokens
-  assert not Path(prepare.shards_dir_of(out)).exists()  # removed once joined
+  assert not Path(shardlib.shards_dir_of(out)).exists()  # removed once joined
   # Each split holds its samples in source order, and together they are every kept sample.
   lines = [json.loads(x) for x in (inputs.dir / "d.jsonl").read_text().splitlines()]
   kept = [tuple(x["prompt_ids"] + x["response_ids"]) for x in lines
@@ -148,18 +149,18 @@ def test_a_killed_run_resumes_to_the_same_dataset(inputs, reference, cached_toke
   forward pass of shard 3, then finished: the finished shards are skipped, the half-written one
   redone, and the dataset equals the uninterrupted run's."""
   out = tmp_path / "ds"
-  shards = Path(prepare.shards_dir_of(out))
-  write_json = prepare.write_json_atomic
+  shards = Path(shardlib.shards_dir_of(out))
+  write_json = teacher_pass.write_json_atomic
 
   def killed_before_marker(path, obj, **kwargs):
     if os.path.basename(path) == "shard-00002.json":
       raise KeyboardInterrupt
     write_json(path, obj, **kwargs)
 
-  monkeypatch.setattr(prepare, "write_json_atomic", killed_before_marker)
+  monkeypatch.setattr(teacher_pass, "write_json_atomic", killed_before_marker)
   with pytest.raises(KeyboardInterrupt):
     _main(_args(inputs, out))
-  monkeypatch.setattr(prepare, "write_json_atomic", write_json)
+  monkeypatch.setattr(teacher_pass, "write_json_atomic", write_json)
   assert not out.exists()
   assert {"shard-00000.json", "shard-00001.json", "shard-00002"} <= set(_entries(shards))
   assert "shard-00002.json" not in _entries(shards)
@@ -170,7 +171,7 @@ def test_a_killed_run_resumes_to_the_same_dataset(inputs, reference, cached_toke
   (shards / "shard-00003.json.tmp-999").write_text('{"plan": ')
 
   shard, passes = [], []
-  write_shard, forward = prepare._write_shard, prepare._Forward.__call__  # pylint: disable=W0212
+  write_shard, forward = teacher_pass.write_shard, teacher_pass.Forward.__call__
 
   def noting_the_shard(shards_dir, k, *a, **kw):
     shard.append(k)
@@ -182,11 +183,11 @@ def test_a_killed_run_resumes_to_the_same_dataset(inputs, reference, cached_toke
       raise KeyboardInterrupt
     return forward(self, ids, seg, teacher)
 
-  monkeypatch.setattr(prepare, "_write_shard", noting_the_shard)
-  monkeypatch.setattr(prepare._Forward, "__call__", killed_in_shard_3)  # pylint: disable=W0212
+  monkeypatch.setattr(prepare, "write_shard", noting_the_shard)  # where prepare_dataset looks
+  monkeypatch.setattr(teacher_pass.Forward, "__call__", killed_in_shard_3)
   with pytest.raises(KeyboardInterrupt):
     _main(_args(inputs, out))
-  monkeypatch.setattr(prepare._Forward, "__call__", forward)  # pylint: disable=W0212
+  monkeypatch.setattr(teacher_pass.Forward, "__call__", forward)
   assert shard == [2, 3]  # 0 and 1 were skipped
   assert "shard-00002.json" in _entries(shards) and "shard-00003.json" not in _entries(shards)
 
@@ -203,16 +204,16 @@ def test_a_single_process_replaces_the_shards_of_other_settings(inputs, referenc
   """A killed run with other settings leaves shards of another plan; a single process redoes
   them (as a killed run's work was always redone), saying why."""
   out = tmp_path / "ds"
-  forward = prepare._Forward.__call__  # pylint: disable=protected-access
+  forward = teacher_pass.Forward.__call__
 
   def killed(self, ids, seg, teacher):
     raise KeyboardInterrupt
 
-  monkeypatch.setattr(prepare._Forward, "__call__", killed)  # pylint: disable=W0212
+  monkeypatch.setattr(teacher_pass.Forward, "__call__", killed)
   with pytest.raises(KeyboardInterrupt):
     _main(_args(inputs, out, "--seed", "3"))
-  monkeypatch.setattr(prepare._Forward, "__call__", forward)  # pylint: disable=W0212
-  assert (Path(prepare.shards_dir_of(out)) / prepare.PLAN_FILE).exists()
+  monkeypatch.setattr(teacher_pass.Forward, "__call__", forward)
+  assert (Path(shardlib.shards_dir_of(out)) / shardlib.PLAN_FILE).exists()
   rc, _, stderr = _main(_args(inputs, out))
   assert rc == 0, stderr[-3000:]
   assert "discarding the shards" in stderr and "settings.seed (3 there, 0 here)" in stderr
@@ -251,7 +252,7 @@ def test_a_missing_process_is_named_and_process_counts_must_match(inputs, refere
 
 def test_a_second_copy_of_a_process_is_refused(inputs, cached_tokenizer, tmp_path: Path):
   out = tmp_path / "ds"
-  shards = Path(prepare.shards_dir_of(out))
+  shards = Path(shardlib.shards_dir_of(out))
   shards.mkdir()
   fd = os.open(shards / "process-00000.lock", os.O_CREAT | os.O_RDWR)
   try:
@@ -351,7 +352,7 @@ def test_eight_devices_write_the_single_process_dataset(inputs, reference, sub_e
 def _passes_main(record: str, argv: list[str]) -> int:
   """train.prepare_data, noting how every forward pass's output rows lie over the devices."""
   passes = []
-  run = prepare._Forward.run  # pylint: disable=protected-access
+  run = teacher_pass.Forward.run
 
   def noting(self, ids, seg, teacher):
     arrays = run(self, ids, seg, teacher)
@@ -360,7 +361,7 @@ def _passes_main(record: str, argv: list[str]) -> int:
                    "rows_per_device": [s.data.shape[0] for s in shards]})
     return arrays
 
-  prepare._Forward.run = noting  # pylint: disable=protected-access
+  teacher_pass.Forward.run = noting
   rc = prepare_data.main(argv)
   with open(record, "w", encoding="utf-8") as f:
     json.dump(passes, f)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hamburger_jax import assets, pretrained
+from hamburger_jax import assets, graft_checkpoint, pretrained
 from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig, to_dict
 from hamburger_jax.convert.mapping import WeightsError
 from hamburger_jax.model.hamburger import Hamburger
@@ -32,7 +32,7 @@ def _params(model, kind) -> dict:
 def test_graft_checkpoint_round_trip(tmp_path, include_base):
   src, dst = _model(0), _model(1)
   path = str(tmp_path / "ckpt")
-  pretrained.save_graft(src, path, "random", dtype="float32", include_base=include_base)
+  graft_checkpoint.save_graft(src, path, "random", dtype="float32", include_base=include_base)
   assert sorted(os.listdir(path)) == sorted(
       ["graft.safetensors", "hamburger.json"] + (["base.safetensors"] if include_base else []))
   assert not os.path.exists(path + ".tmp")
@@ -50,7 +50,7 @@ def test_graft_checkpoint_round_trip(tmp_path, include_base):
 
 def test_bfloat16_export_is_close(tmp_path):
   src, dst = _model(0), _model(1)
-  pretrained.save_graft(src, str(tmp_path / "c"), "random")  # default bfloat16
+  graft_checkpoint.save_graft(src, str(tmp_path / "c"), "random")  # default bfloat16
   pretrained.load_graft(dst, str(tmp_path / "c"))
   for p, v in _params(src, GraftParam).items():
     np.testing.assert_allclose(_params(dst, GraftParam)[p], v, rtol=1e-2, atol=1e-3)
@@ -58,7 +58,7 @@ def test_bfloat16_export_is_close(tmp_path):
 
 def test_mismatches_are_named(tmp_path):
   path = str(tmp_path / "c")
-  pretrained.save_graft(_model(0), path, "random", dtype="float32")
+  graft_checkpoint.save_graft(_model(0), path, "random", dtype="float32")
   other = _model(0, GraftConfig(merger_head_dim=16, micro_layers=2))
   with pytest.raises(WeightsError, match="graft config"):
     pretrained.load_graft(other, path)
@@ -106,7 +106,7 @@ def test_untrained_graft_and_checkpoint_round_trip_on_a_gguf_base(monkeypatch, t
   for path, var in nnx.to_flat_state(nnx.state(src, GraftParam)):  # make every graft param count
     var.set_value(var[...] + 0.01 * (1 + len(path)))
   ckpt = str(tmp_path / "ckpt")
-  pretrained.save_graft(src, ckpt, base_path, dtype="float32")
+  graft_checkpoint.save_graft(src, ckpt, base_path, dtype="float32")
   loaded, tok = pretrained.load_hamburger(ckpt)
   got, saved = _params(loaded, nnx.Param), _params(src, nnx.Param)
   assert got.keys() == saved.keys()
@@ -131,7 +131,7 @@ def test_shipped_checkpoint_loads_is_trained_and_is_the_base_at_confidence_1():
   size = sum(os.path.getsize(os.path.join(ckpt, n)) for n in os.listdir(ckpt))
   assert size <= 64 * 2**20, f"{ckpt} is {size / 2**20:.1f} MiB, over the 64 MiB repo budget"
   trained, tok = pretrained.load_hamburger()  # no argument: the shipped checkpoint
-  assert to_dict(trained.cfg.graft) == pretrained.read_meta(ckpt)["graft"]
+  assert to_dict(trained.cfg.graft) == graft_checkpoint.read_meta(ckpt)["graft"]
   untrained, _ = pretrained.load_hamburger(pretrained.UNTRAINED, graft=trained.cfg.graft)
   prompt = tok.apply_chat_template(
       [{"role": "user", "content": "Describe how a bicycle works in three sentences."}],
@@ -173,9 +173,9 @@ def _files(path) -> dict[str, int]:
 
 
 def _saved_tensors(path) -> dict[str, dict[str, np.ndarray]]:
-  meta = pretrained.read_meta(path)
+  meta = graft_checkpoint.read_meta(path)
   names = ["graft"] + (["base"] if meta.get("include_base") else [])
-  return {n: pretrained.read_tensors(path, n, meta) for n in names}
+  return {n: graft_checkpoint.read_tensors(path, n, meta) for n in names}
 
 
 @pytest.mark.parametrize("include_base", [False, True])
@@ -183,12 +183,12 @@ def _saved_tensors(path) -> dict[str, dict[str, np.ndarray]]:
 def test_sharded_export_loads_the_same_params_as_one_file(tmp_path, include_base, dtype):
   src = _wide(0)
   one, sharded = str(tmp_path / "one"), str(tmp_path / "sharded")
-  pretrained.save_graft(src, one, "random", dtype=dtype, include_base=include_base)
-  pretrained.save_graft(src, sharded, "random", dtype=dtype, include_base=include_base,
-                        max_shard_mb=SHARD_MB)
+  graft_checkpoint.save_graft(src, one, "random", dtype=dtype, include_base=include_base)
+  graft_checkpoint.save_graft(src, sharded, "random", dtype=dtype, include_base=include_base,
+                              max_shard_mb=SHARD_MB)
   files, limit = _files(sharded), int(SHARD_MB * 2**20)
   tables = ["graft"] + (["base"] if include_base else [])
-  meta = pretrained.read_meta(sharded)
+  meta = graft_checkpoint.read_meta(sharded)
   assert set(meta["shards"]) == set(tables)
   for name in tables:
     listed = [f["file"] for f in meta["shards"][name]["files"]]
@@ -218,19 +218,19 @@ def test_sharded_export_loads_the_same_params_as_one_file(tmp_path, include_base
 
 def test_reshard_round_trip_is_bit_exact(tmp_path):
   path = str(tmp_path / "c")
-  pretrained.save_graft(_wide(0), path, "random", dtype="float32", include_base=True)
+  graft_checkpoint.save_graft(_wide(0), path, "random", dtype="float32", include_base=True)
   want = _saved_tensors(path)
-  meta = pretrained.read_meta(path)
+  meta = graft_checkpoint.read_meta(path)
   with open(os.path.join(path, "micro_vocab.json"), "w") as f:
     f.write('{"ids": [3, 1]}')  # a side file of the checkpoint: resharding keeps it
-  assert pretrained.reshard_graft(path, max_shard_mb=SHARD_MB) == path  # in place
+  assert graft_checkpoint.reshard_graft(path, max_shard_mb=SHARD_MB) == path  # in place
   assert len(_files(path)) > 3 and "graft.safetensors" not in _files(path)
-  copy = pretrained.reshard_graft(path, str(tmp_path / "one"), max_shard_mb=None)
+  copy = graft_checkpoint.reshard_graft(path, str(tmp_path / "one"), max_shard_mb=None)
   assert sorted(_files(copy)) == ["base.safetensors", "graft.safetensors", "hamburger.json",
                                   "micro_vocab.json"]
   with open(os.path.join(copy, "micro_vocab.json")) as f:
     assert f.read() == '{"ids": [3, 1]}'
-  assert pretrained.read_meta(copy) == meta  # the metadata survives, the index goes
+  assert graft_checkpoint.read_meta(copy) == meta  # the metadata survives, the index goes
   for tensors in (_saved_tensors(path), _saved_tensors(copy)):
     for name, table in want.items():
       for k, v in table.items():
@@ -241,7 +241,8 @@ def test_reshard_round_trip_is_bit_exact(tmp_path):
 @pytest.fixture(name="sharded")
 def _sharded(tmp_path):
   path = tmp_path / "ckpt"
-  pretrained.save_graft(_wide(0), str(path), "random", dtype="float32", max_shard_mb=SHARD_MB)
+  graft_checkpoint.save_graft(_wide(0), str(path), "random", dtype="float32",
+                              max_shard_mb=SHARD_MB)
   return path
 
 
@@ -251,7 +252,7 @@ def _sharded(tmp_path):
     ("flipped", "is corrupted"),
 ])
 def test_damaged_shard_is_named(sharded, damage, message):
-  meta = pretrained.read_meta(str(sharded))
+  meta = graft_checkpoint.read_meta(str(sharded))
   shard = sharded / meta["shards"]["graft"]["files"][1]["file"]
   data = shard.read_bytes()
   if damage == "missing":
@@ -296,20 +297,20 @@ def test_export_over_a_checkpoint_is_atomic(sharded, monkeypatch):
       raise OSError("disk full")
     return real(tensors, path, *a, **k)
 
-  real = pretrained.save_file
-  monkeypatch.setattr(pretrained, "save_file", failing)
+  real = graft_checkpoint.save_file
+  monkeypatch.setattr(graft_checkpoint, "save_file", failing)
   with pytest.raises(OSError, match="disk full"):
-    pretrained.save_graft(_wide(2), str(sharded), "random", dtype="float32",
-                          max_shard_mb=SHARD_MB)
+    graft_checkpoint.save_graft(_wide(2), str(sharded), "random", dtype="float32",
+                                max_shard_mb=SHARD_MB)
   assert _files(sharded) == before
   assert sorted(os.listdir(sharded.parent)) == ["ckpt"]
-  monkeypatch.setattr(pretrained, "save_file", real)
-  pretrained.save_graft(_wide(2), str(sharded), "random", dtype="float32")  # one file now
+  monkeypatch.setattr(graft_checkpoint, "save_file", real)
+  graft_checkpoint.save_graft(_wide(2), str(sharded), "random", dtype="float32")  # one file now
   assert sorted(_files(sharded)) == ["graft.safetensors", "hamburger.json"]
   assert sorted(os.listdir(sharded.parent)) == ["ckpt"]
   with pytest.raises(ValueError, match="too small"):
-    pretrained.save_graft(_wide(2), str(sharded), "random",
-                          max_shard_mb=pretrained.MIN_SHARD_BYTES / 2**21)
+    graft_checkpoint.save_graft(_wide(2), str(sharded), "random",
+                                max_shard_mb=graft_checkpoint.MIN_SHARD_BYTES / 2**21)
 
 
 def test_sharded_checkpoint_loads_on_its_gguf_base(monkeypatch, tmp_path):
@@ -322,7 +323,7 @@ def test_sharded_checkpoint_loads_on_its_gguf_base(monkeypatch, tmp_path):
   graft = GraftConfig(num_features=2, merger_head_dim=16, micro_layers=1, base_lora_rank=4)
   src, _ = pretrained.load_hamburger(pretrained.UNTRAINED, base_path, graft=graft, seed=3)
   ckpt = str(tmp_path / "ckpt")
-  pretrained.save_graft(src, ckpt, base_path, dtype="float32", max_shard_mb=SHARD_MB)
+  graft_checkpoint.save_graft(src, ckpt, base_path, dtype="float32", max_shard_mb=SHARD_MB)
   assert "graft.safetensors" not in os.listdir(ckpt)
   loaded, _ = pretrained.load_hamburger(ckpt)
   got, saved = _params(loaded, nnx.Param), _params(src, nnx.Param)
@@ -334,18 +335,18 @@ def test_shipped_checkpoint_reshards_into_16_mib_files(tmp_path):
   """The shipped (one-file) checkpoint reads unchanged, and its 16 MiB shards hold the same
   tensors: what leaves a machine whose transfers cap each file at 16 MiB."""
   ckpt = pretrained.DEFAULT_CHECKPOINT
-  meta = pretrained.read_meta(ckpt)
+  before = _files(ckpt)
+  meta = graft_checkpoint.read_meta(ckpt)
   assert "shards" not in meta
-  want = pretrained.read_tensors(ckpt, "graft", meta)
-  out = pretrained.reshard_graft(ckpt, str(tmp_path / "out"), max_shard_mb=16)
+  want = graft_checkpoint.read_tensors(ckpt, "graft", meta)
+  out = graft_checkpoint.reshard_graft(ckpt, str(tmp_path / "out"), max_shard_mb=16)
   sizes = _files(out)
   assert len(sizes) >= 3 and max(sizes.values()) <= 16 * 2**20, sizes
-  got = pretrained.read_tensors(out, "graft", pretrained.read_meta(out))
+  got = graft_checkpoint.read_tensors(out, "graft", graft_checkpoint.read_meta(out))
   assert got.keys() == want.keys()
   for k, v in want.items():
     np.testing.assert_array_equal(got[k], v, err_msg=k)
-  shipped = ("graft.safetensors", "hamburger.json", "micro_vocab.json")
-  assert _files(ckpt) == {n: os.path.getsize(os.path.join(ckpt, n)) for n in shipped}
+  assert _files(ckpt) == before  # resharding writes beside the shipped files, never into them
   assert "micro_vocab.json" in sizes  # the list goes with the shards
 
 
@@ -357,7 +358,7 @@ def test_train_main_export_shard_mb(tmp_path, monkeypatch, capsys):
   export = str(tmp_path / "export")
 
   def fake_export_step(cfg, step):  # the real one restores a run's checkpoint first
-    pretrained.save_graft(_wide(0), export, "random", dtype="float32")
+    graft_checkpoint.save_graft(_wide(0), export, "random", dtype="float32")
     return export
 
   monkeypatch.setattr(training, "export_step", fake_export_step)

@@ -14,6 +14,7 @@ import graphlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from hamburger_jax import assets, pretrained
+from hamburger_jax import assets, graft_checkpoint, pretrained
 from hamburger_jax.config import HamburgerConfig, LlamaConfig, load_yaml, to_dict
 from hamburger_jax.convert import gguf, hf
 from hamburger_jax.model.hamburger import Hamburger
@@ -98,7 +99,7 @@ def test_config_loads_and_builds(name, stage):
   export = os.path.normpath(os.path.join(REPO, cfg.checkpoint.export or "-"))
   if export == os.path.normpath(pretrained.DEFAULT_CHECKPOINT):
     # The shipped checkpoint is this config's export: same graft, same base.
-    meta = pretrained.read_meta(pretrained.DEFAULT_CHECKPOINT)
+    meta = graft_checkpoint.read_meta(pretrained.DEFAULT_CHECKPOINT)
     assert meta["graft"] == to_dict(cfg.graft)
     assert meta["base_source"] == cfg.model.base
 
@@ -134,6 +135,84 @@ def test_no_import_cycles():
     pytest.fail(f"import cycle: {' -> '.join(e.args[1])}")
 
 
+PRODUCT = ("hamburger_jax", "infer", "train")
+
+
+def _entry_points() -> set[str]:
+  """Modules run as `python -m ...`: those with a __main__ guard."""
+  out = set()
+  for pkg in PRODUCT:
+    for f in glob.glob(os.path.join(REPO, pkg, "**", "*.py"), recursive=True):
+      body = ast.parse(Path(f).read_text(encoding="utf-8")).body
+      if any(isinstance(n, ast.If) and "__main__" in ast.unparse(n.test) for n in body):
+        out.add(os.path.relpath(f, REPO)[:-3].replace(os.sep, "."))
+  return out
+
+
+def test_imports_point_one_way():
+  """The library never imports an entry point or the test fixtures; train/ never imports
+  infer/; no entry point imports another (what two share belongs in the library)."""
+  graph, entries = _module_imports(PRODUCT), _entry_points()
+  assert {"infer.generate", "train.main", "train.pipeline"} <= entries  # sanity
+  wrong = []
+  for name, deps in graph.items():
+    for d in deps:
+      top = d.split(".")[0]
+      if d == "hamburger_jax.testing" and name != d:
+        wrong.append(f"{name} imports the test fixtures {d}")
+      elif name.startswith("hamburger_jax") and top in ("infer", "train"):
+        wrong.append(f"library module {name} imports {d}")
+      elif name.startswith("train") and top == "infer":
+        wrong.append(f"{name} imports {d}")
+      elif name in entries and d in entries:
+        wrong.append(f"entry point {name} imports entry point {d}")
+  assert not wrong, "\n".join(sorted(wrong))
+
+
+# namedtuple's public methods, spelled with an underscore so as not to clash with field names
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+
+
+def _private_uses(source: str) -> list[str]:
+  """`obj._name` where `obj` is not self/cls and no class of this source defines `_name`: a
+  private attribute reached from outside the module that owns it."""
+  tree, own = ast.parse(source), set()
+  for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+    for node in ast.walk(cls):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        own.add(node.name)
+      elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+        own.add(node.attr)
+      elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+        own.add(node.id)
+  return [f"line {n.lineno}: {ast.unparse(n)}" for n in ast.walk(tree)
+          if isinstance(n, ast.Attribute) and n.attr.startswith("_")
+          and not n.attr.startswith("__") and n.attr not in NAMEDTUPLE_API | own
+          and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
+
+
+def test_no_private_attribute_across_modules():
+  assert _private_uses("class A:\n  def _f(self): pass\ndef g(a):\n  return a._f()") == []
+  assert _private_uses("def g(trainer):\n  return trainer._step_fn") == [
+      "line 2: trainer._step_fn"]
+  found = {os.path.relpath(f, REPO): uses for pkg in PRODUCT
+           for f in glob.glob(os.path.join(REPO, pkg, "**", "*.py"), recursive=True)
+           if (uses := _private_uses(Path(f).read_text(encoding="utf-8")))}
+  assert not found, found
+
+
+def test_files_are_replaced_through_one_writer():
+  """Renaming into place is hamburger_jax/files.py's (a file, a directory), besides the tfds
+  datasets' own build directories (with their recovery of a killed build) and the sharded
+  teacher pass's plan (a hard link: the first process's plan wins)."""
+  own = {"hamburger_jax/files.py", "hamburger_jax/data/tfds_builder.py",
+         "hamburger_jax/data/shards.py"}
+  renames = {os.path.relpath(f, REPO) for pkg in PRODUCT
+             for f in glob.glob(os.path.join(REPO, pkg, "**", "*.py"), recursive=True)
+             if re.search(r"\bos\.(replace|rename)\(", Path(f).read_text(encoding="utf-8"))}
+  assert renames <= own, sorted(renames - own)
+
+
 # Imported here only because they are installed here (optional imports of the image's
 # packages), or this machine's compiler for TPUs: not needed on an accelerator host.
 OPTIONAL_HERE = {"libtpu", "ipython", "traitlets", "hamburger-jax"}
@@ -143,7 +222,6 @@ def test_runbook_wheels_cover_what_the_accelerator_check_imports():
   """docs/accelerators.md's wheel list and the image packages it names cover every
   distribution the accelerator check's parts import (grain needs portpicker: a missing one is
   a failed import on the device host, found there too late)."""
-  import re  # pylint: disable=import-outside-toplevel
   doc = (Path(REPO) / "docs" / "accelerators.md").read_text(encoding="utf-8")
   norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
   wheels = {norm(m) for m in re.findall(r"([A-Za-z0-9_.-]+)==[0-9]", doc)}

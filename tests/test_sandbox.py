@@ -1,4 +1,4 @@
-"""The OS sandbox for model-written code (hamburger_jax.evaluation.sandbox): each escape a review found
+"""The OS sandbox for model code (evaluation.sandbox, checked_run): each escape a review found
 must fail. Files outside cannot be written or deleted, forks stay inside a process limit
 and die with the run, a setsid child does not outlive it, there is no network, the parent's
 environment and home cannot be read, and a faked pass (pass marker + os._exit(0), an object equal to
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hamburger_jax.evaluation import sandbox, sandbox_codec, tasks
+from hamburger_jax.evaluation import checked_run, sandbox, sandbox_codec, tasks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -279,8 +279,8 @@ def test_checked_pass_and_fail(humaneval_0: tasks.Example) -> None:
   assert "ValueError" in result.output
   loop = "def has_close_elements(numbers, threshold):\n    while True:\n        pass"
   start = time.monotonic()
-  result = sandbox.run_checked(loop, "has_close_elements", tasks.humaneval_check_source(problem),
-                               timeout_s=2)
+  result = checked_run.run_checked(loop, "has_close_elements",
+                                   tasks.humaneval_check_source(problem), timeout_s=2)
   assert (result.passed, result.status) == (False, "timeout")
   assert time.monotonic() - start < 8
 
@@ -293,13 +293,14 @@ def test_refuses_without_isolation(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(sandbox.SandboxUnavailable, match="--unsafe-exec"):
       sandbox.run_python("print(1)")
     with pytest.raises(sandbox.SandboxUnavailable, match="unshare"):
-      sandbox.run_checked("def f():\n  return 1", "f", "def check(c):\n  assert c() == 1\n")
+      checked_run.run_checked("def f():\n  return 1", "f",
+                              "def check(c):\n  assert c() == 1\n")
     # Explicitly unsafe: a plain subprocess with the limits, and the verdict still the checker's.
     assert sandbox.run_python("print(1)", unsafe=True).output == "1\n"
-    assert sandbox.run_checked("def f():\n  return 1", "f", "def check(c):\n  assert c() == 1\n",
-                               unsafe=True).passed
-    assert not sandbox.run_checked("import os\nos._exit(0)", "f",
+    assert checked_run.run_checked("def f():\n  return 1", "f",
                                    "def check(c):\n  assert c() == 1\n", unsafe=True).passed
+    assert not checked_run.run_checked("import os\nos._exit(0)", "f",
+                                       "def check(c):\n  assert c() == 1\n", unsafe=True).passed
   finally:
     sandbox.isolation_status.cache_clear()
 

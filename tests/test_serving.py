@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from hamburger_jax.decode import engine as engine_lib
+from hamburger_jax.decode import shapes
 from hamburger_jax.decode import step as step_lib
 from hamburger_jax.decode.engine import Engine, GenerationError
 from hamburger_jax.decode.paged_kv import TRASH_BLOCK, BlockAllocator
@@ -195,7 +195,7 @@ def test_block_tables_never_share_a_block():
 
 def test_long_prompts_are_prefilled_in_chunks(engine, alone, monkeypatch):
   """A prompt longer than the largest prefill bucket runs in chunks; its output is unchanged."""
-  monkeypatch.setattr(engine_lib, "PREFILL_BUCKETS", (8,))
+  monkeypatch.setattr(shapes, "PREFILL_BUCKETS", (8,))
   chunked = Engine(engine.model, None, stop_ids=[DECODE_STOP])
   got = {g.id: g for g in chunked.serve(requests(), slots=4, mode="hamburger")}
   for i, want in enumerate(alone["hamburger"]):
@@ -204,19 +204,19 @@ def test_long_prompts_are_prefilled_in_chunks(engine, alone, monkeypatch):
 
 
 def test_prefill_chunks_cover_the_prompt_with_little_padding():
-  buckets, cost = engine_lib.PREFILL_BUCKETS, engine_lib.PREFILL_CHUNK_COST
-  assert engine_lib.prefill_chunks(130) == [(0, 128, 128), (128, 2, 16)]  # not padded to 256
-  assert engine_lib.prefill_chunks(100) == [(0, 100, 128)]  # one chunk beats 64 + 32 + 16
-  assert engine_lib.prefill_chunks(1100) == [(0, 512, 512), (512, 512, 512), (1024, 64, 64),
-                                            (1088, 12, 16)]
+  buckets, cost = shapes.PREFILL_BUCKETS, shapes.PREFILL_CHUNK_COST
+  assert shapes.prefill_chunks(130) == [(0, 128, 128), (128, 2, 16)]  # not padded to 256
+  assert shapes.prefill_chunks(100) == [(0, 100, 128)]  # one chunk beats 64 + 32 + 16
+  assert shapes.prefill_chunks(1100) == [(0, 512, 512), (512, 512, 512), (1024, 64, 64),
+                                        (1088, 12, 16)]
   for n in range(1, 1300):
-    chunks = engine_lib.prefill_chunks(n)
+    chunks = shapes.prefill_chunks(n)
     starts = [0] + [start + valid for start, valid, _ in chunks]
     assert [c[0] for c in chunks] == starts[:-1] and starts[-1] == n  # contiguous, all of n
     assert all(0 < valid <= size and size in buckets for _, valid, size in chunks)
     padded = sum(size + cost for _, _, size in chunks)
     # Never worse than the smallest bucket holding the prompt (or chunks of the largest).
-    whole = sum(engine_lib.bucket(min(512, n - s), buckets) + cost for s in range(0, n, 512))
+    whole = sum(shapes.bucket(min(512, n - s), buckets) + cost for s in range(0, n, 512))
     assert padded <= whole
 
 
@@ -230,7 +230,7 @@ def test_fifty_requests_compile_one_program_per_prompt_bucket(engine):
   run = fresh.serve(reqs, slots=8, mode="hamburger")
   out = list(run)
   assert len(out) == 50 and all(g.error is None for g in out)
-  buckets = {size for n in lengths for _, _, size in engine_lib.prefill_chunks(int(n))}
+  buckets = {size for n in lengths for _, _, size in shapes.prefill_chunks(int(n))}
   kinds = [k[0] for k in fresh.programs]
   assert kinds.count("prefill") == len(buckets) == 3  # 16, 32, 64
   # One decode program per view of the pool (here one: every slot's view fits 128 entries).
@@ -241,7 +241,7 @@ def test_fifty_requests_compile_one_program_per_prompt_bucket(engine):
 def test_decode_views_follow_the_live_lengths(engine, alone, monkeypatch):
   """With views of 16 entries x 2^i, slots that grow move the decode to larger views (one
   program each) and the outputs do not change."""
-  monkeypatch.setattr(engine_lib, "VIEW_STEP", 16)
+  monkeypatch.setattr(shapes, "VIEW_STEP", 16)
   stepped = Engine(engine.model, None, stop_ids=[DECODE_STOP])
   run = stepped.serve(requests(), slots=3, mode="hamburger")
   got = {g.id: g for g in run}
@@ -365,11 +365,11 @@ def test_cacheable_prefix_is_the_turns_before_the_last():
   assert cacheable_prefix(PROMPTS[4], [stop]) == 0  # no turns
   assert cacheable_prefix([1, stop, 2, stop, 3], [stop]) == 0  # too short to be worth a copy
   eng = Engine(tiny_decode_model(), None, stop_ids=[stop], prefix_cache_tokens=0)
-  assert eng.prompt_plan(CHAT[3]) == (0, engine_lib.prefill_chunks(len(CHAT[3])))
+  assert eng.prompt_plan(CHAT[3]) == (0, shapes.prefill_chunks(len(CHAT[3])))
   on = Engine(tiny_decode_model(), None, stop_ids=[stop])
   p0, chunks = on.prompt_plan(CHAT[3])
   assert p0 == 25 and chunks[-1][0] + chunks[-1][1] == len(CHAT[3])
-  assert [c for c in chunks if c[0] < p0] == engine_lib.prefill_chunks(p0)  # ends at the prefix
+  assert [c for c in chunks if c[0] < p0] == shapes.prefill_chunks(p0)  # ends at the prefix
   with pytest.raises(GenerationError, match="prefix cache capacity"):
     Engine(tiny_decode_model(), None, stop_ids=[stop], prefix_cache_tokens=-1)
 

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hamburger_jax import assets, pretrained, sharding
+from hamburger_jax import assets, graft_checkpoint, sharding
 from hamburger_jax.config import ConfigError
 from hamburger_jax.data import pipeline
 from hamburger_jax.model.llama import GraftParam
@@ -137,7 +137,7 @@ def _concat(*batches: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def _load_export(path: str | Path) -> dict[str, np.ndarray]:
   from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
-  return load_file(os.path.join(path, pretrained.GRAFT_FILE))
+  return load_file(os.path.join(path, graft_checkpoint.GRAFT_FILE))
 
 
 def _metrics(run_dir: Path) -> list[dict[str, float]]:
@@ -206,7 +206,7 @@ def graft_run(tmp_path_factory: pytest.TempPathFactory, tiny_data_dir: str,
   base0, graft0 = _flat(tr.frozen), _flat(tr.state.params)
   metrics = [tr.step([_concat(a, b)]) for a, b in zip(*shards)]
   model = tr.current_model()
-  pretrained.save_graft(model, str(tmp / "export"), "random", dtype="float32")
+  graft_checkpoint.save_graft(model, str(tmp / "export"), "random", dtype="float32")
   _, graft, base = nnx.split(model, GraftParam, nnx.Param)
   return SimpleNamespace(state_keys=state_keys, base0=base0, graft0=graft0, metrics=metrics,
                          base1=_flat(tr.frozen), graft1=_flat(tr.state.params),
@@ -580,7 +580,7 @@ def test_curves_plot(full_run, tmp_path: Path, capsys):
   run.mkdir()
   (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in (
       {"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 2, "loss": 3.0})) + "\n")
-  assert [r["loss"] for r in curves.read_metrics(str(run))] == [5.0, 3.0]
+  assert [r["loss"] for r in training.read_metrics(str(run))] == [5.0, 3.0]
   capsys.readouterr()
   assert curves.main([str(tmp_path / "nowhere")]) == 2
   assert "metrics.jsonl does not exist" in capsys.readouterr().err
@@ -594,7 +594,8 @@ def _gen(step, tokens, agreement, identical=0.5):
 def test_pick_rule(tmp_path: Path, capsys):
   """The shipping rule: most tokens per step among saved steps at >= the start's agreement;
   else the best agreement, flagged."""
-  from train import pick  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.training import pick  # pylint: disable=import-outside-toplevel
+  from train import pick as pick_cli  # pylint: disable=import-outside-toplevel
   rows = [_gen(0, 1.10, 0.70), {"step": 5, "loss": 2.0}, _gen(20, 1.02, 0.90),
           _gen(40, 1.30, 0.71), _gen(60, 1.50, 0.69), _gen(80, 1.30, 0.80)]
   assert pick.pick_step(rows) == pick.Pick(80, False, 0.70)  # tie on tokens: higher agreement
@@ -612,11 +613,11 @@ def test_pick_rule(tmp_path: Path, capsys):
     (run / "checkpoints" / str(step)).mkdir()
   (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
   capsys.readouterr()
-  assert pick.main([str(run)]) == 0
+  assert pick_cli.main([str(run)]) == 0
   out = capsys.readouterr().out
   assert "| 40 | yes | 1.300 | 0.710 | 0.500 | **pick** |" in out
   assert "| 80 | no |" in out and "--export-step 40" in out
-  assert pick.main([str(tmp_path / "nowhere")]) == 2
+  assert pick_cli.main([str(tmp_path / "nowhere")]) == 2
   assert "metrics.jsonl does not exist" in capsys.readouterr().err
 
 
@@ -680,7 +681,7 @@ def test_stage_1_never_runs_the_base_forward_and_learns(staged):
   losses = [m["loss"] for m in _metrics(staged.run / "micro")]
   assert len(losses) == STAGE_STEPS
   assert np.mean(losses[-2:]) < np.mean(losses[:2]), losses
-  assert (staged.run / "micro" / "export" / pretrained.META_FILE).exists()
+  assert (staged.run / "micro" / "export" / graft_checkpoint.META_FILE).exists()
 
 
 def test_stage_2_starts_from_stage_1_trains_the_merger_only_and_learns(staged):
@@ -758,7 +759,7 @@ def test_export_step_exports_an_earlier_checkpoint(staged, tmp_path: Path, no_gg
   for k in at2:
     np.testing.assert_array_equal(at2[k], stood2[k], err_msg=k)
   assert any(not np.array_equal(at2[k], at4[k]) for k in at2)
-  meta = json.loads((tmp_path / "picked" / pretrained.META_FILE).read_text())
+  meta = json.loads((tmp_path / "picked" / graft_checkpoint.META_FILE).read_text())
   assert meta["trained_steps"] == 2
   with pytest.raises(ConfigError, match=r"no checkpoint at step 3 .* saved steps are \[2, 4\]"):
     training.export_step(picked, 3, log=quiet)

@@ -48,6 +48,9 @@ def main(argv=None) -> int:
   p.add_argument("--batch-tokens", type=int, default=None,
                  help="the teacher pass's train.prepare_data --batch-tokens")
   p.add_argument("--no-teacher-pass", action="store_true", help="skip the teacher pass")
+  p.add_argument("--no-sparse-core", action="store_true",
+                 help="keep the compile off a v5p's SparseCores (libtpu's SparseCore code "
+                 "generator crashes on some programs; for a GPU checked by proxy)")
   args = p.parse_args(argv)
   if not 0 <= args.headroom < 1:
     p.error(f"--headroom {args.headroom} must be in [0, 1)")
@@ -58,17 +61,19 @@ def main(argv=None) -> int:
   if args.hbm_gib is not None and not args.hbm_gib > 0:
     p.error(f"--hbm-gib {args.hbm_gib} must be > 0")
   platforms.use_cpu_backend()  # before jax starts a backend
+  if args.no_sparse_core:
+    platforms.no_sparse_core()
 
   from hamburger_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.data import prepare  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.data import teacher_pass  # pylint: disable=import-outside-toplevel
   from hamburger_jax.training import aot as train_aot  # pylint: disable=import-outside-toplevel
   try:
     check = train_aot.check_train(
         args.config, args.topology, overrides=args.set, stage=args.stage,
         num_slices=args.num_slices, chips=args.chips, hbm_gib=args.hbm_gib,
         headroom=args.headroom, teacher_top_k=args.teacher_top_k,
-        max_len=args.max_len or prepare.DEFAULT_MAX_LEN,
-        batch_tokens=args.batch_tokens or prepare.DEFAULT_BATCH_TOKENS,
+        max_len=args.max_len or teacher_pass.DEFAULT_MAX_LEN,
+        batch_tokens=args.batch_tokens or teacher_pass.DEFAULT_BATCH_TOKENS,
         teacher_pass=not args.no_teacher_pass,
         progress=lambda what: print(f"{what} ...", file=sys.stderr, flush=True))
   except (ConfigError, aot.AotError, RuntimeError) as e:  # RuntimeError: an asset not installed

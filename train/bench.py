@@ -73,13 +73,13 @@ def pack_first_fit(records, k: int, entries: int, groups: int, rows: int, batche
 def synthetic_dataset(out_dir: str, vocab: int, k: int, entries: int, n: int, seed: int) -> str:
   """`n` synthetic samples at lengths scaled to a row of `entries` entries (SmolLM2 config:
   prompts ~32-51, responses ~85-128 tokens), written as train.prepare_data writes a dataset."""
-  from hamburger_jax import testing  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.data import synthetic  # pylint: disable=import-outside-toplevel
   import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
   from hamburger_jax.data.tfds_builder import build_dataset  # pylint: disable=C0415
   lengths = {"prompt_len": (max(1, entries // 8), max(2, entries // 5)),
              "response_len": (max(1, entries // 3), max(2, entries // 2))}
-  train = testing.synthetic_samples(n, vocab, k, seed, **lengths)
-  val = testing.synthetic_samples(8, vocab, k, seed + 1, **lengths)
+  train = synthetic.synthetic_samples(n, vocab, k, seed, **lengths)
+  val = synthetic.synthetic_samples(8, vocab, k, seed + 1, **lengths)
   tfds.disable_progress_bar()
   with contextlib.redirect_stdout(sys.stderr):  # tfds' progress lines are not the bench's output
     return build_dataset(out_dir, {"train": lambda: train, "validation": lambda: val},
@@ -228,7 +228,7 @@ def run(args, cfg, tmp: str) -> None:
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  from hamburger_jax import layout, roofline  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import layout, peaks, roofline  # pylint: disable=import-outside-toplevel
   from hamburger_jax.data import pipeline  # pylint: disable=import-outside-toplevel
   from hamburger_jax.training import Trainer  # pylint: disable=import-outside-toplevel
 
@@ -324,7 +324,7 @@ def run(args, cfg, tmp: str) -> None:
                 f"{xla / n / 1e6:.1f}M | {xla / check.executed:.3f}")
     print(f"| {name} | {s:.3f} | {n / s:.0f} | {ours.model / n / 1e6:.1f}M | "
           f"{ours.executed / n / 1e6:.1f}M | {xla_cols} | "
-          f"{roofline.mfu(ours.model, s, peak_all):.1%} | {c:.0f} |")
+          f"{peaks.mfu(ours.model, s, peak_all):.1%} | {c:.0f} |")
   h = rows["HAMburger"][0]
   print(f"| input pipeline (grain, alone) | {1 / rate:.3f} | {token_rate:.0f} | - | - | - | - | "
         "- | - |")

@@ -13,21 +13,12 @@ the periodic generations.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any, Sequence
 
-
-def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-  path = os.path.join(run_dir, "metrics.jsonl")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} does not exist: pass the checkpoint.dir of a train.main run")
-  with open(path, encoding="utf-8") as f:
-    rows = [json.loads(line) for line in f if line.strip()]
-  # A resumed run re-logs the steps after its last checkpoint: the later record wins.
-  by_step = {r["step"]: r for r in rows}
-  return [by_step[s] for s in sorted(by_step)]
+from hamburger_jax import cli
+from hamburger_jax.training.loop import read_metrics
 
 
 def _series(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -52,18 +43,16 @@ def _line(ax, rows: Sequence[dict[str, Any]], key: str, style: str, smooth: int,
     ax.plot(x, y if periodic else _smooth(y, smooth), style, label=key, **kw)
 
 
-def save_figure(fig, path: str) -> str:
-  """Writes `fig` to `path` through a temporary file (never a half-written PNG under the final
-  name) and closes it, also when writing fails."""
+def write_png(fig, path: str) -> str:
+  """Lays out `fig`, writes it (evaluation.plots.save_figure: never a half-written PNG under the
+  final name) and closes it, also when writing fails."""
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  tmp = path + ".tmp.png"
+  from hamburger_jax.evaluation.plots import save_figure  # pylint: disable=C0415
   try:
     fig.tight_layout()
-    fig.savefig(tmp, dpi=110)
+    return save_figure(fig, path, dpi=110)
   finally:
     plt.close(fig)
-  os.replace(tmp, path)
-  return path
 
 
 def plot_curves(rows: Sequence[dict[str, Any]], path: str, smooth: int = 5) -> str:
@@ -96,7 +85,7 @@ def plot_curves(rows: Sequence[dict[str, Any]], path: str, smooth: int = 5) -> s
   _line(ax, rows, "gen_tokens_per_step", "o-", smooth)
   ax.set(title="tokens per macro step / data group", xlabel="step")
   ax.legend()
-  return save_figure(fig, path)
+  return write_png(fig, path)
 
 
 def compared_panels(confidence: float = 0.8) -> list[tuple[str, str]]:
@@ -180,7 +169,7 @@ def plot_comparison(recipes: dict[str, list[list[dict[str, Any]]]], path: str,
     else:
       ax.set_ylim(0, 1)
     ax.legend()
-  return save_figure(fig, path)
+  return write_png(fig, path)
 
 
 def tradeoff_points(rows: Sequence[dict[str, Any]]) -> list[tuple[float, float, float | None]]:
@@ -218,7 +207,7 @@ def plot_tradeoff(runs: dict[str, list[dict[str, Any]]], path: str) -> str:
          ylabel="accepted micro tokens = the base's greedy token", ylim=(0, 1),
          title="stop head trade-off across confidences")
   ax.legend()
-  return save_figure(fig, path)
+  return write_png(fig, path)
 
 
 def named(flag: str, usage: str):
@@ -242,8 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                  help="instead: each run's tokens per step vs agreement with the base across "
                  "the tracked confidences, from its last validation (needs --out)")
   p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png)")
-  p.add_argument("--confidence", type=float, default=0.8,
-                 help="--compare: the tracked confidence of the acceptance panels (default 0.8)")
+  cli.add_confidence_flag(p, help_="--compare: the tracked confidence of the acceptance "
+                          "panels (default %(default)s)")
   p.add_argument("--smooth", type=int, default=5, help="moving-average window for train series")
   args = p.parse_args(argv)
   if (bool(args.run_dir) + bool(args.compare) + bool(args.tradeoff) != 1

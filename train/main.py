@@ -91,10 +91,10 @@ def main(argv=None) -> int:
   from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
   cache.enable_compilation_cache()
   init_distributed(args)
-  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import graft_checkpoint  # pylint: disable=import-outside-toplevel
   from hamburger_jax import training  # pylint: disable=import-outside-toplevel
   try:
-    pretrained.check_shard_limit(args.export_shard_mb)  # before hours of training, not after
+    graft_checkpoint.check_shard_limit(args.export_shard_mb)  # before hours of training, not after
   except ValueError as e:
     raise SystemExit(f"error: --export-shard-mb: {e}") from None
   if args.export_step is not None:
@@ -121,10 +121,10 @@ def shard_export(args, export_dir: str) -> str:
   """With --export-shard-mb, rewrites the export just written in files of at most that size (by
   the process that wrote it); returns what to add to the closing line."""
   import jax  # pylint: disable=import-outside-toplevel
-  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import graft_checkpoint  # pylint: disable=import-outside-toplevel
   if args.export_shard_mb is None or jax.process_index() != 0:
     return ""
-  pretrained.reshard_graft(export_dir, max_shard_mb=args.export_shard_mb)
+  graft_checkpoint.reshard_graft(export_dir, max_shard_mb=args.export_shard_mb)
   n = len([f for f in os.listdir(export_dir) if f.endswith(".safetensors")])
   return f" ({n} files of at most {args.export_shard_mb:g} MiB)"
 

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from hamburger_jax import micro_vocab, pretrained
+from hamburger_jax import graft_checkpoint, micro_vocab, pretrained
 
 DEFAULT_SIZE = 8192
 REPORTED_SIZES = (1024, 2048, 4096, 8192)
@@ -58,9 +58,9 @@ def main(argv=None) -> int:
   if args.size < 1:
     p.error(f"--size {args.size} must be >= 1")
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
-  if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, pretrained.META_FILE)):
+  if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, graft_checkpoint.META_FILE)):
     p.error(f"--checkpoint {checkpoint}: not a graft checkpoint directory (no "
-            f"{pretrained.META_FILE})")
+            f"{graft_checkpoint.META_FILE})")
   paths = args.responses.split(",")
   answers = [a for path in paths for a in read_answers(path)]  # all read before any write
   try:

@@ -3,7 +3,8 @@
   python -m train.pipeline --config configs/smollm2_135m.yaml --budget-minutes 480
   python -m train.pipeline --config configs/tiny.yaml --budget-minutes 3 --out runs/tiny-pipeline
 
-Runs the parts that README "Train" runs by hand, each through its own entry point, under --out
+Runs the parts that README "Train" runs by hand, with the library code behind their entry
+points (the teacher pass as its own process, `python -m train.prepare_data`), under --out
 (default: the config's checkpoint.dir + "-pipeline"):
 
   self_distill   train.self_distill: the base's own greedy answers        -> responses.jsonl
@@ -13,7 +14,7 @@ Runs the parts that README "Train" runs by hand, each through its own entry poin
                  "train" for a config without stages)                      -> train/STAGE/
   pick           train.pick's rule on the last stage's generation checks
   export         train.main --export-step PICKED                           -> export/
-  eval           infer.eval at the pick's confidence                       -> eval/
+  eval           infer.eval's tasks at the pick's confidence               -> eval/
 
 Budget: the parts have fixed shares of --budget-minutes (SHARES; the stages split theirs by
 their train.steps). A part gets its share of the minutes still left, among the parts still to
@@ -41,15 +42,14 @@ run), minutes used / budget, and its figure.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
-import io
 import json
 import math
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -192,7 +192,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
   """Checks the command line and the config; raises PipelineError naming the problem."""
   from hamburger_jax.config import ConfigError, load_yaml  # pylint: disable=C0415
   from hamburger_jax.run_config import load_run_config, stage_names  # pylint: disable=C0415
-  from train.self_distill import SYNTHETIC_PROMPT_LEN  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.data.self_distill import SYNTHETIC_PROMPT_LEN  # pylint: disable=C0415
   if not args.budget_minutes > 0:
     raise PipelineError(f"--budget-minutes={args.budget_minutes} must be > 0")
   if args.eval_limit < 1:
@@ -239,12 +239,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
 def check_steps(mix: str, tasks: str, args: argparse.Namespace, token_ids: bool) -> None:
   """The parts' own checks of their flags, run before the first part."""
   from hamburger_jax.segmentation import get_strategy  # pylint: disable=C0415
-  from infer.eval import TEXT_TASKS, parse_tasks  # pylint: disable=import-outside-toplevel
-  from train.self_distill import parse_mix  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.data.self_distill import parse_mix  # pylint: disable=C0415
+  from hamburger_jax.evaluation.run import TEXT_TASKS, parse_tasks  # pylint: disable=C0415
   try:
     names = [name for name, _ in parse_mix(mix)]
-  except SystemExit as e:
-    raise PipelineError(str(e.code).removeprefix("error: ")) from None
+  except ValueError as e:
+    raise PipelineError(str(e)) from None
   if token_ids and set(names) != {"synthetic"}:
     raise PipelineError(f"--mix {mix}: this config's base has no tokenizer; its prompts are "
                         "token ids (synthetic:N)")
@@ -292,70 +292,19 @@ def write_state(plan: Plan, state: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- running parts
 
 
-class Tee(io.TextIOBase):
-  """Writes to the real stream and keeps a copy (what a part's entry point printed)."""
-
-  def __init__(self, stream):
-    super().__init__()
-    self.stream, self.copy = stream, io.StringIO()
-
-  def write(self, s: str) -> int:
-    self.stream.write(s)
-    self.copy.write(s)
-    return len(s)
-
-  def flush(self) -> None:
-    self.stream.flush()
-
-
-@contextlib.contextmanager
-def captured_stdout():
-  tee = Tee(sys.stdout)
-  with contextlib.redirect_stdout(tee):
-    yield tee.copy
-
-
-def call(entry: Callable[[list[str]], int | None], argv: list[str]) -> None:
-  """An entry point's main(argv); its error exit becomes a RuntimeError with its message."""
-  print(f"$ python -m {entry.__module__} {' '.join(argv)}", flush=True)
-  try:
-    code = entry(argv)
-  except SystemExit as e:
-    code = e.code
-  if code not in (0, None):
-    raise RuntimeError(code if isinstance(code, str) else
-                       f"{entry.__module__} exited with {code} (its error is printed above)")
-
-
-class IdsTokenizer:
-  """What train.prepare_data asks of a tokenizer, for a base without one whose records all
-  carry their token ids (nothing is tokenised): the vocabulary size, and an end-of-turn id that
-  only text answers would read."""
-  chat_template = None
-  eos_id = 0
-
-  def __init__(self, vocab_size: int):
-    self.vocab_size = vocab_size
-
-
-@contextlib.contextmanager
-def ids_tokenizer(plan: Plan):
-  """train.prepare_data pairs a random base with the default tokenizer, whose vocabulary a tiny
-  base does not hold; the self-distilled answers of a base without tokenizer are token ids."""
-  if not plan.token_ids:
-    yield
-    return
-  from hamburger_jax.data import prepare  # pylint: disable=import-outside-toplevel
-  if not hasattr(prepare, "load_default_tokenizer"):
-    raise RuntimeError("hamburger_jax.data.prepare no longer pairs a random base with "
-                       "load_default_tokenizer: update train.pipeline.ids_tokenizer")
-  vocab = plan.stage_cfgs[0].model.random.vocab_size
-  original = prepare.load_default_tokenizer
-  prepare.load_default_tokenizer = lambda **_: IdsTokenizer(vocab)
-  try:
-    yield
-  finally:
-    prepare.load_default_tokenizer = original
+def call(module: str, argv: list[str]) -> str:
+  """`python -m module argv` in its own process, its output shown and returned; its error exit
+  becomes a RuntimeError with its last lines. Interrupting the pipeline stops it too."""
+  print(f"$ python -m {module} {' '.join(argv)}", flush=True)
+  proc = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True,
+                        check=False)
+  print(proc.stdout, end="", flush=True)
+  print(proc.stderr, end="", file=sys.stderr, flush=True)
+  if proc.returncode:
+    last = [l for l in proc.stderr.strip().splitlines() if l.strip()][-1:] or [""]
+    raise RuntimeError(last[0].removeprefix("error: ") or
+                       f"{module} exited with {proc.returncode} (its error is printed above)")
+  return proc.stdout
 
 
 def answers_in(path: str) -> list[int]:
@@ -385,17 +334,16 @@ def last_row(run_dir: str, key: str) -> dict[str, Any] | None:
 
 def run_self_distill(plan: Plan, budget: float, state: dict[str, Any]) -> dict[str, Any]:
   del state
-  from train import self_distill  # pylint: disable=import-outside-toplevel
-  argv = ["--config", plan.config, "--mix", plan.mix, "--out", plan.responses,
-          "--max-minutes", f"{budget:.4f}"]
-  if plan.max_new_tokens is not None:
-    argv += ["--max-new-tokens", str(plan.max_new_tokens)]
-  print(f"$ python -m train.self_distill {' '.join(argv)}", flush=True)
+  from hamburger_jax.data import self_distill  # pylint: disable=import-outside-toplevel
+  settings = self_distill.Settings(plan.mix, plan.responses, config=plan.config,
+                                   max_minutes=budget, **({} if plan.max_new_tokens is None else
+                                                          {"max_new_tokens": plan.max_new_tokens}))
+  print(f"self-distillation: {settings}", flush=True)
   before = sum(answers_in(plan.responses))  # an interrupted attempt's answers: not this one's
   try:
-    outcome = self_distill.run(self_distill.parse_args(argv))
-  except SystemExit as e:
-    raise RuntimeError(str(e.code)) from None
+    outcome = self_distill.run(settings)
+  except ValueError as e:
+    raise RuntimeError(str(e)) from None
   tokens = answers_in(plan.responses)
   return {"status": "budget" if outcome.stopped else "done", "answers": len(tokens),
           "prompts": outcome.prompts, "response_tokens": sum(tokens),
@@ -419,7 +367,6 @@ def teacher_limit(answers: list[int], budget: float, rate: float | None) -> int:
 
 
 def run_prepare_data(plan: Plan, budget: float, state: dict[str, Any]) -> dict[str, Any]:
-  from train import prepare_data  # pylint: disable=import-outside-toplevel
   answers = answers_in(plan.responses)
   if len(answers) < 2:
     raise RuntimeError(f"{len(answers)} self-distilled answers in {plan.responses}: a training "
@@ -436,11 +383,12 @@ def run_prepare_data(plan: Plan, budget: float, state: dict[str, Any]) -> dict[s
     argv += ["--limit", str(n)]
   if os.path.exists(plan.data):  # written by an attempt stopped before its record: redo it
     argv.append("--overwrite")
-  with ids_tokenizer(plan), captured_stdout() as out:
-    call(prepare_data.main, argv)
+  if plan.token_ids:
+    argv.append("--token-ids")
+  out = call("train.prepare_data", argv)
   # prepare_data's summary: "samples written  N (...)", "tokens  T (R response)".
-  samples = re.search(r"^samples written\s+(\d+)", out.getvalue(), re.M)
-  tokens = re.search(r"^tokens\s+(\d+) \((\d+) response\)", out.getvalue(), re.M)
+  samples = re.search(r"^samples written\s+(\d+)", out, re.M)
+  tokens = re.search(r"^tokens\s+(\d+) \((\d+) response\)", out, re.M)
   figure = f"answers {n} of {len(answers)}"
   rec = {"status": "done" if n == len(answers) else "budget", "answers_read": n}
   if samples:
@@ -453,25 +401,27 @@ def run_prepare_data(plan: Plan, budget: float, state: dict[str, Any]) -> dict[s
 
 
 def saved_step(run_dir: str) -> int:
-  from train.pick import saved_steps  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.training.pick import saved_steps  # pylint: disable=C0415
   return max(saved_steps(run_dir) or {0})
 
 
 def run_stage(plan: Plan, stage: str | None, budget: float, state: dict[str, Any]
               ) -> dict[str, Any]:
   del state
-  from train import main as train_main  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import training  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.run_config import check_training_inputs  # pylint: disable=C0415
   cfg = plan.stage_cfgs[plan.stages.index(stage)]
-  with captured_stdout() as out:
-    call(train_main.main, [*plan.stage_argv(stage), "--no-progress", "--max-minutes",
-                           f"{budget:.4f}"])
-  if re.search(r"^SIGTERM: saving step", out.getvalue(), re.M):
+  print(f"training {plan.stage_part(stage)}: python -m train.main "
+        f"{' '.join(plan.stage_argv(stage))} --max-minutes {budget:.4f}", flush=True)
+  check_training_inputs(cfg)
+  result = training.run(cfg, max_minutes=budget, progress=False)
+  if result.interrupted:
     raise Interrupted  # the trainer saved; its checkpoint is where the rerun resumes
   step = saved_step(cfg.checkpoint.dir)
   status = "done" if step >= cfg.train.steps else "budget"
   if status == "budget" and stage != plan.stages[-1]:
     # The next stage starts from this one's export: where it stood at its budget.
-    call(train_main.main, [*plan.stage_argv(stage), "--export-step", str(step)])
+    training.export_step(cfg, step)
   row = last_row(cfg.checkpoint.dir, "loss") or {}
   val = last_row(cfg.checkpoint.dir, "val_loss") or {}
   figure = f"step {step}/{cfg.train.steps}"
@@ -485,8 +435,8 @@ def run_stage(plan: Plan, stage: str | None, budget: float, state: dict[str, Any
 
 def run_pick(plan: Plan, budget: float, state: dict[str, Any]) -> dict[str, Any]:
   del budget, state
-  from train import pick  # pylint: disable=import-outside-toplevel
-  from train.curves import read_metrics  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.training import pick  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.training.loop import read_metrics  # pylint: disable=C0415
   run_dir = plan.stage_cfgs[-1].checkpoint.dir
   rows, saved = read_metrics(run_dir), pick.saved_steps(run_dir)
   try:
@@ -503,12 +453,13 @@ def run_pick(plan: Plan, budget: float, state: dict[str, Any]) -> dict[str, Any]
 
 def run_export(plan: Plan, budget: float, state: dict[str, Any]) -> dict[str, Any]:
   del budget
-  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
-  from train import main as train_main  # pylint: disable=import-outside-toplevel
-  step = state["parts"]["pick"]["step"]
-  call(train_main.main, [*plan.stage_argv(plan.stages[-1], f"checkpoint.export={plan.export}"),
-                         "--export-step", str(step)])
-  meta = pretrained.read_meta(plan.export)
+  from hamburger_jax import graft_checkpoint, training  # pylint: disable=C0415
+  from hamburger_jax.run_config import load_run_config  # pylint: disable=C0415
+  step, stage = state["parts"]["pick"]["step"], plan.stages[-1]
+  cfg = load_run_config(plan.config, [*plan.stage_sets[stage], f"checkpoint.export={plan.export}"],
+                        stage=stage)
+  training.export_step(cfg, step)
+  meta = graft_checkpoint.read_meta(plan.export)
   return {"status": "done", "step": meta["trained_steps"], "dir": plan.export,
           "figure": f"step {meta['trained_steps']} -> {plan.export}"}
 
@@ -516,7 +467,7 @@ def run_export(plan: Plan, budget: float, state: dict[str, Any]) -> dict[str, An
 def eval_limit(plan: Plan, budget: float, rate: float | None) -> int:
   """Examples per task that fit `budget` minutes, decoding at self-distillation's rate in base
   mode and at one confidence (at most --eval-limit)."""
-  from infer.eval import MAX_NEW_TOKENS  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.evaluation.run import MAX_NEW_TOKENS  # pylint: disable=C0415
   per_example = 2 * sum(MAX_NEW_TOKENS.get(t, 0) for t in plan.eval_tasks.split(","))
   if rate is None or per_example == 0:
     return plan.eval_limit
@@ -524,17 +475,22 @@ def eval_limit(plan: Plan, budget: float, rate: float | None) -> int:
 
 
 def run_eval(plan: Plan, budget: float, state: dict[str, Any]) -> dict[str, Any]:
-  from infer import eval as infer_eval  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.evaluation import run as evaluation  # pylint: disable=C0415
   confidence = plan.stage_cfgs[-1].train.generate_confidence  # the pick's
   limit = eval_limit(plan, budget, tokens_per_minute(state))
-  out = os.path.join(plan.out, EVAL_DIR)
-  argv = ["--config", plan.config, "--checkpoint", plan.export, "--tasks", plan.eval_tasks,
-          "--confidence", str(confidence), "--limit", str(limit), "--out", out, "--no-plots"]
-  if "nll" in plan.eval_tasks.split(","):
-    argv += ["--data", plan.data]
-  call(infer_eval.main, argv)
-  with open(os.path.join(out, "results.json"), encoding="utf-8") as f:
-    results = json.load(f)
+  tasks = evaluation.parse_tasks(plan.eval_tasks)
+  settings = evaluation.EvalSettings(
+      confidences=(confidence,), tasks=tuple(tasks), limit=limit,
+      data=plan.data if "nll" in tasks else None, out=os.path.join(plan.out, EVAL_DIR),
+      plots=False, command=f"python -m train.pipeline (eval of {plan.export})")
+  print(f"evaluation: {settings}", flush=True)
+  model, tok = pretrained.load_run(plan.config, plan.export)
+  try:
+    results = evaluation.evaluate(model, tok, evaluation.run_model_info(plan.config, plan.export),
+                                  settings)
+  except evaluation.EvalError as e:
+    raise RuntimeError(str(e)) from None
   scores, said = {}, []
   for name, task in results["tasks"].items():
     # nll is teacher-forced: one result, no confidence and no compression

@@ -6,7 +6,7 @@
 Config keys read: model (the base: smollm2 | file.gguf | HF directory | random) and
 graft.max_group, from the same run config that train.main takes. The output is a tfds
 array_record directory for hamburger_jax.data.pipeline. --self-distill replaces each response by
-the base model's own greedy response (see train/self_distill.py for a resumable JSONL version).
+the base model's own greedy response (train.self_distill is the resumable JSONL version).
 
 The work goes in shards (--shard-size samples each) under OUT.shards/, joined into OUT at the end;
 a rerun after a kill skips the finished shards. Several processes (one per host, or several on
@@ -27,7 +27,7 @@ import os
 import sys
 
 from hamburger_jax.assets import AssetError
-from hamburger_jax.data import prepare, sources
+from hamburger_jax.data import prepare, shards, sources, teacher_pass
 from hamburger_jax.data.tfds_builder import DatasetExistsError, check_output_dir
 from hamburger_jax.evaluation import tasks as eval_tasks
 from hamburger_jax.layout import LayoutError
@@ -50,13 +50,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "of `train.self_distill --checkpoint`: on-policy groups); given:STRATEGY "
                  "segments the records that have none by STRATEGY (e.g. given:confident:0.6, "
                  "to mix the base's own answers into on-policy ones)")
-  p.add_argument("--max-len", type=int, default=prepare.DEFAULT_MAX_LEN,
+  p.add_argument("--max-len", type=int, default=teacher_pass.DEFAULT_MAX_LEN,
                  help="drop samples with more prompt + response tokens (default "
-                 f"{prepare.DEFAULT_MAX_LEN})")
+                 f"{teacher_pass.DEFAULT_MAX_LEN})")
   p.add_argument("--val-fraction", type=float, default=0.05)
   p.add_argument("--seed", type=int, default=0,
                  help="validation split and gsm_symbolic problems (must be < 10000)")
-  p.add_argument("--batch-tokens", type=int, default=prepare.DEFAULT_BATCH_TOKENS,
+  p.add_argument("--batch-tokens", type=int, default=teacher_pass.DEFAULT_BATCH_TOKENS,
                  help="tokens per forward pass and device (padding included)")
   p.add_argument("--self-distill", action="store_true",
                  help="replace responses with the base model's own greedy responses")
@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       "--val-fraction, so a model trained on DIR meets none of its training "
                       "prompts in the new validation split")
   p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+  p.add_argument("--token-ids", action="store_true",
+                 help="a base without a tokenizer (a run config's random one): every record "
+                 "carries its token ids (train.self_distill --config's answers)")
   p.add_argument("--out", help="output dataset directory")
   p.add_argument("--shard-size", type=int, default=256,
                  help="samples per shard: the unit of resuming and of the work shared between "
@@ -140,12 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)
   tfds.disable_progress_bar()  # ours below is the one that means something
   try:
-    model, tokenizer = prepare.load_base(cfg.model)
+    model, tokenizer = prepare.load_base(cfg.model, args.token_ids)
   except (ValueError, AssetError, FileNotFoundError) as e:
     return _fail(e)
   if args.self_distill:
     from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
-    from train.self_distill import distill  # pylint: disable=import-outside-toplevel
+    from hamburger_jax.data.self_distill import distill  # pylint: disable=C0415
     conversations = list(conversations)
     with tqdm(total=len(conversations), unit="sample", desc="self-distilling") as bar:
       conversations = [conv for conv, _ in distill(
@@ -170,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
           teacher=teacher, keep_split=keep_split, progress=bar.update,
           chunk_size=args.shard_size, process_id=args.process_id,
           num_processes=args.num_processes)
-  except (sources.SourceError, LayoutError, DatasetExistsError, prepare.ShardsError) as e:
+  except (sources.SourceError, LayoutError, DatasetExistsError, shards.ShardsError) as e:
     return _fail(e)  # bad data or a mismatched run, named
   print(stats.summary())
   if stats.joined:
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 def _join(args: argparse.Namespace) -> int:
   try:
     stats = prepare.join_shards(args.join, overwrite=args.overwrite)
-  except (prepare.ShardsError, DatasetExistsError) as e:
+  except (shards.ShardsError, DatasetExistsError) as e:
     return _fail(e)
   print(stats.summary())
   print(f"wrote {args.join}")

@@ -21,7 +21,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
-from hamburger_jax import cache
+from hamburger_jax import cache, files
 from hamburger_jax.config import ConfigError, LlamaConfig
 from hamburger_jax.convert import hf, mapping
 from hamburger_jax.convert.mapping import WeightsError
@@ -150,18 +150,15 @@ def _write_entry(entry: str, fingerprint: str, source: str, metadata: Mapping[st
                  tensors: Mapping[str, np.ndarray]) -> None:
   """Writes a cache entry atomically (temp file + rename): readers see the old entry or the
   whole new one, never a partial file."""
-  tmp = f"{entry}.tmp-{os.getpid()}"
   try:
     os.makedirs(os.path.dirname(entry), exist_ok=True)
-    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}, tmp,
-              metadata={"format": _CACHE_FORMAT, "fingerprint": fingerprint, "source": source,
-                        "gguf_metadata": json.dumps(dict(metadata))})
-    os.replace(tmp, entry)
+    files.write_atomic(entry, lambda tmp: save_file(
+        {k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}, tmp,
+        metadata={"format": _CACHE_FORMAT, "fingerprint": fingerprint, "source": source,
+                  "gguf_metadata": json.dumps(dict(metadata))}))
   except OSError as e:
     cache.warn(f"could not write the converted-weights cache entry {entry} ({e}); the next load "
                f"converts {source} again (set {cache.NO_WEIGHT_CACHE_ENV}=1 to stop trying)")
-    if os.path.exists(tmp):
-      os.remove(tmp)
 
 
 def hf_name(gguf_name: str) -> str:

@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from hamburger_jax import files
 from hamburger_jax.config import LlamaConfig
 from hamburger_jax.convert import mapping
 from hamburger_jax.convert.mapping import Rule, Table, WeightsError, linear
@@ -93,13 +94,11 @@ def save(model: nnx.Module, cfg: LlamaConfig, path: str, target_prefix: tuple = 
   """
   if os.path.exists(path) and os.listdir(path):
     raise FileExistsError(f"{path} exists and is not empty; choose a new directory")
-  tmp = path.rstrip("/") + ".tmp"
-  os.makedirs(tmp, exist_ok=True)
   tensors = mapping.export(model, llama_table(cfg, target_prefix))
-  save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-            os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-  with open(os.path.join(tmp, "config.json"), "w") as f:
-    json.dump({**cfg.to_hf_config(), **(extra or {})}, f, indent=2)
-  if os.path.exists(path):
-    os.rmdir(path)
-  os.replace(tmp, path)
+
+  def write(tmp: str) -> None:
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+              os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+      json.dump({**cfg.to_hf_config(), **(extra or {})}, f, indent=2)
+  files.write_dir_atomic(path, write)

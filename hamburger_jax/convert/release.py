@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from hamburger_jax import files
 from hamburger_jax.config import ConfigError, GraftConfig, HamburgerConfig, LlamaConfig
 from hamburger_jax.convert import hf, mapping
 from hamburger_jax.convert.mapping import Rule, Table, WeightsError, linear
@@ -237,10 +238,7 @@ def write_lightning_checkpoint(model: Hamburger, path: str | os.PathLike, base_m
           "hyper_parameters": {"base_model_name": base_model_name,
                                "max_steps": model.cfg.graft.max_group},
           "pytorch-lightning_version": _LIGHTNING_VERSION}
-  path = os.fspath(path)
-  tmp = path + ".tmp"
-  torch.save(ckpt, tmp)
-  os.replace(tmp, path)
+  files.write_atomic(os.fspath(path), lambda tmp: torch.save(ckpt, tmp))
 
 
 def _to_torch(torch, array: np.ndarray, dtype: str | None):

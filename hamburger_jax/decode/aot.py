@@ -13,9 +13,10 @@ import jax
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from hamburger_jax import aot, pretrained, roofline, sharding
+from hamburger_jax import aot, graft_checkpoint, pretrained, roofline, sharding
 from hamburger_jax.config import ConfigError, GraftConfig, HamburgerConfig, LlamaConfig, from_dict
-from hamburger_jax.decode.engine import Engine, prefill_chunks
+from hamburger_jax.decode.engine import Engine
+from hamburger_jax.decode.shapes import prefill_chunks
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.run_config import load_run_config
 
@@ -44,7 +45,7 @@ def abstract_model(config: str | None, checkpoint: str | None) -> tuple[Hamburge
   if resolved is None:
     raise ConfigError("no graft checkpoint is given or shipped: pass --checkpoint DIR or "
                       "--config CONFIG")
-  meta = pretrained.read_meta(resolved)
+  meta = graft_checkpoint.read_meta(resolved)
   hcfg = HamburgerConfig(from_dict(LlamaConfig, meta["base_config"]),
                          from_dict(GraftConfig, meta["graft"]))
   return nnx.eval_shape(lambda: Hamburger(hcfg, rngs=nnx.Rngs(0))), resolved
@@ -91,7 +92,8 @@ def check_engine(topology: str, *, config: str | None = None, checkpoint: str | 
       lowered[(b, f"one macro step, {mode}" + (", forced K" if mode == "hamburger" else ""))] = (
           step.lower(*on_device(args, devices[0])))
   progress(f"compiling {len(lowered)} programs")
-  reports = aot.compile_all({f"{b}: {name}": lo for (b, name), lo in lowered.items()})
+  reports = aot.compile_all({f"{b}: {name}": lo for (b, name), lo in lowered.items()},
+                            knob="fewer slots (--batches), or shard over more chips (--tensor)")
   out = [(b, name, reports[f"{b}: {name}"]) for (b, name) in lowered]
   return EngineCheck(topology=topology + (f", {tensor} chips (tensor)" if tensor > 1 else
                                           ", 1 chip"),

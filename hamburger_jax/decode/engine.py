@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import time
 from typing import Any, Callable, Iterable, Sequence
 
@@ -27,76 +26,19 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hamburger_jax import precision, sharding
 from hamburger_jax.config import DEFAULT_CONFIDENCE, DEFAULT_PREFIX_CACHE_TOKENS
-from hamburger_jax.decode import serving
-from hamburger_jax.decode.paged_kv import PagedKVCache, blocks_for
+from hamburger_jax.decode import serving, shapes
 from hamburger_jax.decode.prefix_cache import CachedPrefix, PrefixCache, cacheable_prefix
 from hamburger_jax.decode.requests import Generation, GenerationError, Request
 from hamburger_jax.decode import step as decode_step
 from hamburger_jax.decode.sampling import SamplingParams
+from hamburger_jax.decode.shapes import (DEFAULT_BLOCK_SIZE, LENGTH_BUCKETS, Layout, bucket,
+                                         generate_slots, prefill_chunks)
 from hamburger_jax.decode.step import DecodeState, StepVariant, base_of
 from hamburger_jax.model.decode_layout import decode_layout
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import Llama
 
 StreamCallback = Callable[[np.ndarray, np.ndarray], None]  # (group [B, K], count [B])
-
-# Prompts are prefilled in chunks, each padded to one of these sizes (one program per size).
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
-# What one prefill chunk costs beyond its tokens, in token-equivalents: a chunk reads every weight
-# once (SmolLM2-135M on 2 CPU cores: ~30 tokens' worth of compute). prefill_chunks weighs it
-# against padding: a 130-token prompt runs as 128 + 16 rather than padded to 256.
-PREFILL_CHUNK_COST = 32
-# Static sizes of the decode program: max_new_tokens in powers of two, and each slot's view of
-# the KV pool (longest prompt + max_new_tokens) rounded up to a multiple of VIEW_STEP entries;
-# decode programs read views of VIEW_STEP x 2^i entries of it (Engine.views).
-LENGTH_BUCKETS = tuple(2 ** i for i in range(4, 18))
-VIEW_STEP = 128
-DEFAULT_BLOCK_SIZE = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-  """The static shapes of one set of programs (what compiling depends on)."""
-  mode: str
-  slots: int  # B
-  max_new: int  # N
-  blocks_per_row: int  # MB: a slot's view of the pool is MB x block_size entries
-  num_blocks: int  # NB, the trash block included
-  block_size: int
-
-
-def bucket(n: int, buckets: Sequence[int]) -> int:
-  for b in buckets:
-    if n <= b:
-      return b
-  raise GenerationError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
-def prefill_chunks(n: int, start: int = 0) -> list[tuple[int, int, int]]:
-  """(start, valid tokens, bucket) of each prefill chunk of n prompt tokens from `start`: the
-  chunk sizes with the least padded tokens + PREFILL_CHUNK_COST per chunk, largest first."""
-  sizes = _chunk_sizes(n, PREFILL_BUCKETS, PREFILL_CHUNK_COST)
-  out, end = [], start + n
-  for size in sizes:
-    valid = min(size, end - start)
-    out.append((start, valid, size))
-    start += valid
-  return out
-
-
-@functools.lru_cache(maxsize=4096)
-def _chunk_sizes(n: int, buckets: tuple[int, ...], chunk_cost: int) -> tuple[int, ...]:
-  best = [(0, ())] + [None] * n  # best[r]: (cost, sizes) for the first r tokens
-  for r in range(1, n + 1):
-    best[r] = min((best[max(r - b, 0)][0] + b + chunk_cost, best[max(r - b, 0)][1] + (b,))
-                  for b in buckets)
-  return tuple(sorted(best[n][1], reverse=True))
-
-
-def generate_slots(n: int) -> int:
-  """`generate`'s slots for n prompts: a power of two (the spare slots stay empty), so batches of
-  similar size share their compiled programs."""
-  return 1 << (n - 1).bit_length()
 
 
 class Engine:
@@ -173,22 +115,9 @@ class Engine:
   def init_state(self, layout: Layout) -> DecodeState:
     """A decode state of `layout`'s shapes with every slot empty (done) and every block-table
     entry the trash block, placed by `put`: what `prefill` and the decode programs take."""
-    cfg = self.base_cfg
-    b, n = layout.slots, layout.max_new
     k = self.runner.max_group if layout.mode == "hamburger" else 1
     f = self.runner.num_features if layout.mode == "hamburger" else 1
-    cache = PagedKVCache.init(cfg.num_layers, layout.num_blocks, layout.block_size, b,
-                              layout.blocks_per_row, cfg.num_kv_heads, cfg.head_dim,
-                              jnp.dtype(cfg.dtype))
-    zeros = lambda *s, dt=jnp.int32: jnp.zeros(s, dt)
-    return self.put(DecodeState(
-        cache=cache, features=zeros(b, f, cfg.hidden_size, dt=jnp.dtype(cfg.dtype)),
-        prompt_len=zeros(b), tokens=zeros(b, n + k), n_tokens=zeros(b), groups=zeros(b, n),
-        n_steps=zeros(b), done=jnp.ones((b,), bool), max_new=zeros(b),
-        confidence=jnp.ones((b,), jnp.float32), max_group=jnp.full((b,), k, jnp.int32),
-        temperature=zeros(b, dt=jnp.float32),
-        top_k=zeros(b), top_p=jnp.ones((b,), jnp.float32),
-        key=jax.random.split(jax.random.key(0), b)))
+    return self.put(shapes.empty_state(layout, self.base_cfg, k, f))
 
   def put(self, tree):
     """Host values onto the engine's devices: replicated over the mesh, if there is one (the
@@ -283,14 +212,9 @@ class Engine:
 
   def layout(self, mode: str, slots: int, max_new: int, longest_prompt: int,
              kv_blocks: int | None = None) -> Layout:
-    """The static shapes for requests up to `longest_prompt` + `max_new` tokens. Without
-    `kv_blocks` the pool holds every slot's view (nothing ever waits for blocks)."""
-    n = bucket(max_new, LENGTH_BUCKETS)
-    # Attention reads a slot's whole view every step: keep it tight (a multiple of VIEW_STEP).
-    view = -(-(longest_prompt + n + 1) // VIEW_STEP) * VIEW_STEP
-    mb = blocks_for(view, self.block_size)
-    nb = kv_blocks if kv_blocks is not None else slots * mb + 1
-    return Layout(mode, slots, n, mb, nb, self.block_size)
+    """The static shapes for requests up to `longest_prompt` + `max_new` tokens, in this
+    engine's blocks (shapes.plan_layout)."""
+    return shapes.plan_layout(mode, slots, max_new, longest_prompt, self.block_size, kv_blocks)
 
   def _spec(self, shape: tuple, dtype) -> jax.ShapeDtypeStruct:
     """An abstract argument, replicated over the mesh if there is one (as `put` places it)."""
@@ -367,13 +291,8 @@ class Engine:
                       stochastic=stochastic, stream=stream, view=view)
 
   def views(self, layout: Layout) -> list[int]:
-    """The decode programs' views of a slot's table, in blocks: VIEW_STEP entries times a power
-    of two, up to the layout's whole row."""
-    step = blocks_for(VIEW_STEP, layout.block_size)
-    out = [min(step, layout.blocks_per_row)]
-    while out[-1] < layout.blocks_per_row:
-      out.append(min(out[-1] * 2, layout.blocks_per_row))
-    return out
+    """The decode programs' views of a slot's table, in blocks (shapes.views)."""
+    return shapes.views(layout)
 
   def view_for(self, layout: Layout, blocks: int) -> int:
     """The smallest view that holds `blocks` blocks of every live slot."""

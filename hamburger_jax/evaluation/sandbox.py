@@ -16,12 +16,8 @@ The boundary is the kernel's, set up with util-linux's `unshare` and `setpriv` (
   wall-clock limit kept by the init, outside the program's reach, ends the whole tree.
 
 `run_python(code)` runs a script and reports how it ended. Its exit status belongs to the program,
-so it is no verdict on untrusted code: `run_checked(program, entry_point, check_source)` is. The
-program runs in the sandbox and serves calls to `entry_point`; the trusted check (e.g. HumanEval's
-`check`) runs in a separate, unsandboxed checker process that the program cannot reach (another
-user, outside its PID namespace). Arguments and return values cross as plain data through
-`sandbox_codec`, and the verdict is the checker's exit status: a program that prints a pass marker
-and exits 0, or returns an object whose `__eq__` always says True, fails.
+so it is no verdict on untrusted code: `checked_run.run_checked` is, built on `start_program`
+and `finish_program` with a runner of its own (the bootstrap's part that serves calls).
 
 When no isolation is available (no `unshare`, or namespaces are not permitted here) running model
 code raises SandboxUnavailable, unless the caller opts into unsafe execution
@@ -42,16 +38,12 @@ import sys
 import tempfile
 import time
 
-from hamburger_jax.evaluation import sandbox_codec
-
 # The unprivileged user the program runs as when the caller is root ("nobody").
 SANDBOX_UID = 65534
 # Exit code the program's bootstrap uses for a MemoryError under the address-space limit.
 _EXIT_MEMORY = 87
-# Frames between the checker and the program are at most this large.
-MAX_FRAME_BYTES = 16 * 2**20
 # Seconds the parent waits past the init's own wall clock before it kills the tree itself.
-_GRACE_S = 10.0
+GRACE_S = 10.0
 # Directories hidden from the program (besides the parent's $HOME), each under an empty tmpfs.
 MASKED_DIRS = ("/root", "/home", "/run", "/var/tmp", "/dev/shm")
 # Tools; module attributes so tests can point them at a missing file.
@@ -208,7 +200,7 @@ while proc.poll() is None:
   if left <= 0:
     report(event="timeout")
     if not cfg["isolate"]:
-      os.killpg(0, signal.SIGKILL)  # our process group (setsid): the program and the children it kept
+      os.killpg(0, signal.SIGKILL)  # our group (setsid): the program and the children it kept
     os._exit(0)  # as PID 1: the kernel kills everything left in the namespace
   if pidfd is not None:
     select.select([pidfd], [], [], left)
@@ -220,54 +212,20 @@ if not cfg["isolate"]:
 os._exit(0)
 """
 
-# The program's bootstrap, inside the sandbox: runs main.py as __main__ ('script'), or runs it and
-# then answers calls to its entry point from the checker ('serve'). The codec is pasted in front.
-_PROGRAM = r"""
+# The program's bootstrap, inside the sandbox: the head, a runner's source, then the tail, which
+# calls the runner's run() and turns a MemoryError under the address-space limit into its own exit
+# code. The runner sees `cfg` (the caller's runner_cfg plus "workdir") and `program` (main.py).
+_BOOTSTRAP_HEAD = r"""
 import json, os, sys, traceback
 cfg = json.loads(sys.argv[1])
 if hasattr(sys, "set_int_max_str_digits"):
   sys.set_int_max_str_digits(0)
 program = os.path.join(cfg["workdir"], "main.py")
 sys.argv = [program]
-
-def read_frame(f):
-  head = f.read(4)
-  if len(head) < 4:
-    return None
-  size = int.from_bytes(head, "big")
-  data = f.read(size) if size <= cfg["max_frame"] else b""
-  return data.decode("utf-8") if len(data) == size else None
-
-def serve():
-  ns = {"__name__": "__main__", "__file__": program, "__builtins__": __builtins__}
-  with open(program, encoding="utf-8") as f:
-    source = f.read()
-  requests = os.fdopen(cfg["requests_fd"], "rb", 0)
-  replies = os.fdopen(cfg["replies_fd"], "wb", 0)
-  exec(compile(source, program, "exec"), ns)
-  while True:
-    msg = read_frame(requests)
-    if msg is None:
-      return
-    try:
-      fn = ns.get(cfg["entry_point"])
-      if not callable(fn):
-        raise NameError(f"the program defines no function {cfg['entry_point']!r}")
-      args, kwargs = decode(msg)
-      reply = encode(("ok", fn(*args, **kwargs)))
-    except MemoryError:
-      raise
-    except Exception as e:
-      reply = encode(("error", f"{type(e).__name__}: {e}"))
-    data = reply.encode("utf-8")
-    replies.write(len(data).to_bytes(4, "big") + data)
-
+"""
+_BOOTSTRAP_TAIL = r"""
 try:
-  if cfg["mode"] == "serve":
-    serve()
-  else:
-    import runpy
-    runpy.run_path(program, run_name="__main__")
+  run()
 except MemoryError:
   try:
     traceback.print_exc()
@@ -276,55 +234,12 @@ except MemoryError:
   finally:
     os._exit(%d)
 """ % _EXIT_MEMORY
-
-# The trusted checker, outside the sandbox: defines the check from trusted source (stdin), then
-# calls check(candidate) with a proxy that forwards each call to the program. Exit 0 = passed.
-_CHECKER = r"""
-import json, os, sys
-cfg = json.loads(sys.argv[1])
-if hasattr(sys, "set_int_max_str_digits"):
-  sys.set_int_max_str_digits(0)
-requests = os.fdopen(cfg["requests_fd"], "wb", 0)
-replies = os.fdopen(cfg["replies_fd"], "rb", 0)
-
-class CandidateError(Exception):
-  pass
-
-def candidate(*args, **kwargs):
-  data = encode((args, kwargs)).encode("utf-8")
-  try:
-    requests.write(len(data).to_bytes(4, "big") + data)
-  except BrokenPipeError:
-    raise CandidateError("the program ended before the checks did") from None
-  head = replies.read(4)
-  if len(head) < 4:
-    raise CandidateError("the program ended (exit, crash or time limit) before answering")
-  size = int.from_bytes(head, "big")
-  if size > cfg["max_frame"]:
-    raise CandidateError(f"the program's answer is over {cfg['max_frame']} bytes")
-  data = replies.read(size)
-  if len(data) < size:
-    raise CandidateError("the program ended in the middle of an answer")
-  reply = decode(data.decode("utf-8"))
-  if not (isinstance(reply, tuple) and len(reply) == 2 and reply[0] in ("ok", "error")):
-    raise CandidateError("malformed answer from the program")
-  if reply[0] == "error":
-    raise CandidateError(f"the program raised {reply[1]}")
-  return reply[1]
-
-ns = {"__name__": "__check__"}
-exec(compile(sys.stdin.read(), "<check>", "exec"), ns)
-# The entry point's own name also means the program's function, as when the check and the program
-# share a module (HumanEval/33's tests call sort_third by name).
-ns[cfg["entry_point"]] = candidate
-ns["check"](candidate)
-print("checks returned")
+# run_python's runner: main.py as __main__. A partial, not a def, so that the program's
+# tracebacks show no frame of the bootstrap's between <module> and runpy.
+_SCRIPT_RUNNER = r"""
+import functools, runpy
+run = functools.partial(runpy.run_path, program, run_name="__main__")
 """
-
-
-def _codec_source() -> str:
-  with open(sandbox_codec.__file__, encoding="utf-8") as f:
-    return f.read()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,7 +273,8 @@ def _covers() -> tuple[list[tuple[str, bool]], list[str]]:
   return covers, keep
 
 
-def _read_tail(path: str, max_chars: int) -> str:
+def read_tail(path: str, max_chars: int) -> str:
+  """The last `max_chars` characters of a run's output file, with a note if cut."""
   size = os.path.getsize(path)
   with open(path, "rb") as f:
     # 4 bytes per char at most in UTF-8: read just enough of the tail.
@@ -370,7 +286,8 @@ def _read_tail(path: str, max_chars: int) -> str:
   return text
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen) -> None:
+  """Kills the process group `proc` leads (started with start_new_session) and reaps `proc`."""
   try:
     os.killpg(proc.pid, signal.SIGKILL)
   except (ProcessLookupError, PermissionError):
@@ -379,7 +296,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 @dataclasses.dataclass
-class _Run:
+class SandboxRun:
   """One program started in the sandbox (or unsafely)."""
   proc: subprocess.Popen
   status_r: int
@@ -387,9 +304,10 @@ class _Run:
   isolated: bool
 
 
-def _start(code: str, root: str, *, mode: str, timeout_s: float, memory_mb: int,
-           max_file_mb: int, max_processes: int, isolate: bool,
-           serve_fds: tuple[int, int] | None = None, entry_point: str = "") -> _Run:
+def start_program(code: str, root: str, *, timeout_s: float, memory_mb: int, max_file_mb: int,
+                  max_processes: int, isolate: bool, runner: str = _SCRIPT_RUNNER,
+                  runner_cfg: dict | None = None, pass_fds: tuple[int, ...] = ()) -> SandboxRun:
+  """Starts `code` as main.py under `runner`, with `pass_fds` open; output in root/output.txt."""
   status_r, status_w = os.pipe()
   as_root = os.geteuid() == 0
   python = _python()
@@ -400,13 +318,9 @@ def _start(code: str, root: str, *, mode: str, timeout_s: float, memory_mb: int,
     covers, keep = [], []
     workdir, uid = os.path.join(root, "work"), os.geteuid()
     os.mkdir(workdir)
-  program_cfg = {"mode": mode, "workdir": workdir, "max_frame": MAX_FRAME_BYTES,
-                 "entry_point": entry_point}
-  pass_fds: list[int] = []
-  if serve_fds is not None:
-    program_cfg["requests_fd"], program_cfg["replies_fd"] = serve_fds
-    pass_fds = list(serve_fds)
-  argv = [python, "-I", "-B", "-c", _codec_source() + _PROGRAM, json.dumps(program_cfg)]
+  program_cfg = {"workdir": workdir, **(runner_cfg or {})}
+  bootstrap = _BOOTSTRAP_HEAD + runner + _BOOTSTRAP_TAIL
+  argv = [python, "-I", "-B", "-c", bootstrap, json.dumps(program_cfg)]
   if isolate:
     ids = [f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups"] if as_root else []
     argv = [shutil.which(SETPRIV) or SETPRIV, *ids, "--inh-caps=-all", "--bounding-set=-all",
@@ -423,7 +337,7 @@ def _start(code: str, root: str, *, mode: str, timeout_s: float, memory_mb: int,
       # The CPU cap only backs up the wall clock (which also counts sleeping), so it is looser.
       "cpu_s": int(timeout_s) + 2, "fsize_bytes": max_file_mb * 2**20,
       "max_processes": max_processes, "timeout_s": timeout_s, "argv": argv, "env": env,
-      "pass_fds": pass_fds}
+      "pass_fds": list(pass_fds)}
   cmd = [python, "-I", "-S", "-B", "-c", _INIT, json.dumps(init_cfg)]
   if isolate:
     namespaces = ["--mount", "--pid", "--net", "--ipc", "--uts", "--fork", "--kill-child",
@@ -443,18 +357,18 @@ def _start(code: str, root: str, *, mode: str, timeout_s: float, memory_mb: int,
                               start_new_session=True)  # the backstop kills the whole group
     finally:
       os.close(status_w)
-  return _Run(proc, status_r, out_path, isolate)
+  return SandboxRun(proc, status_r, out_path, isolate)
 
 
-def _finish(run: _Run, timeout_s: float) -> tuple[dict, bool]:
+def _wait(run: SandboxRun, timeout_s: float) -> tuple[dict, bool]:
   """Waits for the init (its own wall clock, plus a grace) and returns its last report and whether
   the parent's backstop had to kill it."""
   killed = False
   try:
-    run.proc.wait(timeout=timeout_s + _GRACE_S)
+    run.proc.wait(timeout=timeout_s + GRACE_S)
   except subprocess.TimeoutExpired:
     killed = True
-  _kill_group(run.proc)
+  kill_group(run.proc)
   with os.fdopen(run.status_r, "rb") as f:
     lines = f.read().decode("utf-8", errors="replace").splitlines()
   events = {}
@@ -498,12 +412,24 @@ def _status(events: dict, killed: bool, out_size: int, *, timeout_s: float, memo
   return "error", f"[sandbox: killed by signal {name}]"
 
 
-def _check_args(timeout_s: float, memory_mb: int) -> None:
+def finish_program(run: SandboxRun, *, timeout_s: float, memory_mb: int, max_file_mb: int,
+                   max_output_chars: int) -> tuple[str, str, str]:
+  """Waits for a started program to end (or ends it) and returns (status, note, output): how it
+  ended (see run_python), a note on why when the limits or the sandbox ended it, and its output."""
+  events, killed = _wait(run, timeout_s)
+  out_size = os.path.getsize(run.out_path)
+  output = read_tail(run.out_path, max_output_chars)
+  status, note = _status(events, killed, out_size, timeout_s=timeout_s, memory_mb=memory_mb,
+                         max_file_mb=max_file_mb)
+  return status, note, output
+
+
+def check_limits(timeout_s: float, memory_mb: int) -> None:
   if not timeout_s > 0 or memory_mb <= 0:
     raise ValueError(f"timeout_s={timeout_s} and memory_mb={memory_mb} must both be positive")
 
 
-def _isolate_or_refuse(unsafe: bool | None) -> bool:
+def isolate_or_refuse(unsafe: bool | None) -> bool:
   """True: isolate. False: run unsafely (asked for, and no isolation here). Raises otherwise."""
   ok, reason = isolation_status()
   if ok:
@@ -525,10 +451,10 @@ def isolation_status() -> tuple[bool, str]:
   if missing:
     return False, f"{' and '.join(missing)} not found (util-linux)"
   with tempfile.TemporaryDirectory(prefix="hamburger_sandbox_") as root:
-    run = _start("print('isolated')", root, mode="script", timeout_s=10, memory_mb=512,
-                 max_file_mb=1, max_processes=16, isolate=True)
-    events, _ = _finish(run, 10)
-    output = _read_tail(run.out_path, 2000).strip()
+    run = start_program("print('isolated')", root, timeout_s=10, memory_mb=512, max_file_mb=1,
+                        max_processes=16, isolate=True)
+    events, _ = _wait(run, 10)
+    output = read_tail(run.out_path, 2000).strip()
   if events.get("exit", {}).get("returncode") == 0 and output == "isolated":
     return True, ""
   why = events.get("setup_error", {}).get("message") or output.splitlines()[-1:] or ["no report"]
@@ -551,94 +477,21 @@ def run_python(
   output over max_file_mb), 'timeout' (wall clock or CPU limit), 'memory' (MemoryError under the
   RLIMIT_AS cap, or SIGKILL, i.e. the kernel OOM killer), 'error' (the sandbox could not be set
   up, or the program died from another signal such as SIGSEGV). The exit status is the program's
-  own: use run_checked to score untrusted code. Raises SandboxUnavailable when there is no
-  isolation here and unsafe execution is off (`unsafe=None` follows set_unsafe_exec).
+  own: use checked_run.run_checked to score untrusted code. Raises SandboxUnavailable when there
+  is no isolation here and unsafe execution is off (`unsafe=None` follows set_unsafe_exec).
   """
-  _check_args(timeout_s, memory_mb)
-  isolate = _isolate_or_refuse(unsafe)
+  check_limits(timeout_s, memory_mb)
+  isolate = isolate_or_refuse(unsafe)
   start = time.monotonic()
   with tempfile.TemporaryDirectory(prefix="hamburger_sandbox_", ignore_cleanup_errors=True) as root:
     try:
-      run = _start(code, root, mode="script", timeout_s=timeout_s, memory_mb=memory_mb,
-                   max_file_mb=max_file_mb, max_processes=max_processes, isolate=isolate)
+      run = start_program(code, root, timeout_s=timeout_s, memory_mb=memory_mb,
+                          max_file_mb=max_file_mb, max_processes=max_processes, isolate=isolate)
     except OSError as e:
       return SandboxResult(False, "error", f"could not start the sandbox process: {e}")
-    events, killed = _finish(run, timeout_s)
-    out_size = os.path.getsize(run.out_path)
-    output = _read_tail(run.out_path, max_output_chars)
-  status, note = _status(events, killed, out_size, timeout_s=timeout_s, memory_mb=memory_mb,
-                         max_file_mb=max_file_mb)
+    status, note, output = finish_program(run, timeout_s=timeout_s, memory_mb=memory_mb,
+                                          max_file_mb=max_file_mb,
+                                          max_output_chars=max_output_chars)
   if note:
     output += "\n" + note
   return SandboxResult(status == "passed", status, output, time.monotonic() - start)
-
-
-def run_checked(
-    program: str,
-    entry_point: str,
-    check_source: str,
-    timeout_s: float = 10.0,
-    memory_mb: int = 1024,
-    *,
-    max_output_chars: int = 8192,
-    max_file_mb: int = 16,
-    max_processes: int = 32,
-    unsafe: bool | None = None,
-) -> SandboxResult:
-  """Scores untrusted `program` with trusted `check_source` (which defines check(candidate)).
-
-  The program runs in the sandbox (module as __main__, then it serves calls to `entry_point`);
-  check_source runs in a separate checker process outside it and calls check() with a proxy for
-  the entry point. Passed means the checker's check() returned: the program cannot forge it.
-  Otherwise the status says how the program ended ('failed', 'timeout', 'memory', 'error').
-  """
-  _check_args(timeout_s, memory_mb)
-  isolate = _isolate_or_refuse(unsafe)
-  start = time.monotonic()
-  with tempfile.TemporaryDirectory(prefix="hamburger_sandbox_", ignore_cleanup_errors=True) as root:
-    req_r, req_w = os.pipe()  # checker -> program
-    rep_r, rep_w = os.pipe()  # program -> checker
-    checker = None
-    try:
-      try:
-        run = _start(program, root, mode="serve", timeout_s=timeout_s, memory_mb=memory_mb,
-                     max_file_mb=max_file_mb, max_processes=max_processes, isolate=isolate,
-                     serve_fds=(req_r, rep_w), entry_point=entry_point)
-      finally:
-        os.close(req_r)
-        os.close(rep_w)
-      checker_cfg = {"requests_fd": req_w, "replies_fd": rep_r, "max_frame": MAX_FRAME_BYTES,
-                     "entry_point": entry_point}
-      check_out = os.path.join(root, "checker.txt")
-      with open(check_out, "wb") as out, tempfile.TemporaryFile() as source:
-        source.write(check_source.encode("utf-8"))
-        source.seek(0)
-        checker = subprocess.Popen(
-            [sys.executable, "-I", "-B", "-c", _codec_source() + _CHECKER,
-             json.dumps(checker_cfg)],
-            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, stdin=source, stdout=out,
-            stderr=subprocess.STDOUT, pass_fds=[req_w, rep_r], start_new_session=True)
-    except OSError as e:
-      return SandboxResult(False, "error", f"could not start the sandbox process: {e}")
-    finally:
-      os.close(req_w)
-      os.close(rep_r)
-    try:
-      checker.wait(timeout=timeout_s + _GRACE_S)
-    except subprocess.TimeoutExpired:
-      pass
-    _kill_group(checker)
-    events, killed = _finish(run, timeout_s)
-    out_size = os.path.getsize(run.out_path)
-    output = _read_tail(run.out_path, max_output_chars)
-    check_output = _read_tail(check_out, max_output_chars)
-  if checker.returncode == 0:
-    return SandboxResult(True, "passed", output, time.monotonic() - start)
-  status, note = _status(events, killed, out_size, timeout_s=timeout_s, memory_mb=memory_mb,
-                         max_file_mb=max_file_mb)
-  if status == "passed":
-    status = "failed"  # the program ended cleanly, but the checks did not return
-  output += "\n[checker: the checks did not pass]\n" + check_output.rstrip()
-  if note:
-    output += "\n" + note
-  return SandboxResult(False, status, output, time.monotonic() - start)

@@ -1,4 +1,4 @@
-"""Plain-data codec between the sandboxed candidate and the trusted checker (sandbox.run_checked).
+"""Plain-data codec between the sandboxed candidate and the trusted checker (checked_run.py).
 
 Values cross the process boundary as Python literal text and are decoded by walking the syntax tree
 with a whitelist, so whatever the candidate's process sends, the checker gets back only None, bool,

@@ -11,7 +11,7 @@ from hamburger_jax.evaluation import tasks as eval_tasks
 from hamburger_jax.evaluation.agreement import first_divergence, token_agreement
 from hamburger_jax.evaluation.generation import ModeRun, run_modes
 from hamburger_jax.evaluation.statistics import paired_bootstrap_ci
-from hamburger_jax.testing import synthetic_samples
+from hamburger_jax.data.synthetic import synthetic_samples
 
 # Synthetic prompts come from this seed; build_synthetic_dataset's seeds (0, 1) stay below.
 SYNTHETIC_SEED = eval_tasks.EVAL_SEED
@@ -83,7 +83,7 @@ def score_vs_base(engine, task, examples, confidences, max_new, batch, max_group
 
 
 class SyntheticTask:
-  """Prompts of hamburger_jax.testing.synthetic_samples (token ids, for tokenizer-less models);
+  """Prompts of hamburger_jax.data.synthetic.synthetic_samples (token ids, for tokenizer-less models);
   score = fraction of the expected continuation's first max_new tokens generated exactly."""
 
   name = "synthetic"

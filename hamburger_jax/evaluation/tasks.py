@@ -33,8 +33,9 @@ from typing import Any, Protocol
 
 from hamburger_jax.assets import AssetError, package_dir
 from hamburger_jax.data import sources
+from hamburger_jax.evaluation.checked_run import run_checked
 from hamburger_jax.evaluation.rouge import rouge_l
-from hamburger_jax.evaluation.sandbox import SandboxResult, run_checked
+from hamburger_jax.evaluation.sandbox import SandboxResult
 
 EVAL_SEED = 10_000  # evaluation items use seeds >= EVAL_SEED; training seed + size <= EVAL_SEED
 
@@ -286,7 +287,7 @@ def extract_code(text: str, problem: Mapping[str, Any]) -> str:
 
 
 def humaneval_check_source(problem: Mapping[str, Any]) -> str:
-  """The trusted side of a HumanEval run (sandbox.run_checked): the problem's prompt (its helper
+  """The trusted side of a HumanEval run (checked_run.run_checked): the problem's prompt (its helper
   functions, e.g. HumanEval/32's poly, are used by the tests) and its tests, defining check()."""
   return f"{problem['prompt']}\n\n{problem['test']}\n"
 

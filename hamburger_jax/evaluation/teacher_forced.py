@@ -44,7 +44,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from hamburger_jax.data import pipeline
-from hamburger_jax.data.prepare import base_fingerprint
+from hamburger_jax.data.teacher_pass import base_fingerprint
 from hamburger_jax.distillation import acceptance_metrics, distill_loss
 from hamburger_jax.losses import chunked_cross_entropy, hamburger_loss
 from hamburger_jax.model.llama import causal_segment_mask

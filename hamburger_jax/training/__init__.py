@@ -1,8 +1,8 @@
 """Training: the train step (trainer.py) and the run around it (loop.py: checkpoints, resume,
 logging, export)."""
 
-from hamburger_jax.training.loop import RunResult, export_step, run
+from hamburger_jax.training.loop import RunResult, export_step, read_metrics, run
 from hamburger_jax.training.trainer import TRAINED, Trainer, TrainState, make_optimizer, schedules
 
 __all__ = ["RunResult", "TRAINED", "Trainer", "TrainState", "export_step", "make_optimizer",
-           "run", "schedules"]
+           "read_metrics", "run", "schedules"]

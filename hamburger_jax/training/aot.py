@@ -10,7 +10,8 @@ import dataclasses
 
 from hamburger_jax import aot, pretrained, roofline, sharding
 from hamburger_jax.config import ConfigError, load_yaml
-from hamburger_jax.data import prepare
+from hamburger_jax.data.teacher_pass import (DEFAULT_BATCH_TOKENS, DEFAULT_MAX_LEN,
+                                             lower_teacher_pass)
 from hamburger_jax.run_config import RunConfig, load_run_config, stage_names
 from hamburger_jax.segmentation import TeacherSpec
 from hamburger_jax.training.trainer import DEFAULT_TEACHER_TOP_K, Trainer
@@ -82,8 +83,8 @@ def _stage_configs(path: str, overrides: list[str], stage: str | None) -> list[R
 def check_train(config: str, topology: str, *, overrides: list[str] = (),
                 stage: str | None = None, num_slices: int = 1, chips: int | None = None,
                 hbm_gib: float | None = None, headroom: float = aot.DEFAULT_HEADROOM,
-                teacher_top_k: int | None = None, max_len: int = prepare.DEFAULT_MAX_LEN,
-                batch_tokens: int = prepare.DEFAULT_BATCH_TOKENS, teacher_pass: bool = True,
+                teacher_top_k: int | None = None, max_len: int = DEFAULT_MAX_LEN,
+                batch_tokens: int = DEFAULT_BATCH_TOKENS, teacher_pass: bool = True,
                 progress=lambda _: None) -> TrainCheck:
   """Compiles the run's programs for `topology` (its first `chips` devices, if given) and
   reports them per device. `hbm_gib` replaces the chip's HBM (a GPU checked by proxy).
@@ -120,12 +121,15 @@ def check_train(config: str, topology: str, *, overrides: list[str] = (),
     host = [d for d in devices if d.process_index == devices[0].process_index]
     model = pretrained.abstract_run_model(cfg)
     spec = TeacherSpec(top_k, model.feature_layers) if top_k else None
-    lowered["teacher pass"] = prepare.lower_teacher_pass(
+    lowered["teacher pass"] = lower_teacher_pass(
         model.base, sharding.make_mesh(-1, 1, 1, devices=host), max_len=max_len,
         batch_tokens=batch_tokens, teacher=spec)
     setting = (f"--max-len {max_len} --batch-tokens {batch_tokens} --teacher-top-k {top_k}, "
                f"{len(host)} chips of one host")
-  reports = aot.compile_all(lowered, progress)
+  reports = aot.compile_all(
+      lowered, progress,
+      knob="halve data.rows and double data.accum, or set train.scan_layers and train.remat: "
+           "layers; a config for a larger chip (--hbm-gib) needs a topology whose chips hold it")
   stages = []
   for cfg, mesh, trainer, batch in built:
     name, d = cfg.stage or "train", cfg.data

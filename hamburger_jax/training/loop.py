@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from hamburger_jax import pretrained
+from hamburger_jax import graft_checkpoint, pretrained
 from hamburger_jax.config import ConfigError
 from hamburger_jax.data import pipeline
 from hamburger_jax.decode.requests import pooled_tokens_per_step
@@ -67,7 +67,7 @@ def check_data(cfg: RunConfig, meta: dict[str, Any], model: Hamburger | None = N
           f"{cfg.data.dir} stores the teacher's features of layers {teacher['feature_layers']} "
           f"but the graft reads layers {list(model.feature_layers)}: prepare the data with this "
           "run's config")
-  from hamburger_jax.data.prepare import base_fingerprint  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.data.teacher_pass import base_fingerprint  # pylint: disable=C0415
   stored = meta.get("base_fingerprint")
   if stored and stored != base_fingerprint(model.base):
     raise ConfigError(
@@ -132,12 +132,25 @@ class MetricsLog:
       self.tb.close()
 
 
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} does not exist: pass the checkpoint.dir of a train.main run")
+  with open(path, encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  # A resumed run re-logs the steps after its last checkpoint: the later record wins.
+  by_step = {r["step"]: r for r in rows}
+  return [by_step[s] for s in sorted(by_step)]
+
+
+
 @dataclasses.dataclass
 class RunResult:
   steps_done: int
   final_step: int
   metrics: dict[str, float]
   export_dir: str | None
+  interrupted: bool = False  # stopped by SIGTERM (saved where it stood)
 
 
 def held_out_prompts(data_dir: str, n: int) -> list[list[int]]:
@@ -216,9 +229,10 @@ def export_graft(trainer: Trainer, cfg: RunConfig, step: int,
   export_dir = cfg.checkpoint.export or os.path.join(cfg.checkpoint.dir, "export")
   model = trainer.current_model()
   if trainer.process_index == 0:
-    pretrained.save_graft(model, export_dir, cfg.model.base, dtype=cfg.checkpoint.export_dtype,
-                          include_base=trainer.trains_base,
-                          extra={"trained_steps": step, "run_dir": cfg.checkpoint.dir})
+    graft_checkpoint.save_graft(model, export_dir, cfg.model.base,
+                                dtype=cfg.checkpoint.export_dtype,
+                                include_base=trainer.trains_base,
+                                extra={"trained_steps": step, "run_dir": cfg.checkpoint.dir})
     log(f"exported params to {export_dir}")
   return export_dir
 
@@ -363,4 +377,4 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
   final = int(jax.device_get(trainer.state.step))
   export_dir = export_graft(trainer, cfg, final, log) if final >= t.steps else None
   mngr.close()
-  return RunResult(final - start, final, last, export_dir)
+  return RunResult(final - start, final, last, export_dir, bool(interrupted))
