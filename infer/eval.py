@@ -105,7 +105,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   return args
 
 
-def load_model(args) -> tuple[Any, Any, dict[str, Any]]:
+def model_to_evaluate(args) -> tuple[Any, Any, dict[str, Any]]:
   """(Hamburger, tokenizer or None, a description for results.json)."""
   from hamburger_jax import pretrained
   if args.config:
@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   from hamburger_jax.evaluation.sandbox import SandboxUnavailable
   cache.enable_compilation_cache()
   try:
-    model, tok, info = load_model(args)
+    model, tok, info = model_to_evaluate(args)
     results = evaluate(model, tok, {**info, "micro_vocab": args.micro_vocab},
                        settings(args, argv))
   except (EvalError, AssetError, ConfigError, SourceError, WeightsError, GenerationError,

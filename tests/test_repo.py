@@ -138,6 +138,18 @@ def test_no_import_cycles():
 PRODUCT = ("hamburger_jax", "infer", "train")
 
 
+def test_one_model_loader_name():
+  """Loading a model for a command has one name (hamburger_jax/cli.py's load_model): a second
+  function of that name is a second way to build the same model."""
+  where = []
+  for pkg in PRODUCT:
+    for f in glob.glob(os.path.join(REPO, pkg, "**", "*.py"), recursive=True):
+      tree = ast.parse(Path(f).read_text(encoding="utf-8"))
+      where += [f"{os.path.relpath(f, REPO)}:{n.lineno}" for n in ast.walk(tree)
+                if isinstance(n, ast.FunctionDef) and n.name == "load_model"]
+  assert where == ["hamburger_jax/cli.py:" + where[0].split(":")[1]], where
+
+
 def _entry_points() -> set[str]:
   """Modules run as `python -m ...`: those with a __main__ guard."""
   out = set()

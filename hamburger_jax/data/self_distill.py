@@ -158,7 +158,7 @@ class Settings:
   max_minutes: float | None = None
 
 
-def load_model(s: Settings):
+def answering_model(s: Settings):
   """(model, tokenizer or None) to answer with."""
   from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
   if s.config:
@@ -189,7 +189,7 @@ def run(s: Settings) -> Outcome:
   mix = parse_mix(s.mix)
   start = time.monotonic()  # the budget counts the model's load too
   cache.enable_compilation_cache()
-  model, tok = load_model(s)
+  model, tok = answering_model(s)
   vocab = (model.base if hasattr(model, "base") else model).cfg.vocab_size
   convs = prompts(mix, s, tok, vocab)
   os.makedirs(os.path.dirname(os.path.abspath(s.out)), exist_ok=True)
