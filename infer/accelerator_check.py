@@ -11,7 +11,8 @@ Runs its parts in priority order, each in its own process with its share of the 
   reference     greedy tokens of the base and the shipped graft against the ones stored with the
                 checkpoint (computed on a CPU in float32, matmuls at "highest": the policy of
                 hamburger_jax/precision.py, pinned here too)
-  precision     the backend's decoding dtype against float32: tokens equal, first divergence
+  precision     the backend's decoding dtype (or --dtype) against float32: tokens equal, first
+                divergence
   decode        base against HAMburger in one engine per batch size: the shipped graft at
                 confidence 0.5 and 0.8, and forced groups (confidence 0), batches 1 and 32
   decode_1b     Llama-3.2-1B on random weights: a macro step's MFU and roofline, engine tok/s
@@ -161,10 +162,11 @@ def part_precision(args) -> list[str]:
   import jax  # pylint: disable=import-outside-toplevel
   from hamburger_jax import precision  # pylint: disable=import-outside-toplevel
   model, tok, prompts = _models(args)
-  dtype = precision.decode_defaults(jax.devices()[0].platform)["dtype"]
+  dtype = (getattr(args, "dtype", None)
+           or precision.decode_defaults(jax.devices()[0].platform)["dtype"])
   f32 = greedy_tokens(model, tok, prompts, dtype="float32", matmul_precision="highest")
   got = greedy_tokens(model, tok, prompts, dtype=dtype)
-  return [f"- the backend's decoding dtype ({dtype}, precision \"default\") against float32 "
+  return [f"- decoding in {dtype} (precision \"default\") against float32 "
           f"at \"highest\", {len(prompts)} prompts, {REFERENCE_TOKENS} tokens", "",
           *compare(got, f32)]
 
@@ -258,6 +260,8 @@ def run_parts(args) -> tuple[list[str], list[tuple[str, str, float, float]]]:
            "--seconds", f"{cap:.0f}"]
     if args.tiny:
       cmd.append("--tiny")
+    if args.dtype:
+      cmd += ["--dtype", args.dtype]
     t = time.monotonic()
     status, body = "done", []
     if cap < 5:
@@ -311,7 +315,11 @@ def main(argv=None) -> int:
   p.add_argument("--budget-minutes", type=float, default=8.0)
   p.add_argument("--out", default="accelerator_check.md", help="the markdown report")
   p.add_argument("--tiny", action="store_true", help="tiny models: the plumbing, on a CPU")
-  p.add_argument("--part", choices=PARTS, default=None, help=argparse.SUPPRESS)
+  p.add_argument("--part", choices=PARTS, default=None,
+                 help="run this part alone, its markdown on stdout (no report, no cap)")
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                 help="the decoding dtype the precision part compares against float32 at "
+                 "\"highest\" (default: the backend's, hamburger_jax/precision.py)")
   p.add_argument("--seconds", type=float, default=600.0, help=argparse.SUPPRESS)  # a part's cap
   p.add_argument("--write-reference", action="store_true",
                  help=f"write the shipped graft's {REFERENCE_FILE} (on a CPU) and stop")

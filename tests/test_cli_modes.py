@@ -100,6 +100,8 @@ def test_accelerator_check_parts_on_tiny_models():
   assert "jax" in env and "every module the parts import loads" in env
   ref = ac.part_reference(args)
   assert any(l.startswith("| base | 8/8 |") for l in ref), ref
+  prec = ac.part_precision(argparse.Namespace(tiny=True, dtype="bfloat16"))
+  assert prec[0].startswith("- decoding in bfloat16") and any(l.startswith("| base |") for l in prec)
   decode = ac.part_decode(args)
   assert sum(l.startswith("| 1 |") for l in decode) == 4  # base and 3 HAMburger settings
 
