@@ -31,9 +31,6 @@ GIB = 2**30
 # chip's two TensorCores are two devices to libtpu's topology: each has half.
 TPU_HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}
 GENERATIONS = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite"}
-# The GPUs the H100 configs name, for checks by proxy (a TPU chip's compile of the same program):
-# NVIDIA H100 SXM 80 GB, H200 141 GB (datasheets).
-GPU_HBM_GIB = {"H100": 80 * 1e9 / GIB, "H200": 141 * 1e9 / GIB}
 # What a program may use of a chip's HBM: XLA's runtime, fragmentation and the buffers of the
 # run's other programs need the rest.
 DEFAULT_HEADROOM = 0.10
@@ -121,37 +118,33 @@ def no_persistent_cache() -> Iterator[None]:
     jax.config.update("jax_enable_compilation_cache", was)
 
 
-def compile_for_tpu(lowered) -> Any:
-  """`lowered.compile()` for TPU devices (no persistent cache)."""
-  with no_persistent_cache():
+def _compile(lowered, name: str, knob: str) -> Any:
+  """`lowered.compile()`; a program the compiler refuses for the chip's own HBM (whatever
+  hbm_gib reports) raises AotError naming it and `knob` (what to turn)."""
+  try:
     return lowered.compile()
+  except Exception as e:  # pylint: disable=broad-except  # libtpu's XlaRuntimeError
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    raise AotError(f"{name} does not fit: {str(e).splitlines()[0].rstrip('.')}"
+                   + (f"; {knob}" if knob else "")) from None
 
 
-def compile_report(name: str, lower: Callable[[], Any]) -> tuple[ProgramReport, Any]:
-  """Lowers (`lower()` -> a jax Lowered) and compiles one program; its report and the
-  compiled program."""
-  t = time.perf_counter()
-  compiled = compile_for_tpu(lower())
-  return report_of(name, compiled, time.perf_counter() - t), compiled
+def compile_for_tpu(lowered, name: str = "the program", knob: str = "") -> Any:
+  """`lowered.compile()` for TPU devices (no persistent cache), refusals as in _compile."""
+  with no_persistent_cache():
+    return _compile(lowered, name, knob)
 
 
 def compile_all(lowered: dict[str, Any], progress: Callable[[str], None] = lambda _: None,
                 workers: int | None = None, knob: str = "") -> dict[str, ProgramReport]:
   """Compiles lowered programs (name -> jax Lowered) side by side, one per core (XLA compiles
   outside Python's lock); each one's report, in the order given. The compile seconds are each
-  program's own wall time, so they overlap. A program the compiler refuses for the chip's own
-  HBM raises AotError naming it and `knob` (what to turn)."""
+  program's own wall time, so they overlap. Refusals as in _compile."""
   def one(name: str) -> ProgramReport:
     progress(f"compiling {name}")
     t = time.perf_counter()
-    try:
-      compiled = lowered[name].compile()
-    except Exception as e:  # pylint: disable=broad-except  # libtpu's XlaRuntimeError
-      if "RESOURCE_EXHAUSTED" not in str(e):
-        raise
-      # The compiler holds a program to the topology's own HBM, whatever hbm_gib reports.
-      raise AotError(f"{name} does not fit: {str(e).splitlines()[0].rstrip('.')}"
-                     + (f"; {knob}" if knob else "")) from None
+    compiled = _compile(lowered[name], name, knob)
     return report_of(name, compiled, time.perf_counter() - t)
 
   workers = workers or max(1, min(len(lowered), os.cpu_count() or 1))

@@ -90,16 +90,16 @@ def part_tests(args) -> list[str]:
     cmd += ["-n", "2"]
   env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
   # pytest stops short of the part's cap, so that how far it got reaches the report.
-  code, out, _ = run_capped(cmd, max(args.seconds - 20, 10), env=env)
+  seconds = max(args.seconds - 20, 10)
+  code, out, _ = run_capped(cmd, seconds, env=env)
   lines = [l for l in out.splitlines() if l.strip()]
-  tail = [l for l in lines if "passed" in l or "failed" in l or l.startswith("FAILED")]
-  if code is None:
-    done = sum(l.count(".") for l in lines if set(l.split("[")[0].strip()) <= set(".sxFE"))
-    fails = sum(l.count("F") + l.count("E") for l in lines
-                if set(l.split("[")[0].strip()) <= set(".sxFE"))
-    return [f"- `{' '.join(cmd[1:])}`: stopped at {max(args.seconds - 20, 10):.0f} s, "
-            f"{done} passed and {fails} failed or errored so far", *(f"- {l}" for l in tail[-12:])]
-  return [f"- `{' '.join(cmd[1:])}`: exit {code}", *(f"- {l}" for l in tail[-12:])]
+  tail = [f"- {l}" for l in lines if "passed" in l or "failed" in l or l.startswith("FAILED")]
+  if code is not None:
+    return [f"- `{' '.join(cmd[1:])}`: exit {code}", *tail[-12:]]
+  # pytest -q's progress lines: one character per test, then "[ NN%]".
+  marks = "".join(p for p in (l.split("[")[0].strip() for l in lines) if set(p) <= set(".sxFE"))
+  return [f"- `{' '.join(cmd[1:])}`: stopped at {seconds:.0f} s, {marks.count('.')} passed and "
+          f"{marks.count('F') + marks.count('E')} failed or errored so far", *tail[-12:]]
 
 
 def _models(args):

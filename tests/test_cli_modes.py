@@ -147,6 +147,16 @@ def test_a_part_over_its_cap_is_stopped_with_its_children():
   assert ac.run_capped([sys.executable, "-c", "print('hi')"], 30)[:2] == (0, "hi\n")
 
 
+def test_stopped_tests_part_says_how_far_it_got(monkeypatch):
+  """pytest stopped at the tests part's cap: the report counts its progress marks."""
+  import argparse  # pylint: disable=import-outside-toplevel
+  from infer import accelerator_check as ac  # pylint: disable=import-outside-toplevel
+  out = "bringing up nodes...\n" + "." * 72 + " [ 40%]\n" + "..F.s.E.." + "\n"
+  monkeypatch.setattr(ac, "run_capped", lambda cmd, seconds, env=None: (None, out, ""))
+  (line,) = ac.part_tests(argparse.Namespace(tiny=False, seconds=100))
+  assert line.endswith("stopped at 80 s, 78 passed and 2 failed or errored so far"), line
+
+
 @pytest.mark.slow
 def test_stored_greedy_reference_is_what_the_cpu_decodes():
   """The shipped graft's reference tokens (the accelerator check's) are what this code decodes
