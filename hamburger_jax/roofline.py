@@ -273,6 +273,19 @@ def kv_bytes(cfg: LlamaConfig, layers: int, batch: int, entries: int) -> int:
           * np.dtype(_np_dtype(cfg.dtype)).itemsize)
 
 
+def micro_step_bytes(hcfg: HamburgerConfig, batch: int, head_rows: int | None = None) -> int:
+  """Bytes one micro step must read: the micro decoder's layers, the stop head, the LM head's
+  `head_rows` rows (None: the whole vocabulary; a reduced micro-step vocabulary reads fewer)
+  and the micro cache it attends to (F + K - 1 entries). Where bytes bound a step (batch-1
+  decode on a CPU), r = this over a base step's `decode_step_bytes`."""
+  b, g = hcfg.base, hcfg.graft
+  p = np.dtype(_np_dtype(b.param_dtype)).itemsize
+  graft = graft_params(hcfg)
+  rows = b.vocab_size if head_rows is None else head_rows
+  return ((graft["micro"] + graft["stop_head"] + rows * b.hidden_size) * p
+          + kv_bytes(b, g.micro_layers, batch, g.num_features + g.max_group - 1))
+
+
 def decode_step_bytes(hcfg: HamburgerConfig, mode: str, batch: int, kv_len: int) -> int:
   """Bytes one macro step (as `decode_step_flops` counts it) must read from memory: every
   weight it multiplies by, once per pass that uses it (the LM head and the micro decoder once
@@ -287,14 +300,8 @@ def decode_step_bytes(hcfg: HamburgerConfig, mode: str, batch: int, kv_len: int)
   kv = kv_bytes(b, b.num_layers, batch, kv_len)
   if mode == "base":
     return (body + vd) * p + kv
-  k, f = g.max_group, g.num_features
-  graft = graft_params(hcfg)
-  weights = body + graft["embedder"] + k * vd
-  micro_kv = 0
-  if k > 1:
-    weights += (k - 1) * graft["micro"] + (k - 1) * graft["stop_head"]
-    micro_kv = (k - 1) * kv_bytes(b, g.micro_layers, batch, f + k - 1)
-  return weights * p + kv + micro_kv
+  first = (body + graft_params(hcfg)["embedder"] + vd) * p + kv  # token 0: the base's own head
+  return first + (g.max_group - 1) * micro_step_bytes(hcfg, batch)
 
 
 def _np_dtype(name: str):

@@ -9,7 +9,7 @@ import os
 from hamburger_jax import cli
 from hamburger_jax.benchmarks import widths
 from hamburger_jax.benchmarks.prompts import PROMPTS, chat_ids
-from hamburger_jax.benchmarks.report import group_cap, launch_lines
+from hamburger_jax.benchmarks.report import bytes_bound_lines, group_cap, launch_lines
 from hamburger_jax.benchmarks.timing import lockstep_cost, run_interleaved, step_costs, timed
 
 
@@ -137,5 +137,9 @@ def bench_hamburger(args) -> None:
             f"{b * args.new_tokens / ham_s:.1f} | {ratio:.2f}x | {k:.2f} | {1 / k:.2f} | "
             f"{r:.3f} | {cost['merged'] / cost['base'] - 1:+.1%} | {ceiling:.2f}x | "
             f"{ratio / ceiling:.0%} | {same}/{b} | {base_c:.0f}, {ham_c:.0f} |")
+  rows = {"full": None}
+  if args.micro_vocab is not None:
+    rows[str(args.micro_vocab)] = int(engines["reduced"].model.micro_ids.shape[0])
+  print("\n".join(bytes_bound_lines(model.cfg, str(engine.dtype), widths.KV_ENTRIES, rows)))
   print("\n".join(launch_lines(engine.runner, 1, widths.KV_ENTRIES, model,
                                tpu_fusions=not args.no_tpu_fusions)))

@@ -59,12 +59,27 @@ def test_bench_base_against_transformers(tiny, capsys):
 
 
 def test_bench_hamburger_against_its_base(tiny, capsys):
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import micro_vocab  # pylint: disable=import-outside-toplevel
+  micro_vocab.save(tiny["checkpoint"], np.arange(64, 0, -1), 16, ["test"])  # ids 0..15
   out = _bench(capsys, "--mode", "hamburger", "--base", tiny["base"], "--checkpoint",
-               tiny["checkpoint"], "--batches", "1,2", "--new-tokens", "4", "--confidence", "0")
+               tiny["checkpoint"], "--batches", "1,2", "--new-tokens", "4", "--confidence", "0",
+               "--micro-vocab", "16")
   rows = _tables(out)[0]
-  assert len(rows) == 2 and all("4.00" in r.values() for r in rows)  # forced groups of K = 4
+  assert len(rows) == 4 and all("4.00" in r.values() for r in rows)  # forced groups of K = 4
+  assert [r["micro vocab"] for r in rows] == ["full", "16"] * 2
   launches = _first_column(_tables(out)[1])
   assert launches[:3] == ["base step", "merged step", "micro step"]
+  # r where bytes bound a step: the micro step's weights (1 layer, stop head, LM head) over the
+  # base step's, from the graft's own config
+  from hamburger_jax import roofline  # pylint: disable=import-outside-toplevel
+  hcfg = pretrained.load_hamburger(tiny["checkpoint"], tiny["base"])[0].cfg
+  r = roofline.micro_step_bytes(hcfg, 1) / roofline.decode_step_bytes(hcfg, "base", 1, 200)
+  assert 0 < r < 1
+  assert re.search(rf"full micro vocab: \d+ MB, r = {r:.3f}; forced groups of 4 at most "
+                   rf"{4 / (1 + 3 * r):.2f}x", out)
+  r16 = roofline.micro_step_bytes(hcfg, 1, 16) / roofline.decode_step_bytes(hcfg, "base", 1, 200)
+  assert r16 < r and re.search(rf"16 micro vocab: \d+ MB, r = {r16:.3f};", out)
 
 
 def test_bench_serve_every_part(tiny, capsys):

@@ -152,6 +152,11 @@ def test_decode_bytes_by_hand():
       + 3 * g["stop_head"]
   micro_kv = 3 * (2 * 2 * 2 * 7 * 2 * 16)
   assert roofline.decode_step_bytes(hcfg, "hamburger", 2, 10) == 4 * (weights + kv + micro_kv)
+  # One micro step: its layers, the stop head, the LM head's rows (all 256, or a reduced micro
+  # vocabulary's 16) and the micro cache.
+  micro = g["micro"] + g["stop_head"] + 256 * 64 + micro_kv // 3
+  assert roofline.micro_step_bytes(hcfg, 2) == 4 * micro
+  assert roofline.micro_step_bytes(hcfg, 2, head_rows=16) == 4 * (micro - (256 - 16) * 64)
   bf16 = dataclasses.replace(hcfg, base=dataclasses.replace(hcfg.base, dtype="bfloat16",
                                                             param_dtype="bfloat16"))
   assert roofline.decode_step_bytes(bf16, "base", 2, 10) == 2 * (base + kv)
