@@ -1,5 +1,6 @@
-"""train.pipeline: the budget rule, bad input refused before anything is written, and the tiny
-config end to end: interrupted in training, resumed by the rerun, then skipped entirely."""
+"""The pipeline (hamburger_jax/pipeline/, `python -m train.pipeline`): the budget rule, the plan
+printed before anything runs, bad input refused before anything is written, and the tiny config
+end to end: interrupted in training, resumed by the rerun, then skipped entirely."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from hamburger_jax.pipeline import budget, plan as planning, state
 from train import pipeline
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,46 +25,53 @@ LINE = re.compile(r"^(\S+)\s+(done|budget|skipped|failed|interrupted|not run)\s+
                   r"([\d.]+) /\s+([\d.]+) min  (.*)$")
 
 
+def _plan(argv) -> planning.Plan:
+  """The plan of `python -m train.pipeline ARGV`."""
+  return planning.make_plan(pipeline.settings(pipeline.parse_args(list(argv))))
+
+
 # ----------------------------------------------------------------------------- the budget rule
 
 
 def test_budget_shares_hand_unused_minutes_on():
   shares = {"a": 0.5, "b": 0.25, "c": 0.25}
-  assert pipeline.part_budget(shares, {}, 100, "a") == 50
+  assert budget.part_budget(shares, {}, 100, "a") == 50
   # Each part at its share: every later part gets exactly its share.
-  assert pipeline.part_budget(shares, {"a": 50}, 100, "b") == 25
+  assert budget.part_budget(shares, {"a": 50}, 100, "b") == 25
   # "a" used 10 of its 50: the 40 left over go to b and c by their shares.
-  assert pipeline.part_budget(shares, {"a": 10}, 100, "b") == pytest.approx(45)
-  assert pipeline.part_budget(shares, {"a": 10, "b": 45}, 100, "c") == pytest.approx(45)
+  assert budget.part_budget(shares, {"a": 10}, 100, "b") == pytest.approx(45)
+  assert budget.part_budget(shares, {"a": 10, "b": 45}, 100, "c") == pytest.approx(45)
   # An overrun comes out of the later parts; nothing left gives 0, never a negative budget.
-  assert pipeline.part_budget(shares, {"a": 70}, 100, "b") == pytest.approx(15)
-  assert pipeline.part_budget(shares, {"a": 120}, 100, "b") == 0.0
+  assert budget.part_budget(shares, {"a": 70}, 100, "b") == pytest.approx(15)
+  assert budget.part_budget(shares, {"a": 120}, 100, "b") == 0.0
   # The stages split the training share by their steps; the shares add up to the budget.
-  split = pipeline.part_shares([("train:micro", 300), ("train:merger", 150), ("train:joint", 150)])
+  split = budget.part_shares([("train:micro", 300), ("train:merger", 150), ("train:joint", 150)])
   assert list(split) == ["self_distill", "prepare_data", "train:micro", "train:merger",
                          "train:joint", "pick", "export", "eval"]
   assert split["train:micro"] == 2 * split["train:merger"] == pytest.approx(
-      pipeline.SHARES["train"] / 2)
+      budget.SHARES["train"] / 2)
   assert sum(split.values()) == pytest.approx(1.0)
-  assert sum(pipeline.SHARES.values()) == pytest.approx(1.0)
+  assert sum(budget.SHARES.values()) == pytest.approx(1.0)
 
 
 def test_teacher_pass_and_evaluation_are_sized_to_their_minutes():
   # 10 tokens a minute generated: the teacher pass reads TEACHER_SPEEDUP x as many.
   answers = [10] * 10
-  fits = lambda minutes: pipeline.teacher_limit(answers, minutes, rate=10.0)
+  fits = lambda minutes: budget.teacher_limit(answers, minutes, rate=10.0)
   assert fits(100) == 10
-  assert fits(2 / pipeline.TEACHER_SPEEDUP) == 2
+  assert fits(2 / budget.TEACHER_SPEEDUP) == 2
   assert fits(0) == 2  # the least work: a training and a validation sample
-  assert pipeline.teacher_limit(answers, 1, rate=None) == 10  # no rate measured: all of them
-  plan = pipeline.make_plan(pipeline.parse_args(["--config", TINY, "--budget-minutes", "1",
-                                                 "--eval-limit", "20"]))
+  assert budget.teacher_limit(answers, 1, rate=None) == 10  # no rate measured: all of them
+  plan = _plan(["--config", TINY, "--budget-minutes", "1",
+               "--eval-limit", "20"])
   from hamburger_jax.evaluation.run import MAX_NEW_TOKENS  # pylint: disable=C0415
   per_example = 2 * MAX_NEW_TOKENS["synthetic"]  # in base mode and at one confidence
-  assert pipeline.eval_limit(plan, 1.0, rate=5.0 * per_example) == 5
-  assert pipeline.eval_limit(plan, 1.0, rate=1e9) == 20  # at most --eval-limit
-  assert pipeline.eval_limit(plan, 0.0, rate=1.0) == 1
-  assert pipeline.eval_limit(plan, 1.0, rate=None) == 20
+  fits = lambda minutes, rate: budget.eval_limit(plan.eval_tasks.split(","), plan.eval_limit,
+                                                 minutes, rate)
+  assert fits(1.0, rate=5.0 * per_example) == 5
+  assert fits(1.0, rate=1e9) == 20  # at most --eval-limit
+  assert fits(0.0, rate=1.0) == 1
+  assert fits(1.0, rate=None) == 20
 
 
 @pytest.mark.parametrize("args, message", [
@@ -90,9 +99,9 @@ def test_bad_input_is_one_error_line_and_writes_nothing(args, message, tmp_path:
 
 def test_an_out_of_another_config_or_of_no_pipeline_is_refused(tmp_path: Path, capsys):
   out = tmp_path / "out"
-  plan = pipeline.make_plan(pipeline.parse_args(["--config", TINY, "--budget-minutes", "1",
-                                                 "--out", str(out)]))
-  pipeline.write_state(plan, pipeline.read_state(plan))
+  plan = _plan(["--config", TINY, "--budget-minutes", "1",
+               "--out", str(out)])
+  state.write_state(plan, state.read_state(plan))
   before = {p.name: p.read_bytes() for p in out.iterdir()}
   assert pipeline.main(["--config", SMOLLM2, "--budget-minutes", "5", "--out", str(out)]) == 2
   err = capsys.readouterr().err
@@ -110,8 +119,8 @@ def test_plan_of_the_staged_config():
   """Every stage reads the pipeline's data and runs in its folder; only the last stage's export
   moves (the config's checkpoint.export is the shipped checkpoint: never written); the teacher
   pass keeps samples that the stages' rows hold."""
-  plan = pipeline.make_plan(pipeline.parse_args(["--config", SMOLLM2, "--budget-minutes", "60",
-                                                 "--out", "/x"]))
+  plan = _plan(["--config", SMOLLM2, "--budget-minutes", "60",
+               "--out", "/x"])
   assert plan.stages == ["micro", "merger", "joint"]
   assert [c.checkpoint.dir for c in plan.stage_cfgs] == ["/x/train/micro", "/x/train/merger",
                                                          "/x/train/joint"]
@@ -121,12 +130,37 @@ def test_plan_of_the_staged_config():
   assert plan.stage_cfgs[-1].train.generate_every > 0  # the config's own checks, kept
   assert plan.max_len == min(min(c.data.entries, c.data.groups) for c in plan.stage_cfgs)
   assert not plan.token_ids and plan.max_new_tokens is None
-  tiny = pipeline.make_plan(pipeline.parse_args(["--config", TINY, "--budget-minutes", "1",
-                                                 "--out", "/y"]))
+  tiny = _plan(["--config", TINY, "--budget-minutes", "1",
+               "--out", "/y"])
   cfg = tiny.stage_cfgs[0]
   assert tiny.stages == [None] and tiny.token_ids
   assert cfg.train.generate_every == cfg.checkpoint.every  # checks for the pick rule
   assert tiny.parts() == ["self_distill", "prepare_data", "train", "pick", "export", "eval"]
+
+
+def test_plan_printed_before_the_run_and_one_stage_in_a_few_minutes(capsys):
+  """`--plan` prints the parts and the programs they compile, and stops; a staged config whose
+  budget leaves under MIN_STAGE_MINUTES a stage trains its last stage alone, from a fresh
+  graft, so that it compiles one train and one evaluation step instead of three of each."""
+  assert pipeline.main(["--config", TINY, "--budget-minutes", "1", "--plan", "--out", "/y"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0] == "plan: 1 minutes; parts self_distill, prepare_data, train, pick, export, eval"
+  assert out[1].startswith("  compiles (train and evaluation steps: 2;")
+  assert [l.split()[0] for l in out[2:]] == ["self_distill", "prepare_data", "train", "export",
+                                             "eval"]
+  staged = "configs/smollm2_135m_h100.yaml"
+  few = _plan(["--config", staged, "--budget-minutes", "8", "--out", "/z"])
+  many = _plan(["--config", staged, "--budget-minutes", "60", "--out", "/z"])
+  assert budget.SHARES["train"] * 8 < budget.MIN_STAGE_MINUTES * 3 <= budget.SHARES["train"] * 60
+  assert few.one_stage and few.stages == ["joint"] and not many.one_stage
+  assert many.stages == ["micro", "merger", "joint"]
+  assert few.stage_cfgs[0].train.init_from in ("", None)  # a fresh graft, not a stage's export
+  assert many.stage_cfgs[-1].train.init_from
+  assert few.parts() == ["self_distill", "prepare_data", "train:joint", "pick", "export", "eval"]
+  lines = few.lines()
+  assert "train:joint alone, from a fresh graft" in lines[1]
+  assert "train and evaluation steps: 2;" in lines[2]
+  assert "train and evaluation steps: 6;" in many.lines()[1]
 
 
 def test_self_distill_prompts_of_token_ids_and_of_a_reasoning_mix():
@@ -172,7 +206,7 @@ def _summary(stdout: str) -> dict[str, tuple[str, float, float, str]]:
 
 def _mtimes(root: Path) -> dict[str, int]:
   return {str(p): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()
-          and p.name != pipeline.STATE_FILE}
+          and p.name != state.STATE_FILE}
 
 
 @pytest.mark.slow  # three runs of the tiny pipeline, ~2.5 minutes on 2 cores
@@ -202,8 +236,8 @@ def test_tiny_pipeline_end_to_end_interrupted_resumed_and_skipped(tmp_path: Path
   assert statuses.pop("prepare_data") in ("done", "budget")
   assert statuses == {"train": "interrupted", "pick": "not run", "export": "not run",
                       "eval": "not run"}
-  state = json.loads((out / pipeline.STATE_FILE).read_text())
-  assert list(state["parts"]) == ["self_distill", "prepare_data"]
+  recorded = json.loads((out / state.STATE_FILE).read_text())
+  assert list(recorded["parts"]) == ["self_distill", "prepare_data"]
   data_written = _mtimes(out / "data")
 
   # 2. The rerun skips what finished and resumes training from its checkpoint.
@@ -216,12 +250,12 @@ def test_tiny_pipeline_end_to_end_interrupted_resumed_and_skipped(tmp_path: Path
   assert _mtimes(out / "data") == data_written  # the teacher pass did not run again
   assert all(status in ("done", "budget", "skipped") for status, *_ in lines.values())
   # Each part was given its share of what the parts before it left (the budget rule).
-  state = json.loads((out / pipeline.STATE_FILE).read_text())
-  plan = pipeline.make_plan(pipeline.parse_args(cmd[3:]))
+  recorded = json.loads((out / state.STATE_FILE).read_text())
+  plan = _plan(cmd[3:])
   used = {}
   for part in plan.parts():
-    rec = state["parts"][part]
-    assert rec["budget"] == pytest.approx(pipeline.part_budget(plan.shares(), used, 2, part))
+    rec = recorded["parts"][part]
+    assert rec["budget"] == pytest.approx(budget.part_budget(plan.shares(), used, 2, part))
     assert lines[part][1:3] == pytest.approx((rec["minutes"], rec["budget"]), abs=0.005)
     used[part] = rec["minutes"]
   assert re.match(r"answers (\d+) of \d+ prompts, (\d+) response tokens",
