@@ -876,16 +876,17 @@ def test_max_cpu_minutes_counts_the_steps_cpu_time(staged, tmp_path: Path, no_gg
 
 
 def test_recipe_comparison_plot(staged, tmp_path: Path, capsys):
+  from hamburger_jax.training import curves as plots  # pylint: disable=C0415
   from train import curves  # pylint: disable=import-outside-toplevel
   # Stages chain on one minutes axis: stage 2's steps come after stage 1's minutes.
   one = [{"step": s, "step_s": 60.0, "val_agree_s2": 0.1 * s} for s in (1, 2)]
   two = [{"step": s, "step_s": 30.0, "val_agree_merged": 0.2} for s in (1, 2, 3, 4)]
-  assert [m for m, _ in curves.minutes_axis([one, two])] == [1.0, 2.0, 2.5, 3.0, 3.5, 4.0]
+  assert [m for m, _ in plots.minutes_axis([one, two])] == [1.0, 2.0, 2.5, 3.0, 3.5, 4.0]
   # CPU seconds are the axis when every run logged them (comparable on a shared machine).
-  assert curves.time_key([[one, two]]) == "step_s"
+  assert plots.time_key([[one, two]]) == "step_s"
   cpu = [dict(r, step_cpu_s=2 * r["step_s"]) for r in one]
-  assert curves.time_key([[cpu]]) == "step_cpu_s"
-  assert [m for m, _ in curves.minutes_axis([cpu], "step_cpu_s")] == [2.0, 4.0]
+  assert plots.time_key([[cpu]]) == "step_cpu_s"
+  assert [m for m, _ in plots.minutes_axis([cpu], "step_cpu_s")] == [2.0, 4.0]
   out = tmp_path / "cmp.png"
   stages = f"{staged.run / 'micro'},{staged.run / 'merger'}"
   assert curves.main(["--compare", f"distill={stages}", f"again={stages}", "--out",
@@ -895,15 +896,15 @@ def test_recipe_comparison_plot(staged, tmp_path: Path, capsys):
   rows = [{"step": 1, "val_tf_tokens_per_step_c80": 9.0, "val_tf_accepted_agree_c80": 0.0},
           {"step": 2, "val_tf_tokens_per_step_c80": 1.2, "val_tf_accepted_agree_c80": 0.9,
            "val_tf_tokens_per_step_c50": 1.6, "val_tf_accepted_agree_c50": 0.7}]
-  assert curves.tradeoff_points(rows) == [(0.5, 1.6, 0.7), (0.8, 1.2, 0.9)]
+  assert plots.tradeoff_points(rows) == [(0.5, 1.6, 0.7), (0.8, 1.2, 0.9)]
   # Nothing accepted (1.0 token per step): the share is undefined, not 0.
   idle = [dict(rows[1], val_tf_tokens_per_step_c80=1.0, val_tf_accepted_agree_c80=0.0)]
-  assert curves.tradeoff_points(idle) == [(0.5, 1.6, 0.7), (0.8, 1.0, None)]
+  assert plots.tradeoff_points(idle) == [(0.5, 1.6, 0.7), (0.8, 1.0, None)]
   # The logged count decides where there is one (a ratio may round to 1.0).
   counted = [dict(rows[1], val_tf_tokens_per_step_c80=1.0, val_n_tf_accepted_c80=1.0)]
-  assert curves.tradeoff_points(counted)[1] == (0.8, 1.0, 0.9)
+  assert plots.tradeoff_points(counted)[1] == (0.8, 1.0, 0.9)
   with pytest.raises(ValueError, match="no val_tf_"):
-    curves.tradeoff_points([{"step": 1}])
+    plots.tradeoff_points([{"step": 1}])
   run = tmp_path / "tf"
   run.mkdir()
   (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -914,7 +915,7 @@ def test_recipe_comparison_plot(staged, tmp_path: Path, capsys):
   assert curves.main(["--compare", "distill", "--out", str(out)]) == 2
   assert "use NAME=DIR" in capsys.readouterr().err
   # The acceptance panels follow --confidence; an untracked one is refused.
-  assert curves.compared_panels(0.5)[-2][0] == "val_tf_tokens_per_step_c50"
+  assert plots.compared_panels(0.5)[-2][0] == "val_tf_tokens_per_step_c50"
   assert curves.main(["--compare", f"distill={stages}", "--confidence", "0.5", "--out",
                       str(out)]) == 0
   assert curves.main(["--compare", f"distill={stages}", "--confidence", "0.55", "--out",
