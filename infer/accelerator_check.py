@@ -81,13 +81,19 @@ def part_environment(args) -> list[str]:
   return out
 
 
+def test_workers(cpus: int) -> int:
+  """pytest-xdist workers for the portable suite: most of it is compiling, on the host's cores
+  (2 on a 2-core machine, 4 on an accelerator host's 16)."""
+  return max(2, min(4, cpus // 4))
+
+
 def part_tests(args) -> list[str]:
   cmd = [sys.executable, "-m", "pytest", "-m", "portable", "-q", "-p", "no:cacheprovider",
          "--no-header", "-rf"]
   if args.tiny:
     cmd += ["-x", "tests/test_decode_layout.py"]
-  else:  # two test processes on one device: each allocates what it uses, not most of it
-    cmd += ["-n", "2"]
+  else:  # test processes sharing one device: each allocates what it uses, not most of it
+    cmd += ["-n", str(test_workers(os.cpu_count() or 2))]
   env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
   # pytest stops short of the part's cap, so that how far it got reaches the report.
   seconds = max(args.seconds - 20, 10)
@@ -171,27 +177,45 @@ def part_precision(args) -> list[str]:
           *compare(got, f32)]
 
 
-def part_decode(args) -> list[str]:
+def part_decode(args):
+  """Yields its markdown a line at a time, each table row as soon as it is measured: a part
+  stopped at its cap keeps the rows it measured (batch 1 first: the figures that matter most)."""
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   from hamburger_jax.benchmarks.timing import run_interleaved  # pylint: disable=C0415
   model, tok, prompts = _models(args)
   n_new = 32 if args.tiny else 128
-  out = ["| batch | run | tok/s | vs base | tokens/step | compile s |", "|---|---|---|---|---|---|"]
-  for b in ((1, 4) if args.tiny else (1, 32)):
+  for i, b in enumerate((1, 4) if args.tiny else (1, 32)):
     ids = (prompts * (b // len(prompts) + 1))[:b]
     engine = Engine(model, tok, stop_ids=())  # one per batch size; the confidences share it
+    if not i:
+      yield (f"- {model.cfg.base.num_layers}-layer base, {n_new} new tokens a row (EOS "
+             f"ignored), decoding layout {'fused' if engine.fused else 'separate'} "
+             f"{engine.dtype}; best of 2 interleaved rounds")
+      yield ""
+      yield "| batch | run | tok/s | vs base | tokens/step | compile s |"
+      yield "|---|---|---|---|---|---|"
     runs = {"base": {"mode": "base"}, **{name: {"mode": "hamburger", "confidence": c}
                                          for name, c in DECODE_CONFIDENCES.items()}}
     res = run_interleaved(engine, ids, n_new, 2, runs)
     base_s = res["base"][0]
     for name, (s, compile_s, gens) in res.items():
       k = b * n_new / sum(g.macro_steps for g in gens)
-      out.append(f"| {b} | {name} | {b * n_new / s:.1f} | {base_s / s:.2f}x | {k:.2f} | "
-                 f"{compile_s:.0f} |")
-  return [f"- {engine.runner.cfg.base.num_layers if hasattr(engine.runner.cfg, 'base') else ''}"
-          f"-layer base, {n_new} new tokens a row (EOS ignored), decoding layout "
-          f"{'fused' if engine.fused else 'separate'} {engine.dtype}; best of 2 interleaved "
-          "rounds", "", *out]
+      yield (f"| {b} | {name} | {b * n_new / s:.1f} | {base_s / s:.2f}x | {k:.2f} | "
+             f"{compile_s:.0f} |")
+    if not i:
+      first = engine
+  # What bounds the ratios, last (three more programs to compile): r and the adapters' cost
+  # at batch 1, measured, beside r where bytes would bound a step.
+  from hamburger_jax.benchmarks import report, timing, widths  # pylint: disable=C0415
+  cost = timing.step_costs(first.runner, 2, 1)
+  yield ""
+  yield (f"- batch 1, steps in a jitted loop: r = micro step / base step = "
+         f"{cost['micro'] / cost['base']:.3f}; a base step reading a merged entry costs "
+         f"{cost['merged'] / cost['base'] - 1:+.1%}")
+  bound = report.bytes_bound_lines(model.cfg, str(first.dtype), widths.KV_ENTRIES,
+                                   {"full": None})
+  yield f"- {bound[0].strip()}"
+  yield from (f"  {line}" for line in bound[1:])
 
 
 def _cli_part(argv: list[str]) -> list[str]:
@@ -329,8 +353,11 @@ def main(argv=None) -> int:
   if args.write_reference:
     print(f"wrote {write_reference()}")
     return 0
-  if args.part:  # a child: one part, its markdown on stdout
-    print("\n".join(RUNNERS[args.part](args)), flush=True)
+  if args.part:  # a child: one part, its markdown on stdout, each line as it comes
+    from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
+    cache.enable_compilation_cache()  # a later part (or run) loads what an earlier one compiled
+    for line in RUNNERS[args.part](args):
+      print(line, flush=True)
     return 0
   sections, summary = run_parts(args)
   text = report(args, sections, summary)

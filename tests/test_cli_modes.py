@@ -117,8 +117,24 @@ def test_accelerator_check_parts_on_tiny_models():
   assert any(l.startswith("| base | 8/8 |") for l in ref), ref
   prec = ac.part_precision(argparse.Namespace(tiny=True, dtype="bfloat16"))
   assert prec[0].startswith("- decoding in bfloat16") and any(l.startswith("| base |") for l in prec)
-  decode = ac.part_decode(args)
+  # The decode part hands on each row as it is measured (a part stopped at its cap keeps them):
+  # batch 1's header and 4 rows are out before batch 4 starts measuring.
+  from hamburger_jax.benchmarks import timing  # pylint: disable=import-outside-toplevel
+  decode, measuring_after = [], []
+  def spy(*a, **kw):
+    measuring_after.append(len(decode))
+    return real(*a, **kw)
+  real = timing.run_interleaved
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(timing, "run_interleaved", spy)
+    for line in ac.part_decode(args):
+      decode.append(line)
+  assert measuring_after == [4, 8]
   assert sum(l.startswith("| 1 |") for l in decode) == 4  # base and 3 HAMburger settings
+  assert sum(l.startswith("| 4 |") for l in decode) == 4
+  assert any(l.startswith("- batch 1, steps in a jitted loop: r = ") for l in decode)
+  assert any("r = " in l and "forced groups of 4 at most" in l for l in decode)
+  assert [ac.test_workers(n) for n in (2, 16, 64)] == [2, 4, 4]
 
 
 def test_accelerator_check_writes_its_report(tmp_path):
