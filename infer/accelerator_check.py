@@ -14,7 +14,9 @@ Runs its parts in priority order, each in its own process with its share of the 
   precision     the backend's decoding dtype (or --dtype) against float32: tokens equal, first
                 divergence
   decode        base against HAMburger in one engine per batch size: the shipped graft at
-                confidence 0.5 and 0.8, and forced groups (confidence 0), batches 1 and 32
+                confidence 0.5 and 0.8, and forced groups (confidence 0), batches 1 and 32;
+                then r (micro step / base step) and the adapters' cost at batch 1, beside r
+                where bytes bound a step
   decode_1b     Llama-3.2-1B on random weights: a macro step's MFU and roofline, engine tok/s
   train_1b      its train step (the paper's setting, trainable all): MFU
 
@@ -81,7 +83,7 @@ def part_environment(args) -> list[str]:
   return out
 
 
-def test_workers(cpus: int) -> int:
+def pytest_workers(cpus: int) -> int:
   """pytest-xdist workers for the portable suite: most of it is compiling, on the host's cores
   (2 on a 2-core machine, 4 on an accelerator host's 16)."""
   return max(2, min(4, cpus // 4))
@@ -93,7 +95,7 @@ def part_tests(args) -> list[str]:
   if args.tiny:
     cmd += ["-x", "tests/test_decode_layout.py"]
   else:  # test processes sharing one device: each allocates what it uses, not most of it
-    cmd += ["-n", str(test_workers(os.cpu_count() or 2))]
+    cmd += ["-n", str(pytest_workers(os.cpu_count() or 2))]
   env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
   # pytest stops short of the part's cap, so that how far it got reaches the report.
   seconds = max(args.seconds - 20, 10)
@@ -190,7 +192,8 @@ def part_decode(args):
     if not i:
       yield (f"- {model.cfg.base.num_layers}-layer base, {n_new} new tokens a row (EOS "
              f"ignored), decoding layout {'fused' if engine.fused else 'separate'} "
-             f"{engine.dtype}; best of 2 interleaved rounds")
+             f"{engine.dtype}; best of 2 interleaved rounds; compile s: compiled, or loaded "
+             "from the persistent compilation cache where an earlier part or run compiled it")
       yield ""
       yield "| batch | run | tok/s | vs base | tokens/step | compile s |"
       yield "|---|---|---|---|---|---|"

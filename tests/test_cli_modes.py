@@ -58,13 +58,17 @@ def test_bench_base_against_transformers(tiny, capsys):
   assert _first_column(_tables(out)[1])[0] == "base step"
 
 
-def test_bench_hamburger_against_its_base(tiny, capsys):
+def test_bench_hamburger_against_its_base(tiny, capsys, tmp_path):
+  import shutil  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from hamburger_jax import micro_vocab  # pylint: disable=import-outside-toplevel
-  micro_vocab.save(tiny["checkpoint"], np.arange(64, 0, -1), 16, ["test"])  # ids 0..15
-  out = _bench(capsys, "--mode", "hamburger", "--base", tiny["base"], "--checkpoint",
-               tiny["checkpoint"], "--batches", "1,2", "--new-tokens", "4", "--confidence", "0",
-               "--micro-vocab", "16")
+  from hamburger_jax.benchmarks.widths import KV_ENTRIES  # pylint: disable=C0415
+  ckpt = str(tmp_path / "graft")  # the module's checkpoint stays without a micro vocabulary
+  shutil.copytree(tiny["checkpoint"], ckpt)
+  micro_vocab.save(ckpt, np.arange(64, 0, -1), 16, ["test"])  # ids 0..15
+  out = _bench(capsys, "--mode", "hamburger", "--base", tiny["base"], "--checkpoint", ckpt,
+               "--batches", "1,2", "--new-tokens", "4", "--confidence", "0", "--micro-vocab",
+               "16")
   rows = _tables(out)[0]
   assert len(rows) == 4 and all("4.00" in r.values() for r in rows)  # forced groups of K = 4
   assert [r["micro vocab"] for r in rows] == ["full", "16"] * 2
@@ -73,12 +77,13 @@ def test_bench_hamburger_against_its_base(tiny, capsys):
   # r where bytes bound a step: the micro step's weights (1 layer, stop head, LM head) over the
   # base step's, from the graft's own config
   from hamburger_jax import roofline  # pylint: disable=import-outside-toplevel
-  hcfg = pretrained.load_hamburger(tiny["checkpoint"], tiny["base"])[0].cfg
-  r = roofline.micro_step_bytes(hcfg, 1) / roofline.decode_step_bytes(hcfg, "base", 1, 200)
+  hcfg = pretrained.load_hamburger(ckpt, tiny["base"])[0].cfg
+  base_bytes = roofline.decode_step_bytes(hcfg, "base", 1, KV_ENTRIES)
+  r = roofline.micro_step_bytes(hcfg, 1) / base_bytes
   assert 0 < r < 1
   assert re.search(rf"full micro vocab: \d+ MB, r = {r:.3f}; forced groups of 4 at most "
                    rf"{4 / (1 + 3 * r):.2f}x", out)
-  r16 = roofline.micro_step_bytes(hcfg, 1, 16) / roofline.decode_step_bytes(hcfg, "base", 1, 200)
+  r16 = roofline.micro_step_bytes(hcfg, 1, 16) / base_bytes
   assert r16 < r and re.search(rf"16 micro vocab: \d+ MB, r = {r16:.3f};", out)
 
 
@@ -134,7 +139,7 @@ def test_accelerator_check_parts_on_tiny_models():
   assert sum(l.startswith("| 4 |") for l in decode) == 4
   assert any(l.startswith("- batch 1, steps in a jitted loop: r = ") for l in decode)
   assert any("r = " in l and "forced groups of 4 at most" in l for l in decode)
-  assert [ac.test_workers(n) for n in (2, 16, 64)] == [2, 4, 4]
+  assert [ac.pytest_workers(n) for n in (2, 16, 64)] == [2, 4, 4]
 
 
 def test_accelerator_check_writes_its_report(tmp_path):

@@ -148,7 +148,7 @@ def test_plan_printed_before_the_run_and_one_stage_in_a_few_minutes(capsys):
   assert out[1].startswith("  compiles (train and evaluation steps: 2;")
   assert [l.split()[0] for l in out[2:]] == ["self_distill", "prepare_data", "train", "export",
                                              "eval"]
-  staged = "configs/smollm2_135m_h100.yaml"
+  staged = str(REPO / "configs" / "smollm2_135m_h100.yaml")
   few = _plan(["--config", staged, "--budget-minutes", "8", "--out", "/z"])
   many = _plan(["--config", staged, "--budget-minutes", "60", "--out", "/z"])
   assert budget.SHARES["train"] * 8 < budget.MIN_STAGE_MINUTES * 3 <= budget.SHARES["train"] * 60

@@ -112,7 +112,8 @@ def main(argv=None) -> int:
   bench = train_step.TrainBench(args.config, args.steps, args.data, args.random_weights,
                                 not args.no_sft, args.input_batches)
   with tempfile.TemporaryDirectory(prefix="train-bench-") as tmp:
-    train_step.run(bench, cfg, tmp, lambda: cli.device_peak(args, cfg.model.dtype))
+    lines = train_step.run(bench, cfg, tmp, lambda: cli.device_peak(args, cfg.model.dtype))
+  print("\n".join(lines))
   return 0
 
 

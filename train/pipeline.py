@@ -16,17 +16,18 @@ its own process, `python -m train.prepare_data`), under --out
   export         train.main --export-step PICKED                           -> export/
   eval           infer.eval's tasks at the pick's confidence               -> eval/
 
-Budget: the parts have fixed shares of --budget-minutes (budget.SHARES; the stages split theirs by
-their train.steps). A part gets its share of the minutes still left, among the parts still to
-run: what a finished part did not use is handed on to the later ones (and an overrun taken from
-them). Each part gets its minutes: train.main and train.self_distill --max-minutes (they stop
-cleanly and save); the teacher pass reads as many answers as fit its minutes at TEACHER_SPEEDUP
-x the rate self-distillation generated them; the evaluation takes as many examples per task
-(at most --eval-limit) as fit at that rate. A stage stopped by its minutes is exported where it
-stood, so that the next stage starts from it. What a part costs whatever its size (a model load,
-compilation, a stage's closing validation and generation check) counts in its minutes but does
-not shrink with them: a small budget runs over (SmolLM2-135M on 2 busy cores: 15 minutes ran
-21, most of it such costs); the summary shows by how much.
+Budget: the parts have fixed shares of --budget-minutes (SHARES of hamburger_jax/pipeline/
+budget.py; the stages split theirs by their train.steps). A part gets its share of the minutes
+still left, among the parts still to run: what a finished part did not use is handed on to the
+later ones (and an overrun taken from them). Each part gets its minutes: train.main and
+train.self_distill --max-minutes (they stop cleanly and save); the teacher pass reads as many
+answers as fit its minutes at budget.py's TEACHER_SPEEDUP x the rate self-distillation generated
+them; the evaluation takes as many examples per task (at most --eval-limit) as fit at that rate.
+A stage stopped by its minutes is exported where it stood, so that the next stage starts from
+it. What a part costs whatever its size (a model load, compilation, a stage's closing validation
+and generation check) counts in its minutes but does not shrink with them: a small budget runs
+over (SmolLM2-135M on 2 busy cores: 15 minutes ran 21, most of it such costs); the summary shows
+by how much.
 
 Resume: <out>/pipeline.json records each finished part (status, minutes, figures), written
 atomically after the part; rerunning the same command skips those. A part that was interrupted

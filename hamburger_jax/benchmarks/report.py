@@ -1,5 +1,5 @@
-"""What a decode bench prints besides its timings: the launch figures of the programs it timed
-and its decode settings in words."""
+"""What a decode bench prints besides its timings: the launch figures of the programs it timed,
+the micro step's cost ratio r where bytes bound a step, and its decode settings in words."""
 
 from __future__ import annotations
 

@@ -131,10 +131,11 @@ class TrainBench:
   input_batches: int = 20  # batches the input pipeline's rate is timed over
 
 
-def run(bench: TrainBench, cfg, tmp: str, device_peak: Callable[[], Any]) -> None:
-  """Measures and prints (markdown) the HAMburger step against a plain SFT step of the base on
+def run(bench: TrainBench, cfg, tmp: str, device_peak: Callable[[], Any]) -> list[str]:
+  """Measures the HAMburger step against a plain SFT step of the base on
   the same packed rows, with FLOPs, MFU and the input pipeline's rate; `device_peak()` gives the
-  device's peaks.Peak (measured before and after the steps), `tmp` holds synthetic data."""
+  device's peaks.Peak (measured before and after the steps), `tmp` holds synthetic data.
+  Returns the report's lines (markdown)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
@@ -184,7 +185,7 @@ def run(bench: TrainBench, cfg, tmp: str, device_peak: Callable[[], Any]) -> Non
   ham_xla = xla_view(ham_step, trainer.mesh.size)
   rows = {"HAMburger": (min(ham_times), compile_s, ham, ham_xla, ham_check)}
 
-  if not not bench.sft:
+  if bench.sft:
     base = trainer.current_model().base  # the step donated the original buffers
     # Committed to one device, as the step's outputs are: arguments placed otherwise (the
     # trainer's mesh, an eager init's uncommitted zeros) would not match the compiled step.
@@ -214,34 +215,37 @@ def run(bench: TrainBench, cfg, tmp: str, device_peak: Callable[[], Any]) -> Non
                                lambda: input_rate(data_dir, cfg, bench.input_batches))
   peak = first_peak.best(device_peak())  # measured again, after the steps
 
-  print(f"{bench.config}{' (random weights)' if bench.random_weights else ''}: {d.rows} rows/step,"
+  lines = []
+  say = lambda *parts: lines.extend("".join(parts).split("\n"))
+  say(f"{bench.config}{' (random weights)' if bench.random_weights else ''}: {d.rows} rows/step,"
         f" HAMburger rows of {d.entries} entries / {d.groups} groups, SFT rows of {width} tokens;"
         f" ~{n} response tokens per step; trainable {cfg.train.trainable}, recipe "
         f"{cfg.train.recipe}; {cfg.model.param_dtype} weights, {cfg.model.dtype} compute; best of "
         f"{len(ham_times)} steps after warm-up")
-  print(f"device: {peak.name} x {jax.device_count()}; peak {peak.flops / 1e12:.3g} TFLOP/s per "
+  say(f"device: {peak.name} x {jax.device_count()}; peak {peak.flops / 1e12:.3g} TFLOP/s per "
         f"device ({peak.source})")
-  print("FLOPs per response token; model = forward + backward (MFU's numerator), executed adds "
+  say("FLOPs per response token; model = forward + backward (MFU's numerator), executed adds "
         "the LM head's rematerialised forward; XLA: cost analysis of the timed program, "
         "elementwise work included and its chunked-loss loop counted once (XLA / ours compares "
         "it with ours counted the same way; left out on a GPU, where XLA does not count the "
         "matmuls cuBLAS runs)")
-  print("\n| step | seconds | response tokens/s | model FLOPs/token | executed FLOPs/token (ours) "
+  say("\n| step | seconds | response tokens/s | model FLOPs/token | executed FLOPs/token (ours) "
         "| FLOPs/token (XLA) | XLA / ours | MFU | compile s |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  say("|---|---|---|---|---|---|---|---|---|")
   peak_all = dataclasses.replace(peak, flops=peak.flops * jax.device_count())
   for name, (s, c, ours, xla, check) in rows.items():
     xla_cols = ("- | -" if xla is None else
                 f"{xla / n / 1e6:.1f}M | {xla / check.executed:.3f}")
-    print(f"| {name} | {s:.3f} | {n / s:.0f} | {ours.model / n / 1e6:.1f}M | "
+    say(f"| {name} | {s:.3f} | {n / s:.0f} | {ours.model / n / 1e6:.1f}M | "
           f"{ours.executed / n / 1e6:.1f}M | {xla_cols} | "
           f"{peaks.mfu(ours.model, s, peak_all):.1%} | {c:.0f} |")
   h = rows["HAMburger"][0]
-  print(f"| input pipeline (grain, alone) | {1 / rate:.3f} | {token_rate:.0f} | - | - | - | - | "
+  say(f"| input pipeline (grain, alone) | {1 / rate:.3f} | {token_rate:.0f} | - | - | - | - | "
         "- | - |")
   if "plain SFT of the base" in rows:
-    print(f"\nHAMburger / SFT step cost: {h / rows['plain SFT of the base'][0]:.2f}x")
-  print(f"input: {rate:.1f} batches/s against {1 / h:.2f} HAMburger steps/s: "
+    say(f"\nHAMburger / SFT step cost: {h / rows['plain SFT of the base'][0]:.2f}x")
+  say(f"input: {rate:.1f} batches/s against {1 / h:.2f} HAMburger steps/s: "
         + (f"compute-bound (the pipeline could feed {rate * h:.1f}x the step rate)"
            if rate * h >= 1 else f"input-bound (the step could take {1 / (rate * h):.1f}x the "
            "batches the pipeline makes)"))
+  return lines

@@ -3,4 +3,5 @@ teacher pass, each training stage, the pick of a checkpoint, its export and an e
 (`python -m train.pipeline` is its command line).
 
 budget.py: each part's minutes; plan.py: what the parts run, checked before anything runs;
-parts.py: the parts; run.py: the run's recorded state and the loop over the parts."""
+state.py: the run's recorded state (pipeline.json); parts.py: the parts; run.py: the loop over
+the parts."""
