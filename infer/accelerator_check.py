@@ -17,7 +17,8 @@ Runs its parts in priority order, each in its own process with its share of the 
                 confidence 0.5 and 0.8, and forced groups (confidence 0), batches 1 and 32;
                 then r (micro step / base step) and the adapters' cost at batch 1, beside r
                 where bytes bound a step
-  decode_1b     Llama-3.2-1B on random weights: a macro step's MFU and roofline, engine tok/s
+  decode_1b     Llama-3.2-1B on random weights: a macro step's MFU and roofline, engine tok/s;
+                batch 1, then 32 (a command each, its lines kept as they come)
   train_1b      its train step (the paper's setting, trainable all): MFU
 
 `--tiny`: the same parts on configs/tiny.yaml's random model (the reference tokens computed on
@@ -221,28 +222,40 @@ def part_decode(args):
   yield from (f"  {line}" for line in bound[1:])
 
 
-def _cli_part(argv: list[str]) -> list[str]:
-  res = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True,
-                       check=False)
-  body = res.stdout.strip().splitlines()
-  if res.returncode:
-    body += ["", "stderr:", *res.stderr.strip().splitlines()[-15:]]
-  return [f"- `python -m {' '.join(argv)}`: exit {res.returncode}", "", *body]
+def cli_part(argv: list[str]):
+  """Runs `python -m ARGV`, yielding its output a line at a time as it prints (a part stopped
+  at its cap keeps what the command printed so far), then its exit code and, when it failed,
+  the end of its stderr."""
+  import tempfile  # pylint: disable=import-outside-toplevel
+  yield f"- `python -m {' '.join(argv)}`:"
+  yield ""
+  with tempfile.TemporaryFile(mode="w+") as err:
+    with subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE, stderr=err,
+                          text=True) as proc:
+      for line in proc.stdout:
+        yield line.rstrip("\n")
+    yield ""
+    yield f"- exit {proc.returncode}"
+    if proc.returncode:
+      err.seek(0)
+      yield from ["", "stderr:", *err.read().strip().splitlines()[-15:]]
 
 
-def part_decode_1b(args) -> list[str]:
+def part_decode_1b(args):
+  """One command per batch size, the smallest first: a part stopped at its cap keeps batch 1."""
   config = TINY_CONFIG if args.tiny else "configs/llama3_2_1b.yaml"
-  return _cli_part(["infer.bench", "--config", config, "--random-weights", "--batches",
-                    "1,4" if args.tiny else "1,32", "--new-tokens", "16" if args.tiny else "32",
-                    "--repeats", "2"])
+  for batch in ("1", "4") if args.tiny else ("1", "32"):
+    yield from cli_part(["infer.bench", "--config", config, "--random-weights", "--batches",
+                          batch, "--new-tokens", "16" if args.tiny else "32", "--repeats", "2"])
+    yield ""
 
 
-def part_train_1b(args) -> list[str]:
+def part_train_1b(args):
   if args.tiny:
-    return _cli_part(["train.bench", "--config", TINY_CONFIG, "--random-weights",
+    return cli_part(["train.bench", "--config", TINY_CONFIG, "--random-weights",
                       "--rows", "2", "--steps", "1", "--trainable", "all", "--no-sft",
                       "--input-batches", "2"])
-  return _cli_part(["train.bench", "--config", "configs/llama3_2_1b_h100.yaml",
+  return cli_part(["train.bench", "--config", "configs/llama3_2_1b_h100.yaml",
                     "--random-weights", "--rows", "4", "--entries", "1024", "--steps", "2",
                     "--trainable", "all", "--no-sft", "--input-batches", "2"])
 

@@ -142,6 +142,19 @@ def test_accelerator_check_parts_on_tiny_models():
   assert [ac.pytest_workers(n) for n in (2, 16, 64)] == [2, 4, 4]
 
 
+def test_accelerator_check_command_parts_stream_and_report_failures():
+  """A part that runs a command hands on its lines as they come (what a part stopped at its cap
+  printed is kept), then its exit code, and a failure's stderr."""
+  from infer import accelerator_check as ac  # pylint: disable=import-outside-toplevel
+  ok = ac.cli_part(["platform"])
+  assert next(ok) == "- `python -m platform`:"  # before the command has run
+  rest = list(ok)
+  assert rest[-1] == "- exit 0" and any(l.strip() for l in rest[1:-2])
+  bad = list(ac.cli_part(["hamburger_jax.no_such_module"]))
+  assert "- exit 1" in bad and bad[bad.index("- exit 1") + 2] == "stderr:"
+  assert any("No module named" in l for l in bad)
+
+
 def test_accelerator_check_writes_its_report(tmp_path):
   """The parent runs parts in children, each capped, and keeps what finished when the minutes
   run out: here the whole budget goes to the environment part's share and the rest are left."""
