@@ -141,3 +141,55 @@ def test_hlo_collective_parsing():
   assert aot.collectives(text) == {"all-gather": (1, 16 * 64 * 4), "all-reduce": (1, 32),
                                    "reduce-scatter": (1, 32)}
   assert aot.count_fusions(text) == 1
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+def _engine_rows(capsys, *argv: str) -> tuple[int, str, list[dict[str, str]]]:
+  from hamburger_jax import testing  # pylint: disable=import-outside-toplevel
+  from infer import aot as infer_aot_cli  # pylint: disable=import-outside-toplevel
+  code = infer_aot_cli.main(["--topology", "v5e:2x2", "--config", TINY, "--prompt-len", "64",
+                             "--max-new", "32", *argv])
+  captured = capsys.readouterr()
+  tables = testing.markdown_tables(captured.out)
+  return code, captured.out + captured.err, tables[0] if tables else []
+
+
+def test_the_engine_compiles_for_v5e_at_each_slot_count(capsys):
+  """`python -m infer.aot`: every program the engine runs (prefill, the decode and serving loops
+  in both modes, one macro step alone), per slot count, compiled by the TPU compiler, with its
+  memory and fusions per chip; HAMburger's loop holds the micro steps: more fusions."""
+  code, out, rows = _engine_rows(capsys, "--batches", "1,2")
+  assert code == 0, out
+  assert "v5e:2x2, 1 chip (TPU v5 lite, 16.00 GiB HBM per chip)" in out
+  kinds = lambda b: sorted(r["program"].split(",")[0].split(" of ")[0] for r in rows
+                           if r["slots"] == b)
+  expected = sorted(["decode loop"] * 2 + ["serving loop"] * 2 + ["prefill"]
+                    + ["one macro step"] * 2)
+  assert kinds("1") == kinds("2") == expected
+  fusions = {(r["slots"], r["program"]): int(r["fusions"]) for r in rows}
+  assert all(f > 0 for f in fusions.values())
+  for b in ("1", "2"):
+    assert fusions[(b, "decode loop, hamburger")] > fusions[(b, "decode loop, base")]
+    assert (fusions[(b, "one macro step, hamburger, forced K")]
+            > fusions[(b, "one macro step, base")])
+  assert all(float(r["total GiB"]) < 1 and r["of HBM"] == "0%" for r in rows)
+
+
+def test_the_engine_compiles_sharded_over_the_tensor_axis(capsys):
+  code, out, rows = _engine_rows(capsys, "--batches", "1", "--tensor", "2")
+  assert code == 0, out
+  assert "v5e:2x2, 2 chips (tensor)" in out and len(rows) == 7
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tensor", "3"], "are not a rectangular block, which a TPU mesh needs; use one of 1, 2, 4"),
+    (["--tensor", "8"], "--tensor 8: v5e:2x2 has 4 chips"),
+    (["--batches", "0"], "each must be >= 1"),
+])
+def test_engine_check_bad_input_is_one_line(argv, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    _engine_rows(capsys, *argv)
+  said = str(e.value.code) + capsys.readouterr().err
+  assert message in said and "Traceback" not in said

@@ -57,6 +57,15 @@ def on_device(tree, device):
   return jax.tree.map(place, jax.eval_shape(lambda t: t, tree))
 
 
+def tensor_mesh(devices: list, tensor: int) -> jax.sharding.Mesh | None:
+  """The engine's mesh over the first `tensor` chips, or None where they do not form the
+  rectangular block jax lays a TPU mesh on (3 chips of a 2x2, say)."""
+  try:
+    return sharding.make_mesh(data=1, fsdp=1, tensor=tensor, devices=devices[:tensor])
+  except AssertionError:  # jax's mesh_utils asserts the chips fill their bounding box
+    return None
+
+
 def check_engine(topology: str, *, config: str | None = None, checkpoint: str | None = None,
                  batches: tuple[int, ...] = (1, 32), dtype: str | None = None, tensor: int = 1,
                  prompt_len: int = DEFAULT_PROMPT_LEN, max_new: int = DEFAULT_MAX_NEW,
@@ -66,8 +75,13 @@ def check_engine(topology: str, *, config: str | None = None, checkpoint: str | 
   devices = aot.tpu_devices(topology)
   if not 1 <= tensor <= len(devices):
     raise aot.AotError(f"--tensor {tensor}: {topology} has {len(devices)} chips")
+  mesh = tensor_mesh(devices, tensor)
+  if mesh is None:
+    valid = [n for n in range(1, len(devices) + 1) if tensor_mesh(devices, n) is not None]
+    raise aot.AotError(f"--tensor {tensor}: the first {tensor} of {topology}'s {len(devices)} "
+                       "chips are not a rectangular block, which a TPU mesh needs; use one of "
+                       f"{', '.join(map(str, valid))}")
   devices = devices[:tensor]
-  mesh = sharding.make_mesh(data=1, fsdp=1, tensor=tensor, devices=devices)
   model, what = abstract_model(config, checkpoint)
   engine = Engine(model, None, stop_ids=(), mesh=mesh, dtype=dtype)
   lowered = {}
