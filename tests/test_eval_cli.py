@@ -67,6 +67,19 @@ def test_writes_results_generations_and_pngs(tiny_eval: Path):
     assert (tiny_eval / name).read_bytes()[:8] == PNG_MAGIC, name
 
 
+def test_plots_redrawn_from_results_json(tiny_eval: Path, tmp_path: Path, capsys):
+  """`python -m infer.plots RESULTS` draws the evaluation's plots again, from its JSON alone."""
+  from infer import plots  # pylint: disable=import-outside-toplevel
+  assert plots.main([str(tiny_eval / "results.json"), "--out", str(tmp_path)]) == 0
+  written = capsys.readouterr().out.split()
+  assert sorted(os.path.basename(p) for p in written) == sorted(PLOTS)
+  for name in PLOTS:
+    assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC, name
+  with pytest.raises(SystemExit):
+    plots.main([str(tmp_path / "nowhere.json")])
+  assert "run python -m infer.eval first" in capsys.readouterr().err
+
+
 def test_results_json_numbers(tiny_eval: Path):
   results = json.loads((tiny_eval / "results.json").read_text())
   assert {"command", "config", "model", "tasks", "group_sizes", "example"} <= set(results)
