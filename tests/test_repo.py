@@ -250,3 +250,17 @@ def test_runbook_wheels_cover_what_the_accelerator_check_imports():
                        timeout=300, check=True)
   imported = {norm(d) for d in json.loads(res.stdout.strip().splitlines()[-1])}
   assert imported - listed - OPTIONAL_HERE == set()
+
+
+def test_every_entry_point_answers_help(capsys):
+  """`python -m X --help` for every entry point: it imports, its flags parse, and its usage
+  names the command a user types."""
+  import importlib  # pylint: disable=import-outside-toplevel
+  entries = sorted(_entry_points())
+  assert len(entries) >= 15  # sanity: infer/ and train/ were found
+  for name in entries:
+    module = importlib.import_module(name)
+    with pytest.raises(SystemExit) as e:
+      module.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and f"python -m {name}" in out, (name, out[:300])
