@@ -193,3 +193,44 @@ def test_engine_check_bad_input_is_one_line(argv, message, capsys):
     _engine_rows(capsys, *argv)
   said = str(e.value.code) + capsys.readouterr().err
   assert message in said and "Traceback" not in said
+
+
+# ----------------------------------------------------------------------------- the configs
+
+
+def _documented_check(path: Path) -> list[str] | None:
+  """The `python -m train.aot ...` command a config's header comment gives for its figures."""
+  import re  # pylint: disable=import-outside-toplevel
+  header = " ".join(line.lstrip("#").strip() for line in path.read_text().splitlines()
+                    if line.startswith("#"))
+  m = re.search(r"python -m train\.aot (--config [^)]*)\)", header)
+  return m.group(1).split() if m else None
+
+
+ACCELERATOR_CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml")
+                             if _documented_check(p))
+
+
+def test_the_accelerator_configs_document_their_check():
+  assert ACCELERATOR_CONFIGS == ["llama3_2_1b_h100.yaml", "llama3_2_1b_tpu_v5p.yaml",
+                                 "smollm2_135m_h100.yaml", "smollm2_135m_tpu_v5e.yaml"]
+
+
+@pytest.mark.parametrize("name", ACCELERATOR_CONFIGS)
+def test_every_accelerator_config_lowers_on_its_topology(name, capsys):
+  """Each accelerator config's documented `train.aot` command, lowered (`--lower-only`: its
+  mesh, shapes and shardings on the topology, every stage and the teacher pass; the compile,
+  minutes a config, is the command itself): on every commit, a config change that breaks a
+  pod run fails here."""
+  from hamburger_jax.config import load_yaml  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.run_config import stage_names  # pylint: disable=import-outside-toplevel
+  argv = [a for a in _documented_check(REPO / "configs" / name) if a != "--no-sparse-core"]
+  argv[argv.index("--config") + 1] = str(REPO / argv[argv.index("--config") + 1])
+  assert train_aot_cli.main([*argv, "--lower-only"]) == 0
+  from hamburger_jax import testing  # pylint: disable=import-outside-toplevel
+  out = capsys.readouterr().out
+  assert "teacher pass" in out.splitlines()[0]
+  rows = testing.markdown_tables(out)[0]
+  stages = stage_names(load_yaml(str(REPO / "configs" / name))) or ["train"]
+  assert [r["stage"] for r in rows] == stages
+  assert all(float(r["state GiB"]) > 0 and int(r["of HBM"].rstrip("%")) < 100 for r in rows)

@@ -11,7 +11,9 @@ Compiles, with the TPU compiler (libtpu: pip install "jax[tpu]"), every stage's 
 and the teacher pass of train.prepare_data. Prints per chip: trained params, optimizer state,
 frozen weights, batch, temporaries and the total against the chip's HBM, FLOPs per step, fusions
 and the collectives in the compiled program. Exit 1, with one line per program, when a program
-does not fit in the HBM less --headroom.
+does not fit in the HBM less --headroom. `--lower-only`: the programs lowered with the run's
+shardings (mesh, shapes and shardings checked) and the sharded state per chip, in seconds, not
+compiled.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def main(argv=None) -> int:
   p.add_argument("--batch-tokens", type=int, default=None,
                  help="the teacher pass's train.prepare_data --batch-tokens")
   p.add_argument("--no-teacher-pass", action="store_true", help="skip the teacher pass")
+  p.add_argument("--lower-only", action="store_true",
+                 help="lower the programs and report the sharded state per chip; no compile")
   p.add_argument("--no-sparse-core", action="store_true",
                  help="keep the compile off a v5p's SparseCores (libtpu's SparseCore code "
                  "generator crashes on some programs; for a GPU checked by proxy)")
@@ -67,15 +71,20 @@ def main(argv=None) -> int:
   from hamburger_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
   from hamburger_jax.data import teacher_pass  # pylint: disable=import-outside-toplevel
   from hamburger_jax.training import aot as train_aot  # pylint: disable=import-outside-toplevel
+  lowering = dict(
+      overrides=args.set, stage=args.stage, num_slices=args.num_slices, chips=args.chips,
+      hbm_gib=args.hbm_gib, teacher_top_k=args.teacher_top_k,
+      max_len=args.max_len or teacher_pass.DEFAULT_MAX_LEN,
+      batch_tokens=args.batch_tokens or teacher_pass.DEFAULT_BATCH_TOKENS,
+      teacher_pass=not args.no_teacher_pass,
+      progress=lambda what: print(f"{what} ...", file=sys.stderr, flush=True))
   try:
-    check = train_aot.check_train(
-        args.config, args.topology, overrides=args.set, stage=args.stage,
-        num_slices=args.num_slices, chips=args.chips, hbm_gib=args.hbm_gib,
-        headroom=args.headroom, teacher_top_k=args.teacher_top_k,
-        max_len=args.max_len or teacher_pass.DEFAULT_MAX_LEN,
-        batch_tokens=args.batch_tokens or teacher_pass.DEFAULT_BATCH_TOKENS,
-        teacher_pass=not args.no_teacher_pass,
-        progress=lambda what: print(f"{what} ...", file=sys.stderr, flush=True))
+    if args.lower_only:
+      print("\n".join(train_aot.lowering_lines(
+          train_aot.lower_train(args.config, args.topology, **lowering))))
+      return 0
+    check = train_aot.check_train(args.config, args.topology, headroom=args.headroom,
+                                  **lowering)
   except (ConfigError, aot.AotError, RuntimeError) as e:  # RuntimeError: an asset not installed
     raise SystemExit(f"error: {e}") from None
   print("\n".join(train_aot.report_lines(check)))

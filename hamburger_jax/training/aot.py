@@ -80,16 +80,36 @@ def _stage_configs(path: str, overrides: list[str], stage: str | None) -> list[R
   return [load_run_config(path, overrides + ["train.init_from=''"], stage=n) for n in names]
 
 
-def check_train(config: str, topology: str, *, overrides: list[str] = (),
+@dataclasses.dataclass
+class TrainLowering:
+  """A run's programs lowered for a slice (StableHLO with the run's shardings, not compiled):
+  what `check_train` compiles, and what `--lower-only` reports in seconds."""
+  topology: str
+  devices: list
+  hbm: int  # bytes per device
+  built: list[tuple[RunConfig, object, Trainer, dict]]  # (stage config, mesh, trainer, batch)
+  lowered: dict[str, object]  # program name -> jax Lowered
+  teacher_setting: str
+
+  def state_bytes(self) -> list[tuple[str, dict[str, int], dict[str, int]]]:
+    """(stage, mesh shape, bytes per device of its trained params, optimizer state, frozen
+    weights and batch): what the sharded state needs before any temporary."""
+    return [(cfg.stage or "train", dict(mesh.shape),
+             {"params": aot.sharded_bytes(trainer.state.params),
+              "opt_state": aot.sharded_bytes(trainer.state.opt_state),
+              "frozen": aot.sharded_bytes(trainer.frozen), "batch": aot.sharded_bytes(batch)})
+            for cfg, mesh, trainer, batch in self.built]
+
+
+def lower_train(config: str, topology: str, *, overrides: list[str] = (),
                 stage: str | None = None, num_slices: int = 1, chips: int | None = None,
-                hbm_gib: float | None = None, headroom: float = aot.DEFAULT_HEADROOM,
-                teacher_top_k: int | None = None, max_len: int = DEFAULT_MAX_LEN,
-                batch_tokens: int = DEFAULT_BATCH_TOKENS, teacher_pass: bool = True,
-                progress=lambda _: None) -> TrainCheck:
-  """Compiles the run's programs for `topology` (its first `chips` devices, if given) and
-  reports them per device. `hbm_gib` replaces the chip's HBM (a GPU checked by proxy).
-  `teacher_top_k`: the teacher pass's top-k (default: DEFAULT_TEACHER_TOP_K where a stage uses
-  the distill recipe, else none)."""
+                hbm_gib: float | None = None, teacher_top_k: int | None = None,
+                max_len: int = DEFAULT_MAX_LEN, batch_tokens: int = DEFAULT_BATCH_TOKENS,
+                teacher_pass: bool = True, progress=lambda _: None) -> TrainLowering:
+  """Lowers the run's programs for `topology` (its first `chips` devices, if given): each
+  stage's train and evaluation steps on the config's mesh, and the teacher pass. `hbm_gib`
+  replaces the chip's HBM (a GPU checked by proxy). `teacher_top_k`: the teacher pass's top-k
+  (default: DEFAULT_TEACHER_TOP_K where a stage uses the distill recipe, else none)."""
   devices = aot.tpu_devices(topology, num_slices)
   if chips is not None:
     if not 1 <= chips <= len(devices):
@@ -126,12 +146,22 @@ def check_train(config: str, topology: str, *, overrides: list[str] = (),
         batch_tokens=batch_tokens, teacher=spec)
     setting = (f"--max-len {max_len} --batch-tokens {batch_tokens} --teacher-top-k {top_k}, "
                f"{len(host)} chips of one host")
+  label = (topology + (f" x {num_slices} slices" if num_slices > 1 else "")
+           + (f", {chips} chip(s)" if chips else ""))
+  return TrainLowering(label, devices, hbm, built, lowered, setting)
+
+
+def check_train(config: str, topology: str, *, headroom: float = aot.DEFAULT_HEADROOM,
+                progress=lambda _: None, **lowering) -> TrainCheck:
+  """Compiles the run's programs (`lower_train`'s, given `lowering`'s keywords) with the TPU
+  compiler and reports them per device."""
+  low = lower_train(config, topology, progress=progress, **lowering)
   reports = aot.compile_all(
-      lowered, progress,
+      low.lowered, progress,
       knob="halve data.rows and double data.accum, or set train.scan_layers and train.remat: "
            "layers; a config for a larger chip (--hbm-gib) needs a topology whose chips hold it")
   stages = []
-  for cfg, mesh, trainer, batch in built:
+  for (cfg, mesh, trainer, _), (_, _, state) in zip(low.built, low.state_bytes()):
     name, d = cfg.stage or "train", cfg.data
     flops = d.accum * roofline.train_step_flops(
         trainer.model.cfg, d.rows, d.entries, d.groups, cfg.train.trainable,
@@ -139,16 +169,30 @@ def check_train(config: str, topology: str, *, overrides: list[str] = (),
     step, evaluation = reports[f"{name}: train step"], reports[f"{name}: evaluation step"]
     step.name, evaluation.name = "train step", "evaluation step"
     stages.append(StageReport(
-        stage=cfg.stage, cfg=cfg, mesh=dict(mesh.shape),
-        params=aot.sharded_bytes(trainer.state.params),
-        opt_state=aot.sharded_bytes(trainer.state.opt_state),
-        frozen=aot.sharded_bytes(trainer.frozen), batch=aot.sharded_bytes(batch), flops=flops,
+        stage=cfg.stage, cfg=cfg, mesh=dict(mesh.shape), params=state["params"],
+        opt_state=state["opt_state"], frozen=state["frozen"], batch=state["batch"], flops=flops,
         step=step, eval=evaluation))
-  teacher = reports.get("teacher pass")
-  return TrainCheck(topology=topology + (f" x {num_slices} slices" if num_slices > 1 else "")
-                    + (f", {chips} chip(s)" if chips else ""),
-                    devices=len(devices), device_kind=devices[0].device_kind, hbm=hbm,
-                    headroom=headroom, stages=stages, teacher=teacher, teacher_setting=setting)
+  return TrainCheck(topology=low.topology, devices=len(low.devices),
+                    device_kind=low.devices[0].device_kind, hbm=low.hbm, headroom=headroom,
+                    stages=stages, teacher=reports.get("teacher pass"),
+                    teacher_setting=low.teacher_setting)
+
+
+def lowering_lines(low: TrainLowering) -> list[str]:
+  """What a lowering shows without compiling (markdown): the programs, and per stage the
+  sharded state per device against the chip's HBM (temporaries come with the compile)."""
+  g = aot.gib
+  out = [f"{low.topology}: {len(low.devices)} x {low.devices[0].device_kind}, {g(low.hbm)} GiB "
+         f"HBM per device; lowered with the run's shardings, not compiled: "
+         f"{', '.join(low.lowered)}", "",
+         "| stage | mesh | trained params GiB | optimizer state GiB | frozen GiB | batch GiB | "
+         "state GiB | of HBM |", "|---|---|---|---|---|---|---|---|"]
+  for stage, mesh, b in low.state_bytes():
+    mesh = " ".join(f"{k} {v}" for k, v in mesh.items() if v > 1) or "1 device"
+    total = sum(b.values())
+    out.append(f"| {stage} | {mesh} | {g(b['params'])} | {g(b['opt_state'])} | "
+               f"{g(b['frozen'])} | {g(b['batch'])} | {g(total)} | {total / low.hbm:.0%} |")
+  return out
 
 
 def report_lines(check: TrainCheck) -> list[str]:
