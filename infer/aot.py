@@ -8,7 +8,8 @@ Compiles, with the TPU compiler (libtpu), the programs the engine runs at each b
 (slots), sharded as the engine shards them (--tensor N: the weights split over N chips): the
 prefill of a prompt's chunks, the decode loop in base and HAMburger modes, that loop serving
 from a shared paged pool, and one macro step alone. Prints per program: memory per chip
-against its HBM, FLOPs, bytes accessed, fusions.
+against its HBM, FLOPs, bytes accessed, fusions. `--lower-only`: the programs lowered as the
+engine shards them, in seconds, not compiled.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def main(argv=None) -> int:
   p.add_argument("--tensor", type=int, default=1, help="chips the weights are split over")
   p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per slot")
   p.add_argument("--max-new", type=int, default=None, help="new tokens per slot")
+  p.add_argument("--lower-only", action="store_true",
+                 help="lower the programs (shapes and shardings checked); no compile")
   args = p.parse_args(argv)
   if not args.batches or min(args.batches) < 1:
     p.error(f"--batches {args.batches}: each must be >= 1")
@@ -47,13 +50,17 @@ def main(argv=None) -> int:
   from hamburger_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode import aot as engine_aot  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.requests import GenerationError  # pylint: disable=C0415
+  lowering = dict(
+      config=args.config, checkpoint=args.checkpoint, batches=args.batches, dtype=args.dtype,
+      tensor=args.tensor, prompt_len=args.prompt_len or engine_aot.DEFAULT_PROMPT_LEN,
+      max_new=args.max_new or engine_aot.DEFAULT_MAX_NEW,
+      progress=lambda what: print(f"{what} ...", file=sys.stderr, flush=True))
   try:
-    check = engine_aot.check_engine(
-        args.topology, config=args.config, checkpoint=args.checkpoint, batches=args.batches,
-        dtype=args.dtype, tensor=args.tensor,
-        prompt_len=args.prompt_len or engine_aot.DEFAULT_PROMPT_LEN,
-        max_new=args.max_new or engine_aot.DEFAULT_MAX_NEW,
-        progress=lambda what: print(f"{what} ...", file=sys.stderr, flush=True))
+    if args.lower_only:
+      print("\n".join(engine_aot.lowering_lines(engine_aot.lower_engine(args.topology,
+                                                                        **lowering))))
+      return 0
+    check = engine_aot.check_engine(args.topology, **lowering)
   except (ConfigError, aot.AotError, GenerationError, RuntimeError, ValueError) as e:
     raise SystemExit(f"error: {e}") from None
   print("\n".join(engine_aot.report_lines(check)))

@@ -234,3 +234,26 @@ def test_every_accelerator_config_lowers_on_its_topology(name, capsys):
   stages = stage_names(load_yaml(str(REPO / "configs" / name))) or ["train"]
   assert [r["stage"] for r in rows] == stages
   assert all(float(r["state GiB"]) > 0 and int(r["of HBM"].rstrip("%")) < 100 for r in rows)
+
+
+def _documented_engine_commands() -> list[str]:
+  import re  # pylint: disable=import-outside-toplevel
+  text = (REPO / "docs" / "accelerators.md").read_text()
+  return sorted(set(re.findall(r"`python -m infer\.aot ([^`]*)`", text)))
+
+
+@pytest.mark.parametrize("command", _documented_engine_commands())
+def test_every_documented_engine_command_lowers(command, capsys):
+  """The engine commands docs/accelerators.md gives figures for (the shipped graft on a v5e,
+  the 1B config on a v5p), lowered at their real width on every commit (`--lower-only`)."""
+  from infer import aot as infer_aot_cli  # pylint: disable=import-outside-toplevel
+  assert len(_documented_engine_commands()) == 2
+  argv = command.split()
+  if "--config" in argv:
+    argv[argv.index("--config") + 1] = str(REPO / argv[argv.index("--config") + 1])
+  assert infer_aot_cli.main([*argv, "--lower-only"]) == 0
+  out = capsys.readouterr().out
+  slots = argv[argv.index("--batches") + 1].split(",")
+  lines = [l for l in out.splitlines() if l.startswith("- ")]
+  assert [l.split(" slots: ")[0][2:] for l in lines] == slots
+  assert all(len(l.split(": ", 1)[1].split("; ")) == 7 for l in lines)

@@ -66,11 +66,21 @@ def tensor_mesh(devices: list, tensor: int) -> jax.sharding.Mesh | None:
     return None
 
 
-def check_engine(topology: str, *, config: str | None = None, checkpoint: str | None = None,
+@dataclasses.dataclass
+class EngineLowering:
+  """The engine's programs lowered for a slice, as the engine shards them (not compiled)."""
+  topology: str
+  devices: list
+  model: str
+  dtype: str
+  lowered: dict[tuple[int, str], object]  # (slots, program) -> jax Lowered
+
+
+def lower_engine(topology: str, *, config: str | None = None, checkpoint: str | None = None,
                  batches: tuple[int, ...] = (1, 32), dtype: str | None = None, tensor: int = 1,
                  prompt_len: int = DEFAULT_PROMPT_LEN, max_new: int = DEFAULT_MAX_NEW,
-                 progress: Callable[[str], None] = lambda _: None) -> EngineCheck:
-  """Compiles the engine's programs for `tensor` chips of `topology` (weights split over the
+                 progress: Callable[[str], None] = lambda _: None) -> EngineLowering:
+  """Lowers the engine's programs for `tensor` chips of `topology` (weights split over the
   tensor axis by the inference rules) at each batch size (slots)."""
   devices = aot.tpu_devices(topology)
   if not 1 <= tensor <= len(devices):
@@ -105,15 +115,30 @@ def check_engine(topology: str, *, config: str | None = None, checkpoint: str | 
                                                 dtype=engine.dtype)
       lowered[(b, f"one macro step, {mode}" + (", forced K" if mode == "hamburger" else ""))] = (
           step.lower(*on_device(args, devices[0])))
-  progress(f"compiling {len(lowered)} programs")
-  reports = aot.compile_all({f"{b}: {name}": lo for (b, name), lo in lowered.items()},
+  label = topology + (f", {tensor} chips (tensor)" if tensor > 1 else ", 1 chip")
+  return EngineLowering(label, devices, what, engine.dtype, lowered)
+
+
+def check_engine(topology: str, *, progress: Callable[[str], None] = lambda _: None,
+                 **lowering) -> EngineCheck:
+  """Compiles `lower_engine`'s programs (given `lowering`'s keywords) with the TPU compiler."""
+  low = lower_engine(topology, progress=progress, **lowering)
+  progress(f"compiling {len(low.lowered)} programs")
+  reports = aot.compile_all({f"{b}: {name}": lo for (b, name), lo in low.lowered.items()},
                             knob="fewer slots (--batches), or shard over more chips (--tensor)")
-  out = [(b, name, reports[f"{b}: {name}"]) for (b, name) in lowered]
-  return EngineCheck(topology=topology + (f", {tensor} chips (tensor)" if tensor > 1 else
-                                          ", 1 chip"),
-                     device_kind=devices[0].device_kind, devices=tensor,
-                     hbm=aot.device_hbm_bytes(aot.tpu_devices(topology)), model=what,
-                     dtype=engine.dtype, reports=out)
+  out = [(b, name, reports[f"{b}: {name}"]) for (b, name) in low.lowered]
+  return EngineCheck(topology=low.topology, device_kind=low.devices[0].device_kind,
+                     devices=len(low.devices), hbm=aot.device_hbm_bytes(aot.tpu_devices(topology)),
+                     model=low.model, dtype=low.dtype, reports=out)
+
+
+def lowering_lines(low: EngineLowering) -> list[str]:
+  """The programs a lowering holds, per slot count (markdown)."""
+  out = [f"{low.model} on {low.topology} ({low.devices[0].device_kind}), {low.dtype}; lowered "
+         "as the engine shards them, not compiled:", ""]
+  for b in dict.fromkeys(b for b, _ in low.lowered):
+    out.append(f"- {b} slots: " + "; ".join(name for s, name in low.lowered if s == b))
+  return out
 
 
 def report_lines(check: EngineCheck) -> list[str]:
