@@ -257,3 +257,23 @@ def test_every_documented_engine_command_lowers(command, capsys):
   lines = [l for l in out.splitlines() if l.startswith("- ")]
   assert [l.split(" slots: ")[0][2:] for l in lines] == slots
   assert all(len(l.split(": ", 1)[1].split("; ")) == 7 for l in lines)
+
+
+OTHER_CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml")
+                       if p.name not in ACCELERATOR_CONFIGS)
+
+
+@pytest.mark.parametrize("name", OTHER_CONFIGS)
+def test_every_other_config_lowers_for_a_tpu(name, capsys):
+  """The configs made for a CPU or a GPU machine lower for TPU chips too (`--lower-only`), on as
+  many v5p chips as their mesh fixes (llama3_2_1b.yaml: fsdp 8)."""
+  assert OTHER_CONFIGS == ["llama3_2_1b.yaml", "smollm2_135m.yaml", "smollm2_135m_paper.yaml",
+                           "tiny.yaml"]
+  path = str(REPO / "configs" / name)
+  mesh = load_run_config(path, shared_only=True).mesh
+  chips = max(mesh.data, 1) * mesh.fsdp * mesh.tensor
+  assert train_aot_cli.main(["--config", path, "--topology", "v5p:2x2x2", "--chips", str(chips),
+                             "--lower-only"]) == 0
+  from hamburger_jax import testing  # pylint: disable=import-outside-toplevel
+  rows = testing.markdown_tables(capsys.readouterr().out)[0]
+  assert rows and all(int(r["of HBM"].rstrip("%")) < 100 for r in rows)
