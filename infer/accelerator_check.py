@@ -184,13 +184,15 @@ def part_decode(args):
   """Yields its markdown a line at a time, each table row as soon as it is measured: a part
   stopped at its cap keeps the rows it measured (batch 1 first: the figures that matter most)."""
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.benchmarks.timing import run_interleaved  # pylint: disable=C0415
+  from hamburger_jax.benchmarks import report, timing, widths  # pylint: disable=C0415
   model, tok, prompts = _models(args)
   n_new = 32 if args.tiny else 128
-  for i, b in enumerate((1, 4) if args.tiny else (1, 32)):
+  first = None  # batch 1's engine: the step costs below are measured in its layout
+  for b in (1, 4) if args.tiny else (1, 32):
     ids = (prompts * (b // len(prompts) + 1))[:b]
     engine = Engine(model, tok, stop_ids=())  # one per batch size; the confidences share it
-    if not i:
+    if first is None:
+      first = engine
       yield (f"- {model.cfg.base.num_layers}-layer base, {n_new} new tokens a row (EOS "
              f"ignored), decoding layout {'fused' if engine.fused else 'separate'} "
              f"{engine.dtype}; best of 2 interleaved rounds; compile s: compiled, or loaded "
@@ -200,17 +202,14 @@ def part_decode(args):
       yield "|---|---|---|---|---|---|"
     runs = {"base": {"mode": "base"}, **{name: {"mode": "hamburger", "confidence": c}
                                          for name, c in DECODE_CONFIDENCES.items()}}
-    res = run_interleaved(engine, ids, n_new, 2, runs)
+    res = timing.run_interleaved(engine, ids, n_new, 2, runs)
     base_s = res["base"][0]
     for name, (s, compile_s, gens) in res.items():
       k = b * n_new / sum(g.macro_steps for g in gens)
       yield (f"| {b} | {name} | {b * n_new / s:.1f} | {base_s / s:.2f}x | {k:.2f} | "
              f"{compile_s:.0f} |")
-    if not i:
-      first = engine
   # What bounds the ratios, last (three more programs to compile): r and the adapters' cost
   # at batch 1, measured, beside r where bytes would bound a step.
-  from hamburger_jax.benchmarks import report, timing, widths  # pylint: disable=C0415
   cost = timing.step_costs(first.runner, 2, 1)
   yield ""
   yield (f"- batch 1, steps in a jitted loop: r = micro step / base step = "
@@ -253,11 +252,11 @@ def part_decode_1b(args):
 def part_train_1b(args):
   if args.tiny:
     return cli_part(["train.bench", "--config", TINY_CONFIG, "--random-weights",
-                      "--rows", "2", "--steps", "1", "--trainable", "all", "--no-sft",
-                      "--input-batches", "2"])
+                     "--rows", "2", "--steps", "1", "--trainable", "all", "--no-sft",
+                     "--input-batches", "2"])
   return cli_part(["train.bench", "--config", "configs/llama3_2_1b_h100.yaml",
-                    "--random-weights", "--rows", "4", "--entries", "1024", "--steps", "2",
-                    "--trainable", "all", "--no-sft", "--input-batches", "2"])
+                   "--random-weights", "--rows", "4", "--entries", "1024", "--steps", "2",
+                   "--trainable", "all", "--no-sft", "--input-batches", "2"])
 
 
 RUNNERS = {"environment": part_environment, "tests": part_tests, "reference": part_reference,

@@ -3,6 +3,8 @@ the micro step's cost ratio r where bytes bound a step, and its decode settings 
 
 from __future__ import annotations
 
+import dataclasses
+
 from hamburger_jax import cli
 
 
@@ -26,7 +28,6 @@ def bytes_bound_lines(hcfg, dtype: str, kv_len: int, head_rows: dict[str, int | 
   """The micro step's cost ratio r where bytes bound a step (every weight read once per pass,
   batch 1, `dtype` weights), per micro-step vocabulary (name -> its LM-head rows; None: the
   whole vocabulary), with the forced-K ceiling it allows: what a measured r compares with."""
-  import dataclasses  # pylint: disable=import-outside-toplevel
   from hamburger_jax import roofline  # pylint: disable=import-outside-toplevel
   hcfg = dataclasses.replace(hcfg, base=dataclasses.replace(hcfg.base, dtype=dtype,
                                                             param_dtype=dtype))
