@@ -45,6 +45,26 @@ def topk_kl(logq_nv: jax.Array, topk_ids_nk: jax.Array, topk_logp_nk: jax.Array)
   return jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
 
 
+def _row_chunks(rows: int, per_row: int, chunk: int):
+  """(to_chunks, from_chunks) of `rows` batch rows of `per_row` tokens, row-major [N, ...]: each
+  chunk takes chunk_tokens(...) of every row, so a batch split over devices by rows stays split
+  (chunks cut across rows would move tokens between devices)."""
+  c = chunk_tokens(rows, per_row, chunk)
+  pad = -per_row % c
+
+  def to_chunks(x):  # [N, ...] -> [chunks, rows * c, ...]
+    x = jnp.pad(x.reshape(rows, per_row, *x.shape[1:]),
+                ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 1))
+    x = x.reshape(rows, -1, c, *x.shape[2:])
+    return jnp.moveaxis(x, 1, 0).reshape(x.shape[1], rows * c, *x.shape[3:])
+
+  def from_chunks(v):  # [chunks, rows * c, ...] -> [N, ...]
+    v = jnp.moveaxis(v.reshape(v.shape[0], rows, c, *v.shape[2:]), 0, 1)
+    return v.reshape(rows, -1, *v.shape[3:])[:, :per_row].reshape(-1, *v.shape[3:])
+
+  return to_chunks, from_chunks
+
+
 def chunked_token_stats(h_nd: jax.Array, head_dv: jax.Array, targets_n: jax.Array, chunk: int,
                         dtype=jnp.float32, topk_ids_nk: jax.Array | None = None,
                         topk_logp_nk: jax.Array | None = None,
@@ -52,31 +72,31 @@ def chunked_token_stats(h_nd: jax.Array, head_dv: jax.Array, targets_n: jax.Arra
   """Per token [N]: CE against `targets`, the argmax token, and (given the teacher's top-k)
   the KL from the teacher; computed about `chunk` tokens at a time.
 
-  The N tokens are `rows` batch rows of N / rows tokens each, row-major: each chunk takes
-  chunk_tokens(...) of every row, so a batch split over devices by rows stays split (chunks cut
-  across rows would move tokens between devices)."""
-  n = h_nd.shape[0]
-  per_row = n // rows
-  c = chunk_tokens(rows, per_row, chunk)
-  pad = -per_row % c
-
-  def chunks(x):  # [N, ...] -> [chunks, rows * c, ...]
-    x = jnp.pad(x.reshape(rows, per_row, *x.shape[1:]),
-                ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 1))
-    x = x.reshape(rows, -1, c, *x.shape[2:])
-    return jnp.moveaxis(x, 1, 0).reshape(x.shape[1], rows * c, *x.shape[3:])
-
+  The N tokens are `rows` batch rows of N / rows tokens each (_row_chunks)."""
+  chunks, tokens = _row_chunks(rows, h_nd.shape[0] // rows, chunk)
   xs = (chunks(h_nd), chunks(targets_n),
         None if topk_ids_nk is None else chunks(topk_ids_nk),
         None if topk_logp_nk is None else chunks(topk_logp_nk))
   _, out = jax.lax.scan(
       lambda carry, x: (carry, _chunk_stats(x[0], head_dv, x[1], x[2], x[3], dtype)), None, xs)
-
-  def tokens(v):  # [chunks, rows * c] -> [N]
-    v = jnp.moveaxis(v.reshape(v.shape[0], rows, c), 0, 1).reshape(rows, -1)
-    return v[:, :per_row].reshape(-1)
-
   return {k: tokens(v) for k, v in out.items()}
+
+
+def chunked_topk(h_nd: jax.Array, head_dv: jax.Array, k: int, chunk: int, dtype=jnp.float32,
+                 rows: int = 1) -> tuple[jax.Array, jax.Array]:
+  """The top-k of each token's next-token distribution, (log-probs [N, k] float32, ids [N, k]
+  int32) by decreasing probability, about `chunk` tokens at a time (rows: as
+  chunked_token_stats): what the teacher hands the distill loss, without [N, V] in memory."""
+  chunks, tokens = _row_chunks(rows, h_nd.shape[0] // rows, chunk)
+
+  def one(h_cd):
+    logits = jnp.dot(h_cd.astype(dtype), head_dv.astype(dtype),
+                     preferred_element_type=jnp.float32)
+    logp, ids = jax.lax.top_k(logits, k)
+    return logp - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids.astype(jnp.int32)
+
+  logp, ids = jax.lax.map(one, chunks(h_nd))
+  return tokens(logp), tokens(ids)
 
 
 def chunk_tokens(rows: int, per_row: int, chunk: int) -> int:

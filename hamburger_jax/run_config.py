@@ -37,6 +37,8 @@ class ModelConfig:
 class DataConfig:
   dir: str = ""  # tfds dataset directory written by train.prepare_data
   entries: int = 256  # M: base-input entries per packed row
+  # L: unmerged tokens per packed row, the teacher's row (distill.teacher=online); 0 = entries
+  tokens: int = 0
   groups: int = 128  # G: predicted groups per packed row
   rows: int = 4  # packed rows per micro-batch, global over all processes
   accum: int = 1  # micro-batches per optimiser step (gradient accumulation)
@@ -45,6 +47,12 @@ class DataConfig:
 
   def __post_init__(self):
     _at_least("data", self, 1, "entries", "groups", "rows", "accum", "validation_rows")
+    _at_least("data", self, 0, "tokens", hint="0 sizes the teacher's rows like data.entries")
+
+  @property
+  def row_tokens(self) -> int:
+    """Unmerged tokens of a packed row (the teacher's row in the step)."""
+    return self.tokens or self.entries
 
 
 # What a run trains. Stages of the distill recipe: "micro" (stage 1: micro-step decoder + stop
@@ -124,6 +132,12 @@ class TrainConfig:
 
 
 STOP_TARGETS = ("teacher", "segments", "harm")
+# Where the distill recipe's teacher signals come from: "stored" by the data's teacher pass
+# (hamburger_jax.data.teacher_pass), or "online", the frozen base inside the train step
+# (hamburger_jax.online_teacher; the data is token ids only).
+TEACHERS = ("stored", "online")
+# The teacher's top-k next-token distribution the KL reads (train.prepare_data --teacher-top-k).
+DEFAULT_TEACHER_TOP_K = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +148,13 @@ class DistillConfig:
   stop_weight: float = 0.5
   ce_weight: float = 0.0
   stop_target: str = "teacher"  # teacher | segments | harm (hamburger_jax.distillation)
+  teacher: str = "stored"  # one of TEACHERS
+  top_k: int = DEFAULT_TEACHER_TOP_K  # the online teacher's (a stored one's is in its data)
 
   def __post_init__(self):
+    if self.teacher not in TEACHERS:
+      raise ConfigError(f"distill.teacher={self.teacher!r}: use one of {', '.join(TEACHERS)}")
+    _at_least("distill", self, 1, "top_k")
     if self.stop_target not in STOP_TARGETS:
       raise ConfigError(f"distill.stop_target={self.stop_target!r}: use one of "
                         f"{', '.join(STOP_TARGETS)}")

@@ -27,7 +27,8 @@ from hamburger_jax.evaluation import teacher_forced
 from hamburger_jax.losses import hamburger_loss
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import GraftParam, set_layer_execution
-from hamburger_jax.run_config import RunConfig
+from hamburger_jax.online_teacher import ONLINE_FIELDS, with_teacher
+from hamburger_jax.run_config import DEFAULT_TEACHER_TOP_K, RunConfig
 
 # The params each `train.trainable` optimises (the rest is frozen, and not checkpointed: it is
 # rebuilt from the base source and train.init_from). "all" trains the base as well.
@@ -42,10 +43,8 @@ TRAINED = {
 BATCH_NDIMS = {"input_ids": 4, "input_size": 3, "positions": 3, "segment_ids": 3,
                "pred_index": 3, "target_ids": 4, "target_size": 3, "window_ids": 4,
                "window_size": 3, "teacher_topk_ids": 5, "teacher_topk_logp": 5,
-               "teacher_features": 5}
+               "teacher_features": 5, "tokens": 3, "token_segment": 3, "teacher_index": 4}
 TEACHER_FIELDS = ("teacher_topk_ids", "teacher_topk_logp", "teacher_features")
-# The top-k the run books prepare teacher data with (train.prepare_data --teacher-top-k).
-DEFAULT_TEACHER_TOP_K = 16
 
 
 @flax.struct.dataclass
@@ -70,10 +69,15 @@ def schedules(cfg: RunConfig) -> dict[str, optax.Schedule]:
   return {"graft": make(t.lr_graft), "base": make(t.lr_base)}
 
 
-def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
-  """AdamW per learning-rate group (base / graft) after a global-norm clip over all of them."""
+def make_optimizer(cfg: RunConfig, host_lr: bool = False) -> optax.GradientTransformation:
+  """AdamW per learning-rate group (base / graft) after a global-norm clip over all of them.
+
+  `host_lr`: the learning rate is left out (1.0) and the step scales each group's update by a
+  rate it is given (Trainer(host_lr=True)): AdamW's update times lr is AdamW at lr, and a run
+  sized after its step is compiled can then fix its schedule without compiling again."""
   t = cfg.train
-  groups = {name: optax.adamw(sched, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay)
+  groups = {name: optax.adamw(1.0 if host_lr else sched, b1=t.b1, b2=t.b2, eps=t.eps,
+                              weight_decay=t.weight_decay)
             for name, sched in schedules(cfg).items()}
   return optax.chain(
       optax.clip_by_global_norm(t.clip_norm),
@@ -115,12 +119,16 @@ class Trainer:
 
   `mesh`: the run's devices (default: every device, shaped by the config's mesh axes).
   `abstract`: build shapes and shardings only (no weights are loaded or initialised, nothing is
-  allocated), for `lower_step` / `lower_eval`; such a trainer cannot `step`."""
+  allocated), for `lower_step` / `lower_eval`; such a trainer cannot `step`.
+  `host_lr`: the train step takes each group's learning rate as an input (make_optimizer),
+  `step(..., lr=...)`; else the config's schedule is compiled into it.
+  `model`: an already built model of this config (else built from it)."""
 
   def __init__(self, cfg: RunConfig, *, mesh: jax.sharding.Mesh | None = None,
-               abstract: bool = False):
+               abstract: bool = False, host_lr: bool = False, model: Hamburger | None = None):
     self.cfg = cfg
     self.abstract = abstract
+    self.host_lr = host_lr
     self.mesh = mesh if mesh is not None else sharding.make_mesh(
         cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     self.process_index, self.process_count = jax.process_index(), mesh_processes(self.mesh)
@@ -132,7 +140,9 @@ class Trainer:
           f" and the process count {self.process_count}: make rows a multiple of both")
     self.local_rows = d.rows // self.process_count
 
-    if abstract:
+    if model is not None:
+      self.model, self.tokenizer = model, None
+    elif abstract:
       self.model, self.tokenizer = pretrained.abstract_run_model(cfg), None
     else:
       self.model, self.tokenizer = pretrained.build_run_model(cfg)
@@ -151,7 +161,7 @@ class Trainer:
     else:
       self.frozen_shardings = {"base": shard(base)}
       frozen = {"base": nnx.to_pure_dict(base)}
-    self.tx = make_optimizer(cfg)
+    self.tx = make_optimizer(cfg, host_lr)
     self.schedules = schedules(cfg)
     replicated = NamedSharding(self.mesh, P())
     opt_shardings = opt_state_shardings(jax.eval_shape(self.tx.init, params),
@@ -188,10 +198,17 @@ class Trainer:
     lead = (None,) if accum_axis else ()
     return NamedSharding(self.mesh, P(*lead, sharding.BATCH_AXES, *([None] * (n - 1 - len(lead)))))
 
+  @property
+  def online_teacher(self) -> bool:
+    return self.cfg.train.recipe == "distill" and self.cfg.distill.teacher == "online"
+
   def batch_fields(self, teacher: bool | None = None) -> tuple[str, ...]:
-    """The fields of this run's batches: teacher signals with the distill recipe."""
+    """The fields of this run's batches: teacher signals with the distill recipe (stored), or
+    the unmerged rows the teacher reads (online)."""
     teacher = self.cfg.train.recipe == "distill" if teacher is None else teacher
-    return tuple(sorted(k for k in BATCH_NDIMS if teacher or k not in TEACHER_FIELDS))
+    extra = (ONLINE_FIELDS if self.online_teacher else TEACHER_FIELDS) if teacher else ()
+    skip = set(TEACHER_FIELDS + ONLINE_FIELDS) - set(extra)
+    return tuple(sorted(k for k in BATCH_NDIMS if k not in skip))
 
   def abstract_batch(self, accum: int | None = None,
                      teacher_top_k: int = DEFAULT_TEACHER_TOP_K) -> dict[str, jax.ShapeDtypeStruct]:
@@ -202,8 +219,9 @@ class Trainer:
     f, dim = self.model.num_features, hcfg.base.hidden_size
     accum = d.accum if accum is None else accum
     lead = (accum, d.rows) if accum else (d.rows,)
-    m, g = d.entries, d.groups
-    shapes = {"input_ids": (m, k), "input_size": (m,), "positions": (m,), "segment_ids": (m,),
+    m, g, t = d.entries, d.groups, d.row_tokens
+    shapes = {"tokens": (t,), "token_segment": (t,), "teacher_index": (g, k),
+              "input_ids": (m, k), "input_size": (m,), "positions": (m,), "segment_ids": (m,),
               "pred_index": (g,), "target_ids": (g, k), "target_size": (g,),
               "window_ids": (g, k), "window_size": (g,), "teacher_topk_ids": (g, k, teacher_top_k),
               "teacher_topk_logp": (g, k, teacher_top_k), "teacher_features": (g, f, dim)}
@@ -218,10 +236,11 @@ class Trainer:
     `fn(state, frozen, batch) -> (state, metrics)`, the state donated."""
     if keys not in self._step_fns:
       replicated = NamedSharding(self.mesh, P())
+      lr = ({name: replicated for name in self.schedules},) if self.host_lr else ()
       self._step_fns[keys] = jax.jit(
           self.train_step,
           in_shardings=(self.state_shardings, self.frozen_shardings,
-                        {k: self.batch_sharding(k) for k in keys}),
+                        {k: self.batch_sharding(k) for k in keys}, *lr),
           out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
     return self._step_fns[keys]
 
@@ -238,8 +257,10 @@ class Trainer:
     """The train step lowered for this trainer's state and `batch` (default: abstract_batch()):
     `.compile()` it to see what one optimiser step costs on the mesh's devices."""
     batch = self.abstract_batch() if batch is None else batch
+    lr = ({n: jax.ShapeDtypeStruct((), jnp.float32) for n in self.schedules},) if self.host_lr \
+        else ()
     with self.tracing():
-      return self.step_program(tuple(sorted(batch))).lower(self.state, self.frozen, batch)
+      return self.step_program(tuple(sorted(batch))).lower(self.state, self.frozen, batch, *lr)
 
   def lower_eval(self, batch: dict | None = None) -> jax.stages.Lowered:
     batch = self.abstract_batch(accum=0) if batch is None else batch
@@ -257,6 +278,8 @@ class Trainer:
     model, t = self.merge(params, frozen), self.cfg.train
     if t.recipe == "paper":
       return hamburger_loss(model, batch, t.ce_chunk)
+    if self.online_teacher:
+      batch = with_teacher(model, batch, self.cfg.distill.top_k, t.ce_chunk)
     loss_fn = micro_distill_loss if t.trainable == "micro" else distill_loss
     return loss_fn(model, batch, self.cfg.distill, t.ce_chunk)
 
@@ -264,8 +287,10 @@ class Trainer:
     """Tokens each predicted group is trained on: its window (distill) or the group (paper)."""
     return batch["window_size" if self.cfg.train.recipe == "distill" else "target_size"]
 
-  def train_step(self, state: TrainState, frozen: dict, batch: dict) -> tuple[TrainState, dict]:
-    """One optimiser step over `accum` micro-batches ([accum, rows, ...]).
+  def train_step(self, state: TrainState, frozen: dict, batch: dict,
+                 lr: dict | None = None) -> tuple[TrainState, dict]:
+    """One optimiser step over `accum` micro-batches ([accum, rows, ...]); `lr`: each group's
+    learning rate (host_lr), else the compiled schedule's.
 
     Each micro-batch's token-mean loss is weighted by its share of the step's response tokens, so
     the accumulated gradient is that of the token mean over the whole step.
@@ -298,9 +323,12 @@ class Trainer:
     metrics["groups"] = jnp.sum(batch["target_size"] > 0).astype(jnp.float32)
     metrics["grad_norm"] = optax.tree.norm(grads)
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+    if lr is not None:
+      updates = {name: jax.tree.map(lambda u, r=lr[name]: u * r.astype(u.dtype), u)
+                 for name, u in updates.items()}
     params = optax.apply_updates(state.params, updates)
     for name, sched in self.schedules.items():
-      metrics[f"lr_{name}"] = sched(state.step)
+      metrics[f"lr_{name}"] = lr[name] if lr is not None else sched(state.step)
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   def eval_step(self, params, frozen, batch):
@@ -328,12 +356,22 @@ class Trainer:
       out[key] = jax.make_array_from_process_local_data(shard, local, global_shape)
     return out
 
-  def step(self, local_batches: list[dict[str, np.ndarray]]) -> dict[str, float]:
+  def step(self, local_batches: list[dict[str, np.ndarray]],
+           lr: dict[str, float] | None = None) -> dict[str, float]:
+    return {k: float(v) for k, v in jax.device_get(self.step_async(local_batches, lr)).items()}
+
+  def step_async(self, local_batches: list[dict[str, np.ndarray]],
+                 lr: dict[str, float] | None = None) -> dict[str, jax.Array]:
+    """One step dispatched, its metrics left on the device (reading them waits for it)."""
     self._check_concrete()
+    if (lr is None) == self.host_lr:
+      raise ValueError("a host_lr Trainer's step takes lr={group: rate}, and only such a one")
     batch = self.global_batch(local_batches)
+    extra = ({n: jnp.float32(v) for n, v in lr.items()},) if lr is not None else ()
     with self.tracing():
-      self.state, metrics = self.step_program(tuple(batch))(self.state, self.frozen, batch)
-    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+      self.state, metrics = self.step_program(tuple(batch))(self.state, self.frozen, batch,
+                                                            *extra)
+    return metrics
 
   def evaluate(self, batches: Iterator[dict[str, np.ndarray]],
                max_batches: int) -> dict[str, float]:
