@@ -1,0 +1,308 @@
+"""train.transfers: the folders fit their calls and join back to the originals, too much is
+refused with the sizes, and the install there (standard library only) places everything, checks
+every part and skips on a second run what is already in place."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from hamburger_jax import assets
+from train import transfers
+
+REPO = Path(__file__).resolve().parents[1]
+KIB = 1 << 10
+
+
+def _norm(name: str) -> str:
+  return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _write(path: Path, size: int, seed: int) -> Path:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  block = hashlib.sha256(str(seed).encode()).digest()
+  path.write_bytes((block * (size // len(block) + 1))[:size])
+  return path
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+  """A repository whose code is one small file, ignoring the transfer folders as ours does."""
+  root = tmp_path / "repo"
+  root.mkdir()
+  subprocess.run(["git", "init", "-q", str(root)], check=True)
+  (root / ".gitignore").write_text("/transfer*/\n/runs/\n")
+  _write(root / "code.py", 3 * KIB, 0)
+  subprocess.run(["git", "-C", str(root), "add", "."], check=True)
+  return root
+
+
+def _fake_wheels(cache: Path) -> None:
+  for i, pin in enumerate(transfers.WINDOW_WHEELS):
+    name, version = transfers.split_pin(pin)
+    _write(cache / f"{name.replace('-', '_')}-{version}-py3-none-any.whl", 2 * KIB + i, i)
+
+
+def _corpus(root: Path, sizes: list[int]) -> Path:
+  corpus = root / "runs" / "corpus"
+  (corpus / "meta.json").parent.mkdir(parents=True, exist_ok=True)
+  (corpus / "meta.json").write_text(json.dumps({"shards": len(sizes)}))
+  for i, size in enumerate(sizes):
+    _write(corpus / f"tokens-{i:03d}.npy", size, 100 + i)
+  return corpus
+
+
+def _build(repo_root: Path, *extra: str, corpus_sizes=(300 * KIB, 200 * KIB, 5),
+           limit_mib: float = 1.5) -> tuple[int, Path]:
+  """`python -m train.transfers build` with fake wheels, a fake 700 KiB GGUF and a fake corpus."""
+  cache = repo_root.parent / "cache"
+  _fake_wheels(cache)
+  gguf = _write(repo_root.parent / "base.gguf", 700 * KIB, 7)
+  corpus = _corpus(repo_root, list(corpus_sizes))
+  out = repo_root / "transfer"
+  code = transfers.main(["build", "--corpus", str(corpus), "--out", str(out), "--wheels-cache",
+                         str(cache), "--no-download", "--gguf", str(gguf), "--limit-mib",
+                         str(limit_mib), *extra])
+  return code, out
+
+
+def _joined(out: Path, entry: dict) -> bytes:
+  return b"".join((out / str(p["folder"]) / p["name"]).read_bytes() for p in entry["parts"])
+
+
+def test_folders_fit_their_calls_and_join_back(repo, capsys):
+  code, out = _build(repo)
+  printed = capsys.readouterr().out
+  assert code == 0, printed
+  folders = sorted((d for d in out.iterdir()), key=lambda d: int(d.name))
+  code_bytes = (repo / "code.py").stat().st_size + (repo / ".gitignore").stat().st_size
+  capacity = int(1.5 * transfers.MIB) - code_bytes - int(transfers.MARGIN_MIB * transfers.MIB)
+  assert 2 <= len(folders) <= transfers.MAX_FOLDERS
+  for d in folders:
+    assert sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) <= capacity, d
+  manifests = [json.loads((d / transfers.MANIFEST).read_text()) for d in folders]
+  assert {m["build"] for m in manifests} == {manifests[0]["build"]}
+  assert [m["folder"] for m in manifests] == list(range(1, len(folders) + 1))
+  table = manifests[0]["files"]
+  originals = {f"corpus/{p.name}": p for p in (repo / "runs" / "corpus").iterdir()}
+  originals["base/" + transfers.GGUF_FILE] = repo.parent / "base.gguf"
+  originals |= {f"wheels/{p.name}": p for p in (repo.parent / "cache").iterdir()}
+  assert set(table) == set(originals)
+  names = list(table)  # wheels, then the base, then the corpus
+  assert names[0].startswith("wheels/") and names[-1].startswith("corpus/")
+  assert names.index("base/" + transfers.GGUF_FILE) == len(transfers.WINDOW_WHEELS)
+  split = [n for n, e in table.items() if len(e["parts"]) > 1]
+  assert "base/" + transfers.GGUF_FILE in split
+  for name, entry in table.items():
+    data = _joined(out, entry)
+    assert data == originals[name].read_bytes(), name
+    assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+    if len(entry["parts"]) > 1:
+      assert [p["name"] for p in entry["parts"]] == [
+          f"{name}.part-{i:03d}" for i in range(len(entry["parts"]))]
+  # The plan: code size, each folder, and each call's carry and command.
+  assert "code that travels with every call" in printed
+  for k in range(1, len(folders) + 1):
+    assert f'carry ["transfer/{k}"]' in printed
+  last = printed.splitlines()[printed.splitlines().index(
+      f'  call {len(folders)} (training): carry ["transfer/{len(folders)}"]') + 1].strip()
+  assert last == ("python3 -m train.transfers install --from transfer --site /tmp/site "
+                  "--corpus-out /tmp/corpus && export PYTHONPATH=/tmp/site:$PWD && "
+                  + transfers.TRAIN_COMMAND)
+  assert len(last) < transfers.COMMAND_MAX and "du -sh transfer/*" in printed
+
+
+def test_too_much_is_refused_with_the_sizes(repo, capsys):
+  code, out = _build(repo, corpus_sizes=(3 * transfers.MIB,))
+  err = capsys.readouterr().err
+  assert code == 2 and not out.exists()
+  assert "folders of at most" in err and "corpus 3.0 MiB" in err and "base 0.7 MiB" in err
+  assert f"at most {transfers.MAX_FOLDERS} fit" in err, err
+
+
+def test_out_must_be_empty_or_overwritten(repo, capsys):
+  assert _build(repo)[0] == 0
+  code, out = _build(repo)
+  assert code == 2 and "--overwrite" in capsys.readouterr().err
+  assert _build(repo, "--overwrite")[0] == 0 and (out / "1" / transfers.MANIFEST).exists()
+
+
+def test_out_must_be_ignored_by_git(repo, capsys):
+  corpus = _corpus(repo, [10])
+  code = transfers.main(["build", "--corpus", str(corpus), "--out", str(repo / "shipped"),
+                         "--no-download", "--gguf", str(corpus / "meta.json")])
+  assert code == 2 and "not ignored by git" in capsys.readouterr().err
+
+
+def test_a_missing_wheel_without_download_names_the_pin(repo, capsys):
+  (repo.parent / "cache").mkdir()
+  corpus = _corpus(repo, [10])
+  code = transfers.main(["build", "--corpus", str(corpus), "--out", str(repo / "transfer"),
+                         "--wheels-cache", str(repo.parent / "cache"), "--no-download",
+                         "--gguf", str(corpus / "meta.json")])
+  err = capsys.readouterr().err
+  assert code == 2 and transfers.WINDOW_WHEELS[0] in err and "--no-download" in err
+
+
+def test_wheels_for_another_python_or_glibc_are_not_taken():
+  assert transfers.fits_machine("dm_tree-0.1.10-cp312-cp312-manylinux_2_24_x86_64."
+                                "manylinux_2_28_x86_64.whl")
+  assert transfers.fits_machine("toml-0.10.2-py2.py3-none-any.whl")
+  assert not transfers.fits_machine("dm_tree-0.1.10-cp311-cp311-manylinux_2_28_x86_64.whl")
+  assert not transfers.fits_machine("x-1.0-cp312-cp312-manylinux_2_34_x86_64.whl")
+  assert not transfers.fits_machine("x-1.0-cp312-cp312-macosx_11_0_arm64.whl")
+
+
+# ----------------------------------------------------------------------------- install
+
+
+def _tiny_wheel(cache: Path) -> None:
+  """A real wheel of a package `tinypkg`, for pip to install."""
+  cache.mkdir(parents=True, exist_ok=True)
+  files = {"tinypkg/__init__.py": b"VALUE = 1\n",
+           "tinypkg-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tinypkg\n"
+                                             b"Version: 1.0\n",
+           "tinypkg-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\n"
+                                          b"Root-Is-Purelib: true\nTag: py3-none-any\n"}
+  record = "".join(
+      f"{n},sha256={base64.urlsafe_b64encode(hashlib.sha256(b).digest()).rstrip(b'=').decode()},"
+      f"{len(b)}\n" for n, b in files.items()) + "tinypkg-1.0.dist-info/RECORD,,\n"
+  with zipfile.ZipFile(cache / "tinypkg-1.0-py3-none-any.whl", "w") as z:
+    for n, b in files.items():
+      z.writestr(n, b)
+    z.writestr("tinypkg-1.0.dist-info/RECORD", record)
+
+
+@pytest.fixture
+def built(repo) -> Path:
+  """A transfer of a real wheel, a 700 KiB GGUF and a corpus, in 3 folders or more."""
+  _tiny_wheel(repo.parent / "cache")
+  gguf = _write(repo.parent / "base.gguf", 700 * KIB, 7)
+  corpus = _corpus(repo, [300 * KIB, 200 * KIB, 5])
+  out = repo / "transfer"
+  plan = transfers.build(str(corpus), str(out), pins=("tinypkg==1.0",),
+                         cache=str(repo.parent / "cache"), download=False, gguf=str(gguf),
+                         limit_mib=1.5)
+  assert len(plan.folder_bytes) >= 3
+  return out
+
+
+def _install(out: Path, there: Path) -> int:
+  return transfers.main(["install", "--from", str(out), "--site", str(there / "site"),
+                         "--corpus-out", str(there / "corpus")])
+
+
+def test_install_places_everything_and_skips_it_the_second_time(built, tmp_path, capsys,
+                                                                 monkeypatch):
+  there = tmp_path / "there"
+  assert _install(built, there) == 0
+  printed = capsys.readouterr().out
+  site = there / "site"
+  assert printed.splitlines()[-1] == f"export PYTHONPATH={site}:$PWD"
+  assert (site / "tinypkg" / "__init__.py").read_text() == "VALUE = 1\n"
+  gguf = site / transfers.GGUF_PACKAGE / transfers.GGUF_FILE
+  assert gguf.read_bytes() == (built.parent.parent / "base.gguf").read_bytes()
+  assert (site / transfers.GGUF_PACKAGE / "__init__.py").read_text() == ""
+  corpus = built.parent / "runs" / "corpus"
+  for f in corpus.iterdir():
+    assert (there / "corpus" / f.name).read_bytes() == f.read_bytes(), f.name
+  # assets.smollm2_gguf() finds it with the site on the path, as train.window will.
+  probe = "from hamburger_jax import assets; print(assets.smollm2_gguf())"
+  res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONPATH": f"{site}:{REPO}"}, cwd=REPO)
+  assert res.stdout.strip() == str(gguf)
+
+  def no_pip(*a, **k):
+    raise AssertionError(f"a second install ran {a}")
+  monkeypatch.setattr(transfers.subprocess, "run", no_pip)
+  before = {p: p.stat().st_mtime_ns for p in there.rglob("*") if p.is_file()}
+  assert _install(built, there) == 0
+  printed = capsys.readouterr().out
+  assert "wheels: 1 already in" in printed and "0 written" in printed
+  assert {p: p.stat().st_mtime_ns for p in there.rglob("*") if p.is_file()} == before
+
+
+def _gguf_parts(out: Path) -> list[dict]:
+  table = json.loads((out / "1" / transfers.MANIFEST).read_text())["files"]
+  return table["base/" + transfers.GGUF_FILE]["parts"]
+
+
+def test_a_damaged_or_missing_part_is_named(built, tmp_path, capsys):
+  part = _gguf_parts(built)[1]
+  path = built / str(part["folder"]) / part["name"]
+  data = bytearray(path.read_bytes())
+  data[10] ^= 1
+  path.write_bytes(bytes(data))
+  there = tmp_path / "there"
+  assert _install(built, there) == 2
+  err = capsys.readouterr().err
+  assert f"{path} is damaged" in err and "send that folder again" in err
+  assert len(err.strip().splitlines()) == 1
+  assert not (there / "site" / transfers.GGUF_PACKAGE / transfers.GGUF_FILE).exists()
+  path.unlink()
+  assert _install(built, there) == 2
+  err = capsys.readouterr().err
+  assert f"{path} is missing: send that folder again ({built / str(part['folder'])})" in err
+
+
+def test_a_half_written_file_is_written_again(built, tmp_path, capsys):
+  there = tmp_path / "there"
+  assert _install(built, there) == 0
+  gguf = there / "site" / transfers.GGUF_PACKAGE / transfers.GGUF_FILE
+  whole = gguf.read_bytes()
+  gguf.write_bytes(whole[:1000])
+  assert _install(built, there) == 0
+  assert gguf.read_bytes() == whole and "base: 1 written" in capsys.readouterr().out
+
+
+def test_install_imports_only_the_standard_library(built, tmp_path):
+  """It runs before any wheel is installed: a third-party import would fail there."""
+  probe = ("import json, sys\n"
+           "before = set(sys.modules)\n"
+           "from train import transfers\n"
+           "code = transfers.main(sys.argv[1:])\n"
+           "new = {m.split('.')[0] for m in set(sys.modules) - before}\n"
+           "print(json.dumps([code, sorted(new - set(sys.stdlib_module_names) - {'train'})]))\n")
+  res = subprocess.run([sys.executable, "-c", probe, "install", "--from", str(built), "--site",
+                        str(tmp_path / "site"), "--corpus-out", str(tmp_path / "corpus")],
+                       cwd=REPO, capture_output=True, text=True, check=True)
+  assert json.loads(res.stdout.strip().splitlines()[-1]) == [0, []], res.stderr
+
+
+# ----------------------------------------------------------------------------- the pins and names
+
+
+def test_window_wheels_are_the_runbook_pins_and_requirements_agree():
+  doc = (REPO / "docs" / "accelerators.md").read_text(encoding="utf-8")
+  section = doc[doc.index("\n## B. "):]
+  pins = {(_norm(n), v) for n, v in re.findall(r"([A-Za-z0-9_.-]+)==([0-9][0-9A-Za-z.]*)",
+                                               section)}
+  ours = {(_norm(n), v) for n, v in map(transfers.split_pin, transfers.WINDOW_WHEELS)}
+  assert pins == ours
+  reqs = (REPO / "requirements.txt").read_text(encoding="utf-8")
+  pinned = {_norm(n): v for n, v in re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", reqs, re.M)}
+  assert {n: v for n, v in ours if n in pinned} == {n: pinned[n] for n, _ in ours if n in pinned}
+
+
+def test_the_base_goes_where_assets_looks():
+  assert (transfers.GGUF_PACKAGE, transfers.GGUF_FILE) == (assets.SMOLLM2_PACKAGE,
+                                                           assets.SMOLLM2_FILE)
+
+
+def test_help(capsys):
+  for argv in (["--help"], ["build", "--help"], ["install", "--help"]):
+    with pytest.raises(SystemExit) as e:
+      transfers.main(argv)
+    assert e.value.code == 0 and "python -m train.transfers" in capsys.readouterr().out
+  res = subprocess.run([sys.executable, "-m", "train.transfers", "--help"], cwd=REPO,
+                       capture_output=True, text=True, check=True)
+  assert "install" in res.stdout and "build" in res.stdout
