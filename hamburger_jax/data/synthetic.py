@@ -38,3 +38,34 @@ def build_synthetic_dataset(out_dir: str, vocab: int, max_group: int, n_train: i
   val = synthetic_samples(n_val, vocab, max_group, seed + 1)
   return build_dataset(out_dir, {"train": lambda: train, "validation": lambda: val},
                        max_group=max_group, metadata={"source": "synthetic"}, overwrite=overwrite)
+
+
+def write_synthetic_corpus(out_dir: str, vocab: int, n: int = 256, seed: int = 0,
+                           validation: float = 0.1) -> dict:
+  """A token corpus (hamburger_jax.data.token_corpus) of `synthetic_samples`, two of them a
+  conversation (two responses a sample): what the tiny window trains on without a tokenizer."""
+  from hamburger_jax.data import token_corpus  # pylint: disable=import-outside-toplevel
+  pieces, samples, responses = [], [], []
+  start = 0
+  parts = synthetic_samples(2 * n, vocab, 4, seed, prompt_len=(3, 8), response_len=(6, 30))
+  for i in range(n):
+    sample_start = start
+    for part in parts[2 * i:2 * i + 2]:
+      ids = part["input_ids"]
+      p = int(part["prompt_len"])
+      responses.append((i, start + p, start + len(ids)))
+      pieces.append(ids)
+      start += len(ids)
+    samples.append((sample_start, start - sample_start))
+  rng = np.random.default_rng(seed)
+  arrays = {"tokens": np.concatenate(pieces).astype(np.uint16),
+            "samples": np.asarray(samples, np.int64),
+            "responses": np.asarray(responses, np.int64),
+            "split": (rng.random(n) < validation).astype(np.uint8),
+            "source": np.zeros(n, np.uint8)}
+  resp = arrays["responses"]
+  meta = {"vocab_size": vocab, "tokenizer": None, "sources": ["synthetic"],
+          "max_len": int(max(l for _, l in samples)),
+          "per_source": {"synthetic": {"samples": n,
+                                       "response_tokens": int((resp[:, 2] - resp[:, 1]).sum())}}}
+  return token_corpus.write_arrays(out_dir, arrays, meta)

@@ -1,0 +1,113 @@
+"""A window turned into a graft (train.window): the tiny rehearsal end to end and continued from
+its own export, the plan a config's window would follow, the plan's arithmetic, and the host-fed
+learning rate that lets a window fix its schedule after compiling."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from hamburger_jax import graft_checkpoint, pretrained
+from hamburger_jax.run_config import load_run_config
+from hamburger_jax.training.trainer import Trainer
+from hamburger_jax.window import plan as plan_lib
+from train import window
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARTS = ("load", "corpus", "warm-up", "measure", "plan", "boundaries", "train", "export",
+         "evaluate", "decode", "done")
+
+
+def _report(out: str) -> str:
+  with open(os.path.join(out, "report.md"), encoding="utf-8") as f:
+    return f.read()
+
+
+def test_tiny_window_end_to_end_then_continued(tmp_path, capsys):
+  first, second = str(tmp_path / "w1"), str(tmp_path / "w2")
+  assert window.main(["--tiny", "--budget-minutes", "1", "--out", first]) == 0
+  out = capsys.readouterr().out
+  assert re.search(r"step \d+/\d+ .*tokens/s .*MFU", out)  # progress while training
+  text = _report(first)
+  for part in PARTS:
+    assert f"## {part}\n" in text, part
+  meta = graft_checkpoint.read_meta(os.path.join(first, "export"))
+  with open(os.path.join(first, "summary.json"), encoding="utf-8") as f:
+    summary = json.load(f)
+  assert meta["trained_tokens"] == summary["response_tokens"] > 10_000
+  assert summary["steps"] > 6  # trained past the measured steps
+  for name in os.listdir(os.path.join(first, "export")):
+    assert os.path.getsize(os.path.join(first, "export", name)) <= 16 * 2**20
+  # The export is a graft of the tiny run: it loads, and differs from a fresh graft.
+  model, _ = pretrained.load_run(window.TINY_CONFIG, os.path.join(first, "export"))
+  fresh, _ = pretrained.load_run(window.TINY_CONFIG)
+  trained, initial = _graft(model), _graft(fresh)
+  assert trained.keys() == initial.keys()
+  changed = [k for k in trained if not np.allclose(trained[k], initial[k])]
+  assert any("micro" in k for k in changed) and any("embedder" in k for k in changed)
+  # A second window continues the first: its lineage adds up.
+  assert window.main(["--tiny", "--budget-minutes", "0.7", "--out", second, "--init-from",
+                      os.path.join(first, "export"), "--no-decode-eval"]) == 0
+  meta2 = graft_checkpoint.read_meta(os.path.join(second, "export"))
+  assert meta2["window"]["init_from"] == os.path.join(first, "export")
+  assert meta2["trained_tokens"] == meta["trained_tokens"] + meta2["window"]["response_tokens"]
+  assert "## decode" in _report(second) and "skipped" not in _report(first)
+
+
+def _graft(model) -> dict:
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.model.llama import GraftParam  # pylint: disable=import-outside-toplevel
+  return {".".join(map(str, p)): np.asarray(v[...])
+          for p, v in nnx.to_flat_state(nnx.state(model, GraftParam))}
+
+
+def test_window_plan_of_the_smollm2_config(capsys):
+  assert window.main(["--config", os.path.join(REPO, "configs", "smollm2_135m_window.yaml"),
+                      "--budget-minutes", "8", "--plan"]) == 0
+  out = capsys.readouterr().out
+  for part in ("warm-up", "measure", "boundaries", "train", "export", "evaluate", "decode"):
+    assert part in out
+  tokens = int(re.search(r"training: .* ([\d,]+) response tokens", out).group(1).replace(",", ""))
+  assert tokens > 10_000_000  # at the assumed 30% MFU of an H100, 8 minutes hold 10M+
+
+
+def test_plan_fills_the_budget_or_the_data():
+  rates = plan_lib.Rates(step_s=0.1, tokens_per_step=1000, response_per_step=700,
+                         boundary_tokens_per_s=10_000, compile_s=5)
+  p = plan_lib.make_plan(100.0, rates, 10**9, reserve=20.0)
+  assert p.limited_by == "budget" and p.steps == 400  # 80 s at 0.1 + 1000 / 10000 s a step
+  assert p.response_tokens == 400 * 700 and p.boundary_tokens == 400 * 1000
+  assert p.train_s + p.boundary_s <= 80.0 + 1e-9
+  p = plan_lib.make_plan(100.0, rates, 50_500, reserve=20.0)
+  assert p.limited_by == "data" and p.steps == 50
+  assert plan_lib.make_plan(10.0, rates, 10**9, reserve=20.0).steps == 0
+
+
+def test_host_fed_learning_rate_is_the_compiled_schedule(tmp_path):
+  """Three steps of a Trainer whose step reads its learning rate from the host equal three steps
+  of one with the schedule compiled in (AdamW's update times lr is AdamW at lr), on a window's
+  batches (the teacher in the step)."""
+  from hamburger_jax.data.synthetic import write_synthetic_corpus  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.data.token_corpus import TokenCorpus  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.window.stream import RESPONSE_TOKENS, Samples, batches  # pylint: disable=import-outside-toplevel
+  cfg = load_run_config(window.TINY_CONFIG, [*window.WINDOW_OVERRIDES, *window.TINY_OVERRIDES,
+                                             "train.steps=5", "train.warmup_steps=2"])
+  write_synthetic_corpus(str(tmp_path / "c"), 256, 120)
+  c = TokenCorpus.load(str(tmp_path / "c"))
+  starts = (np.arange(len(c.tokens)) % 3 == 0).astype(np.uint8)  # groups of 3: merged entries
+  it = batches(Samples(c.tokens, c.samples, c.responses, starts), range(120), cfg)
+  compiled, host = Trainer(cfg), Trainer(cfg, host_lr=True)
+  for step in range(3):
+    batch = next(it)
+    batch.pop(RESPONSE_TOKENS)
+    want = compiled.step([batch])
+    got = host.step([batch], lr={name: float(f(step)) for name, f in host.schedules.items()})
+    assert got["lr_graft"] == pytest.approx(want["lr_graft"]) and got["loss"] == pytest.approx(
+        want["loss"], rel=1e-5)
+  for a, b in zip(jax.tree.leaves(compiled.state.params), jax.tree.leaves(host.state.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,132 @@
+"""One accelerator window turned into a graft: plan, boundaries, training with the teacher in the
+step, export, evaluation, in a budget of minutes.
+
+  python -m train.window --config configs/smollm2_135m_window.yaml --corpus runs/tokens/smollm2 \\
+      --budget-minutes 8.5 --out runs/window
+  python -m train.window --tiny --budget-minutes 2 --out runs/tiny-window     # a CPU rehearsal
+  python -m train.window --config configs/smollm2_135m_window.yaml --budget-minutes 8 --plan
+
+The corpus is token ids (python -m train.token_corpus). The window compiles its train step and
+times a few steps before it plans: the steps and the boundary pass then fill the budget, less
+what the export and the evaluation keep (hamburger_jax/window/). --init-from continues from an
+earlier window's export (its hamburger.json records the response tokens its lineage trained
+on, so windows add up). Output in --out: report.md (rewritten after every part), metrics.jsonl,
+summary.json and export/ (the graft in files of at most 16 MiB, each with its sha256 in the
+report). --work holds what need not come back (the boundaries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Sequence
+
+from hamburger_jax.config import ConfigError
+from hamburger_jax.data.token_corpus import CorpusError
+
+TINY_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "configs", "tiny.yaml")
+# What every window trains with, whatever its config: the distill recipe, its teacher in the step.
+WINDOW_OVERRIDES = ("train.recipe=distill", "distill.teacher=online")
+# --tiny: the tiny config's rows sized for its synthetic conversations.
+THRESHOLD = 0.6
+# The tiny random base spreads its probability over 256 tokens (~0.004 each): about half of
+# the synthetic responses' tokens then join a group, so merged entries are trained too.
+TINY_THRESHOLD = 0.004
+TINY_SAMPLES = 3000  # synthetic conversations: ~130k tokens
+TINY_OVERRIDES = ("data.tokens=128", "data.entries=128", "data.groups=64", "data.rows=8",
+                  "train.warmup_steps=8", "train.log_every=5", "checkpoint.export_dtype=float32")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="python -m train.window", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", help="YAML run config (configs/smollm2_135m_window.yaml)")
+  p.add_argument("--tiny", action="store_true",
+                 help="configs/tiny.yaml on a synthetic corpus: a rehearsal on a CPU")
+  p.add_argument("--corpus", help="token corpus directory (python -m train.token_corpus)")
+  p.add_argument("--budget-minutes", type=float, required=True,
+                 help="wall-clock minutes for everything, from the command's start")
+  p.add_argument("--out", help="where report.md, metrics.jsonl, summary.json and export/ go")
+  p.add_argument("--work", help="scratch files (default: OUT/work)")
+  p.add_argument("--init-from", help="an earlier window's (or run's) graft export to continue")
+  p.add_argument("--threshold", type=float,
+                 help="group boundaries: a token joins its group where the base gives it at "
+                      f"least this probability (segmentation confident:p; default "
+                      f"{THRESHOLD}, --tiny {TINY_THRESHOLD})")
+  p.add_argument("--no-decode-eval", action="store_true",
+                 help="skip timing decode against the base (saves its compiles)")
+  p.add_argument("--decode-tokens", type=int, default=64, help="new tokens a row when timing")
+  p.add_argument("--plan", action="store_true",
+                 help="print the parts and the tokens each would see at assumed rates, and exit")
+  p.add_argument("--peak-tflops", type=float, default=989.5,
+                 help="--plan: the accelerator's dense bf16 TFLOP/s (default: an H100/H200)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="config override, e.g. --set data.rows=32 (repeatable)")
+  args = p.parse_args(argv)
+  if bool(args.config) == args.tiny:
+    p.error("give either --config CONFIG or --tiny")
+  if not 0 < args.budget_minutes:
+    p.error(f"--budget-minutes must be > 0, got {args.budget_minutes}")
+  if args.threshold is None:
+    args.threshold = TINY_THRESHOLD if args.tiny else THRESHOLD
+  if not 0 < args.threshold <= 1:
+    p.error(f"--threshold must be in (0, 1], got {args.threshold}")
+  if not args.plan:
+    if not args.out:
+      p.error("--out is required (where the graft and the report go)")
+    if not args.corpus and not args.tiny:
+      p.error("--corpus is required: build one with python -m train.token_corpus --out DIR")
+  if args.init_from and not os.path.isfile(os.path.join(args.init_from, "hamburger.json")):
+    p.error(f"--init-from {args.init_from} is not a graft export (no hamburger.json there)")
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  started = time.monotonic()
+  args = parse_args(argv)
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.run_config import load_run_config  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.window import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.window.run import WindowSettings, run_window  # pylint: disable=import-outside-toplevel
+  overrides = [*WINDOW_OVERRIDES, *(TINY_OVERRIDES if args.tiny else ()), *args.set]
+  if args.init_from:
+    overrides.append(f"train.init_from={args.init_from}")
+  try:
+    cfg = load_run_config(TINY_CONFIG if args.tiny else args.config, overrides, shared_only=True)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if args.plan:
+    hcfg = pretrained.abstract_run_model(cfg).cfg
+    rates = plan_lib.assumed_rates(cfg, hcfg, args.peak_tflops * 1e12)
+    budget = 60 * args.budget_minutes - rates.compile_s
+    p = plan_lib.make_plan(budget, rates, 10**12, plan_lib.reserve_s(True, rates.compile_s))
+    print(f"window of {args.budget_minutes:g} minutes, {cfg.model.base}, rows {cfg.data.rows} x "
+          f"{cfg.data.row_tokens} tokens; parts: load, corpus, warm-up, measure (compile "
+          f"~{rates.compile_s:.0f} s), plan, boundaries, train, export, evaluate, decode")
+    print("\n".join(p.lines(rates)))
+    return 0
+  work = args.work or os.path.join(args.out, "work")
+  corpus = args.corpus
+  if args.tiny and not corpus:
+    from hamburger_jax.data.synthetic import write_synthetic_corpus  # pylint: disable=import-outside-toplevel
+    corpus = os.path.join(work, "corpus")
+    write_synthetic_corpus(corpus, cfg.model.random.vocab_size, TINY_SAMPLES, seed=args.seed)
+  settings = WindowSettings(args.budget_minutes, started, args.threshold,
+                            not args.no_decode_eval, args.decode_tokens, args.seed)
+  try:
+    summary = run_window(cfg, corpus, args.out, work, settings)
+  except (ConfigError, CorpusError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"graft: {summary['export']} ({summary['trained_tokens']:,} response tokens in its "
+        f"lineage); report: {os.path.join(args.out, 'report.md')}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
