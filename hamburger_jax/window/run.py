@@ -200,7 +200,7 @@ class Window:
     lengths = np.cumsum(self.samples.lengths(self.train_ids))
     # A little more than planned: packing's lookahead, and rows not quite full.
     n = int(np.searchsorted(lengths, 1.1 * self.plan.boundary_tokens)) + 1
-    n = min(n, len(self.train_ids))
+    n = min(n, len(self.train_ids)) if self.plan.steps else 0
     self.epoch_ids = self.train_ids[:n]
     stats = self._boundaries(self.epoch_ids) if n else boundaries_lib.BoundaryStats()
     self.summary["boundaries_tokens_per_s"] = stats.tokens_per_s
