@@ -136,3 +136,8 @@ def test_packing_keeps_each_sample_once_within_limits():
   big = TokenSample(np.zeros(60, np.int32), ((1, 60),), np.ones(60, bool))
   with pytest.raises(layout.LayoutError, match="more than a row"):
     list(pack_rows([big], rows=2, **limits))
+  # Given somewhere to put them, samples larger than a row are left out and the rest packed.
+  left: list[TokenSample] = []
+  packed = [s for rows in pack_rows([samples[0], big, samples[1]], rows=2, oversize=left.append,
+                                    **limits) for row in rows for s in row]
+  assert left == [big] and packed == [samples[0], samples[1]]

@@ -16,7 +16,7 @@ previous step.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -129,10 +129,14 @@ def pack_batch(rows: Sequence[Sequence[TokenSample]], *, tokens: int, entries: i
 
 
 def pack_rows(samples: Iterable[TokenSample], *, rows: int, tokens: int, entries: int,
-              groups: int, misses: int = 16) -> Iterator[list[list[TokenSample]]]:
+              groups: int, misses: int = 16,
+              oversize: Callable[[TokenSample], None] | None = None
+              ) -> Iterator[list[list[TokenSample]]]:
   """Batches of `rows` rows from a stream of samples, first fit: a sample goes to the first row
   with room for its tokens, entries and groups; after `misses` samples in a row fit nowhere the
-  batch is closed and they open the next ones. A sample larger than a row is an error."""
+  batch is closed and they open the next ones. A sample larger than a row is an error, or, given
+  `oversize`, handed to it and left out (a long answer of single-token groups can need more
+  groups than a row has, where rows are sized for the usual ones)."""
   limit = np.array([tokens, entries, groups])
   batch: list[list[TokenSample]] = [[] for _ in range(rows)]
   used = np.zeros((rows, 3), np.int64)
@@ -151,6 +155,9 @@ def pack_rows(samples: Iterable[TokenSample], *, rows: int, tokens: int, entries
           done = True
           break
         size = np.array(s.size())
+        if np.any(size > limit) and oversize is not None:
+          oversize(s)
+          continue
         if np.any(size > limit):
           raise LayoutError(f"a sample takes (tokens, entries, groups) {tuple(size)}, more "
                             f"than a row's {tuple(limit)}: make rows larger or samples shorter")

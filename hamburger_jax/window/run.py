@@ -161,7 +161,7 @@ class Window:
     return {name: float(f(step)) for name, f in schedules(cfg).items()}
 
   def measure(self) -> None:
-    it = batches(self.samples, self.warm_ids, self.cfg)
+    it = batches(self.samples, self.warm_ids, self.cfg, [])
     t = time.monotonic()
     first = next(it)
     self.tokens_trained = first.pop(RESPONSE_TOKENS)
@@ -210,13 +210,15 @@ class Window:
         f"after the first pass), mean group {stats.mean_group:.2f}"])
 
   def _epochs(self):
-    for _ in range(MAX_EPOCHS):
-      yield from batches(self.samples, self.epoch_ids, self.cfg)
+    for epoch in range(MAX_EPOCHS):
+      yield from batches(self.samples, self.epoch_ids, self.cfg,
+                         self.left_out if epoch == 0 else [])
 
   def train(self) -> None:
     total = self.steps_done + self.plan.steps
     stop_at = self.deadline - self.plan.reserve_s
     every = self.cfg.train.log_every
+    self.left_out: list = []  # samples larger than a row (data.groups), left out
     stream = Prefetch(self._epochs())
     t0, tok0, step0 = time.monotonic(), self.tokens_trained, self.steps_done
     mark = (t0, self.tokens_trained, self.steps_done)
@@ -260,9 +262,13 @@ class Window:
       mfu = peaks.mfu(self.flops, dt / steps, self.peak)
       self.summary.update(train_tokens_per_s=tps, train_mfu=mfu)
       rate = f"; {tps:,.0f} tokens/s and MFU {mfu:.1%} over {dt:.0f} s"
+    skipped = ""
+    if self.left_out:
+      skipped = (f"; {len(self.left_out)} samples larger than a row left out "
+                 f"({sum(s.response_tokens for s in self.left_out):,} response tokens)")
     self.report.part("train", [
         f"{self.steps_done} steps ({steps} after measuring, ended by {ended}), "
-        f"{self.tokens_trained:,} response tokens{rate}"])
+        f"{self.tokens_trained:,} response tokens{rate}{skipped}"])
 
   def export(self) -> str:
     path = os.path.join(self.out, "export")
@@ -287,7 +293,7 @@ class Window:
     return path
 
   def evaluate(self) -> None:
-    val = [b for b in batches(self.samples, self.val_ids, self.cfg)]
+    val = list(batches(self.samples, self.val_ids, self.cfg, []))
     for b in val:
       b.pop(RESPONSE_TOKENS)
     t = time.monotonic()

@@ -37,12 +37,15 @@ class Samples:
     return self.samples[np.asarray(ids, np.int64), 1]
 
 
-def batches(samples: Samples, ids: Sequence[int], cfg: RunConfig) -> Iterator[dict]:
+def batches(samples: Samples, ids: Sequence[int], cfg: RunConfig,
+            left_out: list[TokenSample] | None = None) -> Iterator[dict]:
   """Static-shape batches of the samples `ids` in order (the last, partial one too), each with
-  its response-token count under RESPONSE_TOKENS."""
+  its response-token count under RESPONSE_TOKENS. Samples larger than a row go to `left_out`
+  (else they are an error)."""
   d, k = cfg.data, cfg.graft.max_group
   limits = dict(tokens=d.row_tokens, entries=d.entries, groups=d.groups)
-  for rows in pack_rows((samples(i) for i in ids), rows=d.rows, **limits):
+  for rows in pack_rows((samples(i) for i in ids), rows=d.rows,
+                        oversize=None if left_out is None else left_out.append, **limits):
     batch = pack_batch(rows, max_group=k, **limits)
     batch[RESPONSE_TOKENS] = sum(s.response_tokens for row in rows for s in row)
     yield batch
