@@ -69,7 +69,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--data", default=None, help="tfds dataset directory for the nll task")
   p.add_argument("--split", default="validation", help="split of --data for nll")
   p.add_argument("--train-data", default=None,
-                 help="training data (JSONL or tfds directory): check no eval prompt is in it")
+                 help="training data (a token corpus, a tfds directory or JSONL): check that no "
+                      "eval prompt is in it")
   p.add_argument("--out", default="runs/eval", help="output directory")
   p.add_argument("--no-plots", action="store_true")
   p.add_argument("--unsafe-exec", action="store_true",
@@ -152,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = evaluate(model, tok, {**info, "micro_vocab": args.micro_vocab},
                        settings(args, argv))
   except (EvalError, AssetError, ConfigError, SourceError, WeightsError, GenerationError,
-          FileNotFoundError, SandboxUnavailable) as e:
+          FileNotFoundError, SandboxUnavailable, cli.ModelLoadError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   print(markdown(results))

