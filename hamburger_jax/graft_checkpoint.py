@@ -61,9 +61,7 @@ def save_graft(model: Hamburger, path: str, base_source: str, *, dtype: str = "b
   `max_shard_mb`: write each table in files of at most this many MiB (e.g. 16 where files move
   through transfers capped per file); None: one file per table."""
   check_shard_limit(max_shard_mb)  # before any export work
-  if model.cfg.base.fused_projections:
-    raise WeightsError("this model is in the decoding layout (fused projections, folded "
-                       "adapters: model/decode_layout.py); export the model it was made from")
+  mapping.check_training_layout(model)  # before any export work
   np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
               "float16": np.float16}[dtype]
   tables = {GRAFT: graft_table(model)}

@@ -9,7 +9,8 @@ float32 matmuls (`precision`: Engine(matmul_precision=...), train.precision, the
 --precision): "highest" computes them in full float32 on every backend (a TPU otherwise runs
 them as bfloat16 passes, a GPU as TF32); "default" leaves the backend's own choice (faster on
 an accelerator). A bfloat16 model is the same under both. Tests of exact greedy equality pin
-float32 decoding and "highest" (`pin`), so that they hold on any backend.
+float32 decoding and "highest" (`pin`), so that they hold on any backend; `unpin` and
+`backend_policy` give each backend its own policy back.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Iterator
 import jax
 
 from hamburger_jax.config import PRECISIONS
+from hamburger_jax.model.decode_layout import DTYPES
 
 DEFAULT_PRECISION = "default"
 DECODE_DTYPES = {"cpu": "float32", "gpu": "bfloat16", "tpu": "bfloat16"}
@@ -27,8 +29,9 @@ _pinned: dict[str, str | None] = {"decode_dtype": None}
 
 
 def decode_defaults(platform: str) -> dict:
-  """{"dtype", "fused"}: how an engine on `platform` decodes unless told otherwise (or `pin`
-  fixed it for every backend)."""
+  """{"dtype", "fused"}: how an engine on `platform` (a jax device's `platform`: "cpu",
+  "gpu", "tpu") decodes unless told otherwise (or `pin` fixed it for every backend); float32 on
+  a platform the table does not name."""
   dtype = _pinned["decode_dtype"] or DECODE_DTYPES.get(platform, "float32")
   return {"dtype": dtype, "fused": True}
 
@@ -37,9 +40,31 @@ def pin(decode_dtype: str = "float32", matmuls: str = "highest") -> None:
   """One policy on every backend, for this process: engines decode in `decode_dtype` and
   float32 matmuls run at `matmuls` (jax's default matmul precision). What exact comparisons of
   greedy tokens need to hold on a GPU or TPU as on the CPU (tests/conftest.py pins it)."""
+  if decode_dtype not in DTYPES:
+    raise ValueError(f"decode_dtype={decode_dtype!r}: use one of {', '.join(DTYPES)}")
   _pinned["decode_dtype"] = decode_dtype
   jax.config.update("jax_default_matmul_precision", None if check(matmuls) == "default"
                     else matmuls)
+
+
+def unpin() -> None:
+  """Each backend's own policy again: DECODE_DTYPES, and float32 matmuls as the backend runs
+  them (what a process that never pinned has)."""
+  _pinned["decode_dtype"] = None
+  jax.config.update("jax_default_matmul_precision", None)
+
+
+@contextlib.contextmanager
+def backend_policy() -> Iterator[None]:
+  """Each backend's own policy in the block (`unpin`), whatever was pinned before; the earlier
+  pin comes back after it. For tests of the policy itself in a pinned test run."""
+  saved = (_pinned["decode_dtype"], jax.config.jax_default_matmul_precision)
+  unpin()
+  try:
+    yield
+  finally:
+    _pinned["decode_dtype"] = saved[0]
+    jax.config.update("jax_default_matmul_precision", saved[1])
 
 
 def check(setting: str) -> str:

@@ -4,6 +4,8 @@ what the targets ask on SmolLM2's shapes (lowered dots, counted without weights)
 
 from __future__ import annotations
 
+import dataclasses
+import types
 from pathlib import Path
 
 import jax
@@ -12,12 +14,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hamburger_jax import graft_checkpoint, pretrained
+from hamburger_jax import graft_checkpoint, precision, pretrained
 from hamburger_jax.config import GraftConfig, HamburgerConfig
+from hamburger_jax.convert import hf, release
 from hamburger_jax.convert.mapping import WeightsError
 from hamburger_jax.decode import launches
 from hamburger_jax.model import lora
-from hamburger_jax.model.decode_layout import decode_layout
+from hamburger_jax.model.decode_layout import decode_layout, fold_errors, is_decoding_layout
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import ALL_MERGED, causal_segment_mask
 from hamburger_jax.run_config import load_run_config
@@ -88,15 +91,40 @@ def test_fused_kernels_hold_the_separate_ones(adapted):
   np.testing.assert_allclose(dst.mlp.down_proj.lora.kernel[...], want, rtol=1e-6)
 
 
-def test_the_decoding_layout_is_neither_saved_nor_laid_out_twice(adapted, tmp_path):
-  runner = decode_layout(adapted)
+@pytest.mark.parametrize("fused", [True, False])
+def test_no_export_takes_a_decoding_layout(adapted, tmp_path, fused):
+  """Fused or not, what decode_layout makes is marked, and every export refuses it (its
+  adapters are folded: a separate-projection layout would export without them)."""
+  runner = decode_layout(adapted, fused=fused)
+  assert is_decoding_layout(runner) and is_decoding_layout(runner.base)
+  assert not is_decoding_layout(adapted)
   with pytest.raises(ValueError, match="decoding layout already"):
-    decode_layout(runner)
+    decode_layout(runner, fused=fused)
   with pytest.raises(WeightsError, match="decoding layout"):
     graft_checkpoint.save_graft(runner, str(tmp_path / "x"), "random")
   assert not (tmp_path / "x").exists()
+  with pytest.raises(WeightsError, match="decoding layout"):
+    hf.save(runner.base, runner.cfg.base, str(tmp_path / "hf"))
+  assert not (tmp_path / "hf").exists()
+  with pytest.raises(WeightsError, match="decoding layout"):
+    release.export_release_state_dict(runner, fold_adapters=True)
+  with pytest.raises(WeightsError, match="decoding layout"):
+    release.write_lightning_checkpoint(runner, tmp_path / "release.ckpt", "base",
+                                       fold_adapters=True)
+  assert not (tmp_path / "release.ckpt").exists()
+  graft_checkpoint.save_graft(adapted, str(tmp_path / "y"), "random")  # the model it came from
+  assert (tmp_path / "y").is_dir()
+
+
+def test_a_base_in_another_dtype_is_a_decoding_layout_too(tmp_path):
+  """Separate projections and no adapters, but bfloat16: marked and refused; a model with
+  nothing to change is its own layout, unmarked, and exports."""
   plain = Hamburger(HamburgerConfig(DECODE_CFG, GraftConfig(merger_head_dim=16)), rngs=nnx.Rngs(0))
-  assert decode_layout(plain, fused=False) is plain  # nothing to change: the same arrays
+  assert decode_layout(plain, fused=False) is plain and not is_decoding_layout(plain)
+  cast = decode_layout(plain.base, fused=False, dtype="bfloat16")
+  assert is_decoding_layout(cast) and not cast.cfg.fused_projections
+  with pytest.raises(WeightsError, match="decoding layout"):
+    hf.save(cast, cast.cfg, str(tmp_path / "hf"))
   with pytest.raises(ValueError, match="dtype='float16'"):
     decode_layout(plain, dtype="float16")
 
@@ -136,15 +164,116 @@ def test_smollm2_step_launches_meet_their_targets():
 
 
 def test_engine_decodes_in_the_backends_layout(adapted):
-  from hamburger_jax import precision  # pylint: disable=import-outside-toplevel
+  """This run pins float32 (tests/conftest.py): every backend's engine decodes fused float32,
+  and the separate projections give the same tokens."""
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   engine = Engine(adapted, None, stop_ids=())
-  want = precision.decode_defaults(jax.devices()[0].platform)
-  assert (engine.fused, engine.dtype) == (want["fused"], want["dtype"])
-  assert engine.model is adapted and engine.runner.cfg.base.fused_projections == engine.fused
+  assert (engine.fused, engine.dtype) == (True, "float32")
+  assert engine.model is adapted and engine.runner.cfg.base.fused_projections
   separate = Engine(adapted, None, stop_ids=(), fused=False)
   prompts = [[1, 2, 3, 4], [5, 6]]
   for mode in ("base", "hamburger"):
     a = engine.generate(prompts, max_new_tokens=8, mode=mode, confidence=0.5)
     b = separate.generate(prompts, max_new_tokens=8, mode=mode, confidence=0.5)
     assert [(g.token_ids, g.groups) for g in a] == [(g.token_ids, g.groups) for g in b]
+
+
+@pytest.mark.parametrize("platform,dtype", [("cpu", "float32"), ("gpu", "bfloat16"),
+                                            ("tpu", "bfloat16"), ("metal", "float32")])
+def test_each_backend_decodes_in_its_own_dtype(platform, dtype):
+  """The policy as stated (precision.py), not read back from the function under test."""
+  with precision.backend_policy():
+    assert precision.decode_defaults(platform) == {"dtype": dtype, "fused": True}
+
+
+def test_a_pin_overrides_every_backend_and_can_be_undone():
+  before = (precision.decode_defaults("gpu"), jax.config.jax_default_matmul_precision)
+  with precision.backend_policy():
+    assert jax.config.jax_default_matmul_precision is None
+    precision.pin(decode_dtype="float32", matmuls="highest")
+    assert [precision.decode_defaults(p)["dtype"] for p in ("cpu", "gpu", "tpu")] == [
+        "float32"] * 3
+    assert jax.config.jax_default_matmul_precision == "highest"
+    precision.pin(decode_dtype="bfloat16", matmuls="default")
+    assert precision.decode_defaults("cpu")["dtype"] == "bfloat16"
+    assert jax.config.jax_default_matmul_precision is None
+    with pytest.raises(ValueError, match="decode_dtype='float16'"):
+      precision.pin(decode_dtype="float16")
+    precision.unpin()
+    assert [precision.decode_defaults(p)["dtype"] for p in ("cpu", "gpu", "tpu")] == [
+        "float32", "bfloat16", "bfloat16"]
+  assert (precision.decode_defaults("gpu"), jax.config.jax_default_matmul_precision) == before
+
+
+@pytest.mark.parametrize("platform,dtype", [("cpu", "float32"), ("gpu", "bfloat16"),
+                                            ("tpu", "bfloat16")])
+def test_an_engine_takes_its_devices_dtype(adapted, monkeypatch, platform, dtype):
+  """An engine whose device is on `platform` (a stand-in device: the engine reads only its
+  platform here) decodes that platform's dtype, its weights laid out in it."""
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  device = types.SimpleNamespace(platform=platform)
+  with precision.backend_policy(), monkeypatch.context() as patch:
+    patch.setattr(jax, "devices", lambda *args, **kwargs: [device])
+    engine = Engine(adapted, None, stop_ids=())
+  assert (engine.fused, engine.dtype) == (True, dtype)
+  kernels = [v for p, v in nnx.to_flat_state(nnx.state(engine.runner)) if p[-1] == "kernel"]
+  assert kernels and {v.dtype for v in kernels} == {jnp.dtype(dtype)}
+
+
+def _known_adapters(relative: float) -> Hamburger:
+  """A tiny HAMburger whose every adapter changes its kernel by `relative` of the kernel's
+  norm (the shipped graft's: 0.3-2%)."""
+  model = Hamburger(HamburgerConfig(DECODE_CFG, GraftConfig(merger_head_dim=16, base_lora_rank=4)),
+                    rngs=nnx.Rngs(0))
+  for i, lin in enumerate(lora.base_linears(model.base)):
+    lin.lora.b.set_value(jax.random.normal(jax.random.key(i), lin.lora.b.shape))
+    scale = relative * jnp.linalg.norm(lin.kernel[...]) / jnp.linalg.norm(lin.lora.delta())
+    lin.lora.b.set_value(lin.lora.b[...] * scale)
+  return model
+
+
+def test_bfloat16_merged_entries_keep_their_adapters():
+  """Adapters changing each kernel by 1% (what rounding to bfloat16 leaves 0.25 of on the
+  shipped graft): the bfloat16 layout's merged-entry logits lie near float32's adapted ones,
+  as near as the bfloat16 base to the float32 base, and far from the unadapted ones; logits
+  that lost the adapters (the plain bfloat16 kernels) would not."""
+  model = _known_adapters(0.01)
+  errors = np.array(list(fold_errors(model, "bfloat16").values()))
+  assert len(errors) == 7 * DECODE_CFG.num_layers and 0 < errors.max() < 0.3
+  assert max(fold_errors(model, "float32").values()) < 1e-4
+  runner = decode_layout(model, dtype="bfloat16")
+  ids = jax.random.randint(jax.random.key(1), (4, 16), 0, DECODE_CFG.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(16), ids.shape)
+  mask = causal_segment_mask(jnp.ones(ids.shape, jnp.int32))
+
+  def logits(m, merged):
+    feats = m.base_features(m.base.embed(ids), pos, mask, merged_bt=merged)[0]
+    return np.asarray(m.logits(feats[..., -1, :]), np.float64)
+
+  adapted, plain = logits(model, jnp.ones(ids.shape, bool)), logits(model, None)
+  merged, lost = logits(runner, ALL_MERGED), logits(runner, None)
+  dist = lambda a, b: float(np.linalg.norm(a - b))
+  assert dist(merged, adapted) < 0.5 * dist(merged, plain)
+  assert dist(merged, adapted) < 1.2 * dist(lost, plain)  # the base's own rounding
+  assert dist(lost, adapted) > dist(lost, plain)  # the check above fails where adapters are lost
+
+
+def test_a_bfloat16_model_folds_in_float32():
+  """A model held in bfloat16 folds W + BA in float32, rounded once (not BA rounded to
+  bfloat16, then the sum again)."""
+  cfg = dataclasses.replace(DECODE_CFG, dtype="bfloat16", param_dtype="bfloat16")
+  model = Hamburger(HamburgerConfig(cfg, GraftConfig(merger_head_dim=16, base_lora_rank=4)),
+                    rngs=nnx.Rngs(0))
+  for i, lin in enumerate(lora.base_linears(model.base)):
+    lin.lora.b.set_value(0.02 * jax.random.normal(jax.random.key(i), lin.lora.b.shape))
+  src = model.base.decoder.layers[1].mlp.down_proj
+  runner = decode_layout(model)
+  got = runner.base.decoder.layers[1].mlp.down_proj.lora.kernel[...]
+  a, b = (np.asarray(v[...], np.float64) for v in (src.lora.a, src.lora.b))
+  want = np.asarray(src.kernel[...], np.float64) + src.lora.scale * a @ b
+  assert got.dtype == jnp.bfloat16
+  # Rounded once: within half a bfloat16 step (8 significant bits) of the exact sum, give or
+  # take the float32 sum's own rounding (where W and BA nearly cancel).
+  half_step = 2.0 ** (np.floor(np.log2(np.abs(want) + 1e-30)) - 8)
+  slack = 2.0 ** -23 * (np.abs(np.asarray(src.kernel[...], np.float64)) + np.abs(want))
+  assert np.all(np.abs(np.asarray(got, np.float64) - want) <= half_step * (1 + 1e-6) + slack)

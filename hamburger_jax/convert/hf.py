@@ -90,8 +90,10 @@ def save(model: nnx.Module, cfg: LlamaConfig, path: str, target_prefix: tuple = 
          extra: Mapping[str, object] | None = None) -> None:
   """Writes config.json + model.safetensors loadable by transformers' LlamaForCausalLM.
 
-  Written to a temporary directory and renamed, so a failure leaves no half-written export.
+  Written to a temporary directory and renamed, so a failure leaves no half-written export. A
+  decoding layout is refused (mapping.check_training_layout).
   """
+  mapping.check_training_layout(model)
   if os.path.exists(path) and os.listdir(path):
     raise FileExistsError(f"{path} exists and is not empty; choose a new directory")
   tensors = mapping.export(model, llama_table(cfg, target_prefix))

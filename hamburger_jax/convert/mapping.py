@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hamburger_jax.model.decode_layout import is_decoding_layout
+
 Path = tuple
 Hook = Callable[[np.ndarray], np.ndarray]
 
@@ -79,8 +81,21 @@ def load(model: nnx.Module, tensors: Mapping[str, np.ndarray], table: Table, sou
                        f"abstract model ({len(unset)} in all); initialise the model instead")
 
 
+def check_training_layout(model: nnx.Module) -> None:
+  """Raises WeightsError when `model` is in the decoding layout (model/decode_layout.py), fused
+  or not: its merged-entry adapters are folded into kernels no export format holds, so an
+  export of it would leave them out (or, fused, hold kernels no loader reads)."""
+  if is_decoding_layout(model):
+    raise WeightsError("this model is in the decoding layout (model/decode_layout.py: folded "
+                       "adapters, fused or separate projections, the decoding dtype), which no "
+                       "export holds; export the model it was made from (an Engine's "
+                       "`model`, not its `runner`)")
+
+
 def export(model: nnx.Module, table: Table) -> dict[str, np.ndarray]:
-  """The inverse of `load`: source name -> tensor in the source's layout."""
+  """The inverse of `load`: source name -> tensor in the source's layout. Every export goes
+  through here, so none takes a decoding layout (check_training_layout)."""
+  check_training_layout(model)
   params = flat_params(model)
   return {name: np.asarray(rule.to_source(np.asarray(params[rule.target][...])))
           for name, rule in table.items()}

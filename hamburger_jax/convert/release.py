@@ -130,7 +130,9 @@ def export_release_state_dict(model: Hamburger,
   release key and the release applies one set of base weights everywhere, so a model with
   adapters exports only with `fold_adapters=True`: their deltas are folded into the kernels and
   then act at every position, prompt and single tokens included (no longer the exact base there).
+  A decoding layout is refused (mapping.check_training_layout), folded or not.
   """
+  mapping.check_training_layout(model)  # before without_adapters reads its adapters
   if model.cfg.graft.base_lora_rank:
     if not fold_adapters:
       raise ValueError(
@@ -223,6 +225,7 @@ def write_lightning_checkpoint(model: Hamburger, path: str | os.PathLike, base_m
   dtype. The tied copies share storage with embed_tokens, as in a torch state dict. Written to a
   temporary file and renamed, so a failure leaves no half-written checkpoint.
   """
+  mapping.check_training_layout(model)  # before torch loads or the heads are checked
   torch = _import_torch()
   if check_heads:  # the authors' code would merge with 64 heads whatever our config says
     check_release_compatible(model.cfg)

@@ -32,9 +32,14 @@ class LoRA(nnx.Module):
     return self.scale * jnp.dot(jnp.dot(x, self.a[...].astype(self.dtype)),
                                 self.b[...].astype(self.dtype))
 
-  def delta(self) -> jax.Array:
-    """The dense [in, out] change to the kernel."""
-    return self.scale * jnp.dot(self.a[...], self.b[...])
+  def delta(self, dtype=None) -> jax.Array:
+    """The dense [in, out] change to the kernel: in the params' dtype, or in `dtype` at full
+    precision (what a fold into a decoding kernel takes: an accelerator's default float32
+    matmul would round a and b to bfloat16 or TF32 first)."""
+    if dtype is None:
+      return self.scale * jnp.dot(self.a[...], self.b[...])
+    return self.scale * jnp.dot(self.a[...].astype(dtype), self.b[...].astype(dtype),
+                                precision=jax.lax.Precision.HIGHEST)
 
   def folded(self, kernel: jax.Array) -> jax.Array:
     """The kernel with this adapter in it: what a merged entry is multiplied by."""
