@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 from hamburger_jax.platforms import libtpu_installed, use_cpu_backend
 
@@ -67,6 +68,13 @@ def tpu_devices(topology: str, num_slices: int = 1) -> list:
                                              num_slices=num_slices).devices)
   except Exception as e:  # pylint: disable=broad-except  # libtpu's XlaRuntimeError & co.
     raise AotError(f"libtpu does not describe topology {topology!r}: {e}") from None
+
+
+def on_device(tree: Any, device) -> Any:
+  """A tree of arrays or ShapeDtypeStructs as ShapeDtypeStructs placed on one `device` (a chip
+  of a slice that is not attached): the arguments a one-chip program is lowered against."""
+  place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(device))
+  return jax.tree.map(place, jax.eval_shape(lambda t: t, tree))
 
 
 def device_hbm_bytes(devices: list) -> int:

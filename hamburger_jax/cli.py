@@ -20,6 +20,11 @@ from hamburger_jax.config import DEFAULT_CONFIDENCE
 T = TypeVar("T")
 
 
+class ModelLoadError(RuntimeError):
+  """The model a command asked for cannot load: its weights, config or assets (the message
+  says which and what to do). Entry points print it as one line and exit 1."""
+
+
 def add_model_flags(p: argparse.ArgumentParser, *, checkpoint_help: str | None = None,
                     micro_vocab: bool = False) -> None:
   """--checkpoint and --base: which graft and which base model to load; with `micro_vocab`,
@@ -148,7 +153,8 @@ def phase(what: str, fn: Callable[[], T]) -> T:
 def load_model(mode: str, checkpoint: str | None, base: str | None, *,
                untrained_ok: bool = False, config: str | None = None, **overrides: Any):
   """pretrained.load (or, with `config`, pretrained.load_run: a run config's model) with a
-  progress line; a model that cannot load is a one-line error."""
+  progress line. A model that cannot load raises ModelLoadError, whatever the cause, so that
+  an entry point catches one error and prints its message as one line."""
   from hamburger_jax import pretrained
   if config is not None:
     what, load = f"the model of {config}", lambda: pretrained.load_run(
@@ -160,7 +166,7 @@ def load_model(mode: str, checkpoint: str | None, base: str | None, *,
   try:
     return phase(f"loading weights ({what})", load)
   except (ValueError, RuntimeError, FileNotFoundError) as e:  # weights/config/asset errors
-    raise SystemExit(f"error: {e}") from None
+    raise ModelLoadError(str(e)) from e
 
 
 def add_precision_flag(p: argparse.ArgumentParser) -> None:

@@ -3,16 +3,17 @@ device can do, MFU and the memory-bandwidth roofline: hamburger_jax/peaks.py).
 
 FLOPs are counted analytically: every matmul and attention einsum the model runs, 2 FLOPs per
 multiply-add, at the static shapes a compiled step runs (padded rows and dense attention masks
-included: XLA computes them). `traced_matmul_flops` counts the same thing from the traced
-program, so the two must agree exactly. XLA's `cost_analysis()` also counts elementwise work
-(norms, RoPE, softmax, SiLU, residuals, the optimiser: about one FLOP per element), which this
-count leaves out: XLA reads 1-6% above it at the tiny test width (D = 64) and 0.1-1.5% at
+included: XLA computes them). program_flops.traced_matmul_flops counts the same thing from the
+traced program, so the two must agree exactly. XLA's `cost_analysis()` also counts elementwise
+work (norms, RoPE, softmax, SiLU, residuals, the optimiser: about one FLOP per element), which
+this count leaves out: XLA reads 1-6% above it at the tiny test width (D = 64) and 0.1-1.5% at
 D = 2048, where matmuls are O(D^2) per token and elementwise work O(D). (A backend that runs
 bfloat16 dots in float32, as XLA:CPU does, adds the converts of the weights: one FLOP each.)
 XLA counts a while loop's body once (it does not know trip counts): the counts here take a
 `loop_once` argument that counts the chunked LM-head loss the same way, so the benches compare
 XLA's figure of the very program they time (no second compilation). On a GPU, XLA counts none
-of the matmuls it hands to cuBLAS (`xla_counts_matmuls`): its figure is left out there.
+of the matmuls it hands to cuBLAS (program_flops.xla_counts_matmuls): its figure is left out
+there.
 
 "Model FLOPs" (MFU's numerator) leave out the rematerialised LM-head forward of the chunked loss
 (`losses._chunk_stats` recomputes the logits in the backward pass rather than storing them):
@@ -24,19 +25,12 @@ a trained parameter, the weight gradient of a trained parameter.
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Callable
 
-import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from flax import nnx
-from jax.extend import core
 
 from hamburger_jax import losses
 from hamburger_jax.config import HamburgerConfig, LlamaConfig
-from hamburger_jax.model.kv_cache import KVCache
 
 # ----------------------------------------------------------------------------- FLOPs
 
@@ -55,7 +49,7 @@ class FlopCount:
 
   @property
   def executed(self) -> int:
-    """What runs, remat included: what XLA's cost analysis (and `traced_matmul_flops`) see."""
+    """What runs, remat included: what XLA's cost analysis (and the traced count) see."""
     return self.forward + self.backward + self.remat
 
   def __add__(self, other: "FlopCount") -> "FlopCount":
@@ -164,8 +158,8 @@ def base_forward_flops(cfg: LlamaConfig, batch: int, tokens: int) -> int:
 
 
 def decode_step_flops(hcfg: HamburgerConfig, mode: str, batch: int, kv_len: int) -> int:
-  """One macro step at decode, as `decode_step_program` (and the engine) run it: the LM head on
-  each row's predicting features; in HAMburger mode the stop head there, all K - 1 micro steps
+  """One macro step at decode, as decode/step_program.py (and the engine) run it: the LM head
+  on each row's predicting features; in HAMburger mode the stop head there, all K - 1 micro steps
   (forced groups: each with its LM head and, but for the last, its stop head; step 1 reads the
   F features and e(t0) in one pass), the group smashed into one input; then the base forward of
   that one entry over the `kv_len` cache slots and itself (the merged-entry adapters folded
@@ -306,116 +300,3 @@ def decode_step_bytes(hcfg: HamburgerConfig, mode: str, batch: int, kv_len: int)
 
 def _np_dtype(name: str):
   return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
-
-
-# ----------------------------------------------------------------------------- XLA, traced
-
-
-def xla_counts_matmuls(device=None) -> bool:
-  """Whether XLA's cost analysis counts the matmuls on this device's backend: on a GPU the ones
-  it hands to cuBLAS are not counted (a measured 7-12% of a train step's FLOPs on an H200)."""
-  return (device or jax.devices()[0]).platform != "gpu"
-
-
-def xla_flops(compiled) -> float:
-  """FLOPs of a compiled program (`jax.jit(f).lower(...).compile()`) by XLA's cost analysis."""
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):  # older jax: one dict per program
-    cost = cost[0]
-  return float(cost["flops"])
-
-
-def traced_matmul_flops(fn: Callable, *args, **kwargs) -> int:
-  """Matmul FLOPs (every dot_general: 2 x output elements x contracted size) of the program `fn`
-  traces to, scan bodies times their length, the costliest branch of a cond. A while loop's
-  trip count is unknown at trace time: one is refused."""
-  return _jaxpr_matmul_flops(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr)
-
-
-def _jaxpr_matmul_flops(jaxpr) -> int:
-  total = 0
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if name == "dot_general":
-      (contract, _), _ = eqn.params["dimension_numbers"]
-      lhs = eqn.invars[0].aval.shape
-      out = eqn.outvars[0].aval.shape
-      total += 2 * math.prod(out) * math.prod(lhs[i] for i in contract)
-      continue
-    if name == "while":
-      raise ValueError("a while loop's trip count is unknown at trace time: count a program "
-                       "without one")
-    subs = [_jaxpr_matmul_flops(j) for j in _subjaxprs(eqn.params)]
-    if name == "cond":
-      total += max(subs, default=0)
-    elif name == "scan":
-      total += eqn.params["length"] * sum(subs)
-    else:
-      total += sum(subs)
-  return total
-
-
-def _subjaxprs(params: dict) -> list:
-  out = []
-  for value in params.values():
-    for v in value if isinstance(value, (tuple, list)) else (value,):
-      if isinstance(v, core.ClosedJaxpr):
-        out.append(v.jaxpr)
-      elif isinstance(v, core.Jaxpr):
-        out.append(v)
-  return out
-
-
-# ----------------------------------------------------------------------------- programs
-
-
-# The step program's token buffer: it emits into a fixed buffer that each call writes past the
-# end of (dropped writes), so repeated calls are the same step.
-STEP_TOKENS = 16
-
-
-def decode_step_program(model, mode: str, batch: int, kv_len: int, dtype: str | None = None):
-  """One macro step at decode as the engine runs it (decode/step.py: macro_step, greedy, in the
-  decoding layout: model/decode_layout.py, fused projections), standalone, so that its time,
-  its XLA cost and `decode_step_flops` describe the same program. Returns (step, args):
-  `step(*args)` -> the decode state after the step, the state (and its cache) donated.
-
-  HAMburger mode forces every group to K tokens and every entry to be merged (the micro steps
-  all run, the folded adapters act: what confidence 0 decodes; StepVariant.forced). The base
-  cache is dense, `kv_len` slots, all of them read: the step writes the last one. `model` may
-  be abstract (nnx.eval_shape): the step can then be lowered and compiled, not run. `dtype`:
-  the decoding layout's (None: the model's)."""
-  from hamburger_jax.decode import step as decode_step  # pylint: disable=C0415  # imports us
-  from hamburger_jax.model.decode_layout import decode_layout  # pylint: disable=C0415
-  if mode not in ("base", "hamburger"):
-    raise ValueError(f"mode={mode!r}: use base or hamburger")
-  abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model)))
-  layout = lambda m: decode_layout(m, dtype=dtype)
-  runner = nnx.eval_shape(layout, model) if abstract else layout(model)
-  cfg = runner.cfg.base
-  graphdef, params = nnx.split(runner)
-  k = runner.max_group if mode == "hamburger" else 1
-  f = runner.num_features if mode == "hamburger" else 1
-  dtype = jnp.dtype(cfg.dtype)
-  variant = decode_step.StepVariant(forced=mode == "hamburger")
-
-  def step(params, state):
-    return decode_step.macro_step(nnx.merge(graphdef, params), mode, state,
-                                  stop_ids=jnp.zeros((0,), jnp.int32), stochastic=False,
-                                  variant=variant)
-
-  def init():
-    cache = KVCache.init(cfg.num_layers, batch, kv_len, cfg.num_kv_heads, cfg.head_dim, dtype)
-    zeros = lambda *shape, dt=jnp.int32: jnp.zeros(shape, dt)
-    return decode_step.DecodeState(
-        cache=cache.replace(length=jnp.full((batch,), kv_len - 1, jnp.int32)),
-        features=jax.random.normal(jax.random.key(0), (batch, f, cfg.hidden_size)).astype(dtype),
-        prompt_len=jnp.full((batch,), kv_len, jnp.int32), tokens=zeros(batch, STEP_TOKENS + k),
-        n_tokens=zeros(batch), groups=zeros(batch, STEP_TOKENS), n_steps=zeros(batch),
-        done=zeros(batch, dt=bool), max_new=jnp.full((batch,), 2**30, jnp.int32),
-        confidence=zeros(batch, dt=jnp.float32), max_group=jnp.full((batch,), k, jnp.int32),
-        temperature=zeros(batch, dt=jnp.float32), top_k=zeros(batch),
-        top_p=jnp.ones((batch,), jnp.float32), key=jax.random.split(jax.random.key(0), batch))
-
-  state = jax.eval_shape(init) if abstract else init()
-  return jax.jit(step, donate_argnums=(1,)), (params, state)

@@ -61,7 +61,10 @@ def main(argv=None) -> int:
     p.error("--limit and --batch must be >= 1")
   if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
     p.error(f"--checkpoint {args.checkpoint} does not exist")
-  model, _ = cli.load_model("hamburger", args.checkpoint, args.base)
+  try:
+    model, _ = cli.load_model("hamburger", args.checkpoint, args.base)
+  except cli.ModelLoadError as e:
+    raise SystemExit(f"error: {e}") from None
   try:
     out = run(model, args.data, args.split, args.limit, args.batch)
   except ValueError as e:

@@ -56,7 +56,10 @@ def main(argv=None) -> int:
   from hamburger_jax.benchmarks.prompts import PROMPTS, chat_ids  # pylint: disable=C0415
 
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
-  model, tok = cli.load_model("both", checkpoint, args.base)
+  try:
+    model, tok = cli.load_model("both", checkpoint, args.base)
+  except cli.ModelLoadError as e:
+    raise SystemExit(f"error: {e}") from None
   ids = chat_ids(tok, (PROMPTS * (args.batch // len(PROMPTS) + 1))[:args.batch])
   runs = {"base": ("hamburger", "base")} | {v: (v, "hamburger") for v in VARIANTS}
   engines, steps = {}, {}

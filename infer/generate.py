@@ -75,7 +75,10 @@ def main(argv=None) -> int:
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
   mode = args.mode or pretrained.default_mode(checkpoint, both=True)
   cli.check_top_k(args.sampling, None if mode == "base" else checkpoint, args.base)
-  model, tok = cli.load_model(mode, checkpoint, args.base, micro_vocab=args.micro_vocab)
+  try:
+    model, tok = cli.load_model(mode, checkpoint, args.base, micro_vocab=args.micro_vocab)
+  except cli.ModelLoadError as e:
+    raise SystemExit(f"error: {e}") from None
   engine = Engine(model, tok)
   modes = ("base", "hamburger") if mode == "both" else (mode,)
   colour = sys.stdout.isatty() and not args.no_color

@@ -112,7 +112,10 @@ def main(argv=None) -> int:
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
   mode = args.mode or pretrained.default_mode(checkpoint)
   cli.check_top_k(args.sampling, None if mode == "base" else checkpoint, args.base)
-  model, tok = cli.load_model(mode, checkpoint, args.base, micro_vocab=args.micro_vocab)
+  try:
+    model, tok = cli.load_model(mode, checkpoint, args.base, micro_vocab=args.micro_vocab)
+  except cli.ModelLoadError as e:
+    raise SystemExit(f"error: {e}") from None
   engine = Engine(model, tok, block_size=args.block_size,
                   prefix_cache_tokens=args.prefix_cache_tokens)
   requests, failed = [], []

@@ -1,7 +1,8 @@
 """hamburger_jax.roofline: the analytic FLOP counts against the traced programs (exactly) and
-XLA's cost analysis (within elementwise work), the byte counts; hamburger_jax.peaks: peaks, MFU
-and roofline arithmetic by hand; and both benches' --random-weights paths end to end on
-configs/tiny.yaml (their printed columns, never their timings)."""
+XLA's cost analysis (within elementwise work; both counted by hamburger_jax.program_flops), the
+byte counts; hamburger_jax.peaks: peaks, MFU and roofline arithmetic by hand; and both
+benches' --random-weights paths end to end on configs/tiny.yaml (their printed columns, never
+their timings)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hamburger_jax import layout, peaks, pretrained, roofline, testing
+from hamburger_jax import layout, peaks, pretrained, program_flops, roofline, testing
 from hamburger_jax.data import synthetic
 from hamburger_jax.config import LLAMA_3_2_1B, ConfigError, GraftConfig, HamburgerConfig
 from hamburger_jax.data import pipeline
+from hamburger_jax.decode.step_program import decode_step_program
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.run_config import load_run_config
 
@@ -81,8 +83,8 @@ def test_base_forward_flops_match_the_traced_and_the_compiled_program():
   forward = lambda p, ids: nnx.merge(graphdef, p).base(ids)
   ids = jnp.zeros((2, 48), jnp.int32)
   ours = roofline.base_forward_flops(model.cfg.base, 2, 48)
-  assert roofline.traced_matmul_flops(forward, params, ids) == ours
-  xla = roofline.xla_flops(jax.jit(forward).lower(params, ids).compile())
+  assert program_flops.traced_matmul_flops(forward, params, ids) == ours
+  xla = program_flops.xla_flops(jax.jit(forward).lower(params, ids).compile())
   assert XLA_ABOVE_OURS[0] <= xla / ours <= XLA_ABOVE_OURS[1]
 
 
@@ -90,8 +92,8 @@ def test_base_forward_flops_match_the_traced_and_the_compiled_program():
                                     ("hamburger", 1)])
 def test_decode_step_flops_match_the_traced_program(mode, k):
   model = tiny_hamburger(max_group=k)
-  step, args = roofline.decode_step_program(model, mode, 3, 20)
-  assert roofline.traced_matmul_flops(step, *args) == roofline.decode_step_flops(
+  step, args = decode_step_program(model, mode, 3, 20)
+  assert program_flops.traced_matmul_flops(step, *args) == roofline.decode_step_flops(
       model.cfg, mode, 3, 20)
 
 
@@ -128,7 +130,7 @@ def test_train_step_flops_match_the_traced_program(trainable, recipe, lora, dtyp
   batch = _train_batch(trainer, teacher=recipe == "distill")
   ours = roofline.train_step_flops(trainer.model.cfg, 4, 96, 48, trainable, 512)
   step = trainer.train_step
-  traced = roofline.traced_matmul_flops(step, trainer.state, trainer.frozen, batch)
+  traced = program_flops.traced_matmul_flops(step, trainer.state, trainer.frozen, batch)
   assert traced == ours.executed
   # The LM head's logits are recomputed in the backward pass (two chunks of 512 rows), unless
   # nothing the loss reads through the head trains (the stop head alone).

@@ -1,7 +1,7 @@
 """The engine's programs compiled for a TPU that is not attached (hamburger_jax/aot.py), as the
 engine shards them: the prefill of a prompt's chunks, the decode loop in base and HAMburger
 modes, the same loop serving from a shared paged pool, and one macro step alone
-(roofline.decode_step_program) for per-step figures. Built abstractly: no weights.
+(decode/step_program.py) for per-step figures. Built abstractly: no weights.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from typing import Callable
 
 import jax
 from flax import nnx
-from jax.sharding import SingleDeviceSharding
 
-from hamburger_jax import aot, graft_checkpoint, pretrained, roofline, sharding
+from hamburger_jax import aot, graft_checkpoint, pretrained, sharding
 from hamburger_jax.config import ConfigError, GraftConfig, HamburgerConfig, LlamaConfig, from_dict
 from hamburger_jax.decode.engine import Engine
 from hamburger_jax.decode.shapes import prefill_chunks
+from hamburger_jax.decode.step_program import decode_step_program
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.run_config import load_run_config
 
@@ -49,12 +49,6 @@ def abstract_model(config: str | None, checkpoint: str | None) -> tuple[Hamburge
   hcfg = HamburgerConfig(from_dict(LlamaConfig, meta["base_config"]),
                          from_dict(GraftConfig, meta["graft"]))
   return nnx.eval_shape(lambda: Hamburger(hcfg, rngs=nnx.Rngs(0))), resolved
-
-
-def on_device(tree, device):
-  """A tree of arrays or ShapeDtypeStructs as ShapeDtypeStructs placed on one device."""
-  place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(device))
-  return jax.tree.map(place, jax.eval_shape(lambda t: t, tree))
 
 
 def tensor_mesh(devices: list, tensor: int) -> jax.sharding.Mesh | None:
@@ -111,10 +105,10 @@ def lower_engine(topology: str, *, config: str | None = None, checkpoint: str | 
       layout = engine.layout("hamburger", b, max_new, prompt_len)
       lowered[(b, f"prefill of a {chunk}-token chunk")] = engine.lower_prefill(layout, chunk)
     for mode in ("base", "hamburger"):
-      step, args = roofline.decode_step_program(model, mode, b, prompt_len + max_new,
-                                                dtype=engine.dtype)
+      step, args = decode_step_program(model, mode, b, prompt_len + max_new,
+                                       dtype=engine.dtype)
       lowered[(b, f"one macro step, {mode}" + (", forced K" if mode == "hamburger" else ""))] = (
-          step.lower(*on_device(args, devices[0])))
+          step.lower(*aot.on_device(args, devices[0])))
   label = topology + (f", {tensor} chips (tensor)" if tensor > 1 else ", 1 chip")
   return EngineLowering(label, devices, what, engine.dtype, lowered)
 

@@ -29,12 +29,12 @@ from hamburger_jax.config import DEFAULT_CONFIDENCE, DEFAULT_PREFIX_CACHE_TOKENS
 from hamburger_jax.decode import serving, shapes
 from hamburger_jax.decode.prefix_cache import CachedPrefix, PrefixCache, cacheable_prefix
 from hamburger_jax.decode.requests import Generation, GenerationError, Request
+from hamburger_jax.decode.runner import decode_runner
 from hamburger_jax.decode import step as decode_step
 from hamburger_jax.decode.sampling import SamplingParams
 from hamburger_jax.decode.shapes import (DEFAULT_BLOCK_SIZE, LENGTH_BUCKETS, Layout, bucket,
                                          generate_slots, prefill_chunks)
 from hamburger_jax.decode.step import DecodeState, StepVariant, base_of
-from hamburger_jax.model.decode_layout import decode_layout
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import Llama
 
@@ -482,9 +482,7 @@ class Engine:
     is a merged entry, so mode "base" (which never marks an input merged) is the base model,
     exactly. An abstract model (nnx.eval_shape) gives an engine whose programs can be lowered
     and compiled (for a mesh of devices that are not attached) but not run."""
-    layout = lambda m: decode_layout(m, fused=self.fused, dtype=self.dtype)
-    abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model)))
-    runner = nnx.eval_shape(layout, model) if abstract else layout(model)
+    runner, abstract = decode_runner(model, fused=self.fused, dtype=self.dtype)
     graphdef, params = nnx.split(runner)
     if getattr(self, "graphdef", graphdef) != graphdef:
       raise GenerationError("set_model needs a model of the same architecture as the engine's")

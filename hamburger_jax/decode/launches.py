@@ -7,8 +7,8 @@ The unit steps (the decode benches time the same functions, in a loop):
   base:   a base forward of one entry per row with its LM head (the exact base weights);
   merged: the same reading a merged entry (the adapters acting: folded kernels);
   micro:  one micro step (the micro decoder on one new input) with its LM head and stop head;
-and the whole macro steps of roofline.decode_step_program: base mode, and HAMburger with
-forced K-token groups.
+and the whole macro steps of decode/step_program.py: base mode, and HAMburger with forced
+K-token groups.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import SingleDeviceSharding
 
-from hamburger_jax import aot, platforms, roofline
+from hamburger_jax import aot, platforms
 from hamburger_jax.decode import step as decode_step
+from hamburger_jax.decode.step_program import decode_step_program
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.model.llama import ALL_MERGED, Llama
@@ -70,7 +70,7 @@ def programs(runner: Hamburger | Llama, batch: int, kv_len: int,
              model: Hamburger | None = None) -> dict[str, tuple]:
   """name -> (jitted step, args) of every counted program. `runner`: the model in the decoding
   layout (decode_layout; a base model alone has the base step only); `model`: the same in the
-  training layout, for roofline's macro steps (default: none of them)."""
+  training layout, for the standalone macro steps (default: none of them)."""
   graphdef, params = nnx.split(runner)
   out = {}
   names = UNIT_STEPS if isinstance(runner, Hamburger) else ("base",)
@@ -81,7 +81,7 @@ def programs(runner: Hamburger | Llama, batch: int, kv_len: int,
   if model is not None:
     for mode, name in (("base", "macro step, base mode"),
                        ("hamburger", "macro step, HAMburger forced K")):
-      out[name] = roofline.decode_step_program(model, mode, batch, kv_len)
+      out[name] = decode_step_program(model, mode, batch, kv_len)
   return out
 
 
@@ -94,9 +94,7 @@ def tpu_fusions(step, args) -> int | None:
   """Fusions of the program compiled for one TPU v5e chip; None without libtpu."""
   if not platforms.libtpu_installed():
     return None
-  device = aot.tpu_devices(TPU_TOPOLOGY)[0]
-  place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(device))
-  abstract = jax.tree.map(place, jax.eval_shape(lambda *a: a, *args))
+  abstract = aot.on_device(args, aot.tpu_devices(TPU_TOPOLOGY)[0])
   return aot.count_fusions(aot.compile_for_tpu(step.lower(*abstract)).as_text())
 
 

@@ -1,6 +1,7 @@
 """The static shapes of the engine's programs, planned on the host before anything compiles:
 the prefill chunk sizes of a prompt, the decode layout (slots, max_new_tokens bucket, each slot's
-view of the paged KV pool), the decode state of a layout's shapes and the views a decode program
+view of the paged KV pool), the decode state of a layout's shapes (the one decode-state
+builder: the standalone step program builds its state here too) and the views a decode program
 reads.
 
 A module of its own because every program the engine compiles is keyed by these shapes: they
@@ -103,14 +104,25 @@ def views(layout: Layout) -> list[int]:
   return out
 
 
-def empty_state(layout: Layout, cfg: LlamaConfig, max_group: int, num_features: int) -> DecodeState:
+def empty_state(layout: Layout, cfg: LlamaConfig, max_group: int,
+                num_features: int) -> DecodeState:
   """A decode state of `layout`'s shapes with every slot empty (done) and every block-table
   entry the trash block, not yet placed (Engine.init_state puts it on the engine's devices).
   `cfg`: the base model's; `max_group` (K) and `num_features`: the mode's (1 and 1 in base)."""
-  b, n, k = layout.slots, layout.max_new, max_group
-  cache = PagedKVCache.init(cfg.num_layers, layout.num_blocks, layout.block_size, b,
+  cache = PagedKVCache.init(cfg.num_layers, layout.num_blocks, layout.block_size, layout.slots,
                             layout.blocks_per_row, cfg.num_kv_heads, cfg.head_dim,
                             jnp.dtype(cfg.dtype))
+  return decode_state(cache, cfg, slots=layout.slots, max_new=layout.max_new,
+                      max_group=max_group, num_features=num_features)
+
+
+def decode_state(cache, cfg: LlamaConfig, *, slots: int, max_new: int, max_group: int,
+                 num_features: int) -> DecodeState:
+  """The decode state over `cache` (paged, or a dense KVCache: one row per slot) with every one
+  of `slots` slots empty (done): N = `max_new` tokens and K = `max_group` per slot, F =
+  `num_features` features of the base's width and dtype (`cfg`). The one place a state is
+  built: a caller that needs live slots (step_program.py) replaces the fields it fills."""
+  b, n, k = slots, max_new, max_group
   zeros = lambda *s, dt=jnp.int32: jnp.zeros(s, dt)
   return DecodeState(
       cache=cache, features=zeros(b, num_features, cfg.hidden_size, dt=jnp.dtype(cfg.dtype)),

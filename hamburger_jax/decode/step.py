@@ -1,7 +1,7 @@
 """One macro step of decoding, the engine's loop body (docs/method.md section 3): token 0 from
 the base's features, the stop head and the micro steps (HAMburger mode), the group smashed
 into ONE base input, the base forward of that input and its KV entry written. The engine, the
-decode benches and `roofline.decode_step_program` all run this code.
+decode benches and the standalone step program (step_program.py) all run this code.
 
 Where launches go (a small model's step on a GPU is bound by how many kernels it runs):
 - the micro steps are unrolled (K is static): each takes its token and, but for the last, its
@@ -13,7 +13,8 @@ Where launches go (a small model's step on a GPU is bound by how many kernels it
   row) otherwise (model/llama.py: Linear).
 
 `StepVariant` takes parts out (infer.ablate_step) or fixes what tracing may assume
-(`forced`: every group runs to K tokens, every entry merges: roofline's step, no branches).
+(`forced`: every group runs to K tokens, every entry merges: step_program.py's step, no
+branches).
 """
 
 from __future__ import annotations
