@@ -14,9 +14,11 @@ Runs its parts in priority order, each in its own process with its share of the 
   precision     the backend's decoding dtype (or --dtype) against float32: tokens equal, first
                 divergence
   decode        base against HAMburger in one engine per batch size: the shipped graft at
-                confidence 0.5 and 0.8, and forced groups (confidence 0), batches 1 and 32;
-                then r (micro step / base step) and the adapters' cost at batch 1, beside r
-                where bytes bound a step
+                confidence 0.5 and 0.8, and forced groups (confidence 0), batches 1 and 32
+                (tok/s over the time the batch decoded, prefills apart); batch 1 again with
+                XLA's GPU command buffers on for while loops and conditionals (each row names
+                its XLA flags); then r (micro step / base step) and the adapters' cost at
+                batch 1, beside r where bytes bound a step
   decode_1b     Llama-3.2-1B on random weights: a macro step's MFU and roofline, engine tok/s;
                 batch 1, then 32 (a command each, its lines kept as they come)
   train_1b      its train step (the paper's setting, trainable all): MFU
@@ -33,12 +35,13 @@ import datetime
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import time
+from typing import Iterator
 
 from hamburger_jax import cli
+from hamburger_jax.pipeline.budget import share_of_left
+from hamburger_jax.subprocess_run import Capped, run_capped
 
 PARTS = ("environment", "tests", "reference", "precision", "decode", "decode_1b", "train_1b")
 # Shares of the budget, in order; a part's minutes are its share of what is left among the
@@ -50,6 +53,10 @@ REFERENCE_FILE = "greedy_reference.json"  # in the shipped checkpoint's director
 REFERENCE_TOKENS = 32
 REFERENCE_CONFIDENCES = (0.5, 0.8)
 DECODE_CONFIDENCES = {"c=0.5": 0.5, "c=0.8": 0.8, "forced": 0.0}
+# XLA's GPU command buffers (CUDA graphs) for while loops and conditionals too, added to its
+# default command types: the decode loop is a lax.while_loop, and a step launches many small
+# kernels at batch 1. A GPU flag that XLA parses on every backend (an unknown flag would abort).
+COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
 # Modules a part imports beyond the library: the wheel list of docs/accelerators.md must cover
 # what they (and the library) import there (tests/test_repo.py checks it).
 PART_MODULES = ("hamburger_jax.decode.engine", "hamburger_jax.training", "hamburger_jax.data",
@@ -119,7 +126,10 @@ def _models(args):
     prompts = [[3 + (7 * i + j) % 250 for j in range(5 + 3 * i)] for i in range(8)]
     return model, None, prompts
   from hamburger_jax.benchmarks.prompts import PROMPTS, chat_ids  # pylint: disable=C0415
-  model, tok = cli.load_model("both", None, None)
+  try:
+    model, tok = cli.load_model("both", None, None)
+  except cli.ModelLoadError as e:
+    raise SystemExit(f"error: {e}") from None
   return model, tok, chat_ids(tok, PROMPTS)
 
 
@@ -180,14 +190,75 @@ def part_precision(args) -> list[str]:
           *compare(got, f32)]
 
 
-def part_decode(args):
+def decode_rows(engine, ids: list, n_new: int, flags: str,
+                tps: dict[str, float] | None = None) -> Iterator[str]:
+  """The decode table's rows of one batch: base and HAMburger at DECODE_CONFIDENCES, each run's
+  tok/s over the time the batch decoded (its prefills apart), best of 2 interleaved rounds;
+  `tps` gets each run's tok/s."""
+  from hamburger_jax.benchmarks import timing  # pylint: disable=import-outside-toplevel
+  runs = {"base": {"mode": "base"}, **{name: {"mode": "hamburger", "confidence": c}
+                                       for name, c in DECODE_CONFIDENCES.items()}}
+  res = timing.time_batches(engine, ids, n_new, 2, runs)
+  for name, t in res.items():
+    if tps is not None:
+      tps[name] = t.tokens_per_s
+    k = t.tokens / sum(g.macro_steps for g in t.gens)
+    yield (f"| {len(ids)} | {name} | {flags} | {t.tokens_per_s:.1f} | "
+           f"{t.tokens_per_s / res['base'].tokens_per_s:.2f}x | {k:.2f} | {t.prefill_s:.3f} | "
+           f"{t.compile_s:.0f} |")
+
+
+def xla_flags() -> str:
+  """The XLA flags this process runs with, as a table cell."""
+  return f"`{os.environ['XLA_FLAGS']}`" if os.environ.get("XLA_FLAGS") else "none (defaults)"
+
+
+def command_buffer_rows(args, defaults: dict[str, float],
+                        versus: dict[str, float]) -> Iterator[str]:
+  """Batch 1 again in a child process whose XLA_FLAGS add COMMAND_BUFFERS (read once, when the
+  backend starts: this process's backend is running already), its rows as they come; `versus`
+  gets each run's tok/s over its tok/s in `defaults`. A failed or stopped child leaves a row
+  saying so, and the part goes on."""
+  flags = f"{os.environ.get('XLA_FLAGS', '')} {COMMAND_BUFFERS}".strip()
+  # This process holds most of the device's memory (JAX preallocates it): the child allocates
+  # what it uses, as it goes (its first, untimed, round allocates what the timed ones reuse).
+  env = {**os.environ, "XLA_FLAGS": flags, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+  cmd = [sys.executable, "-m", "infer.accelerator_check", "--part", "decode_command_buffers",
+         *(["--tiny"] if args.tiny else [])]
+  # In the part's process group (the part's cap stops it too), capped at a third of the part's
+  # minutes: batch 32 and the step costs come after it.
+  run = Capped(cmd, getattr(args, "seconds", 600.0) / 3, env, own_group=False)
+  for line in run.lines():
+    cells = [c.strip() for c in line.split("|")]  # decode_rows' own row: batch, run, flags, tok/s
+    if len(cells) > 5 and cells[2] in defaults:
+      versus[cells[2]] = float(cells[4]) / defaults[cells[2]]
+    yield line.rstrip("\n")
+  if run.code is None:
+    yield f"| 1 | command buffers: stopped at {run.seconds:.0f} s | | | | | | |"
+  elif run.code:
+    last = run.stderr.strip().splitlines()[-1:] or [""]
+    yield f"| 1 | command buffers: exit {run.code} ({last[0][-200:]}) | | | | | | |"
+
+
+def part_decode_command_buffers(args) -> Iterator[str]:
+  """decode_rows at batch 1 in this process, whose XLA_FLAGS the decode part set."""
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  model, tok, prompts = _models(args)
+  engine = Engine(model, tok, stop_ids=())
+  yield from decode_rows(engine, prompts[:1], 32 if args.tiny else 128, xla_flags())
+
+
+def part_decode(args) -> Iterator[str]:
   """Yields its markdown a line at a time, each table row as soon as it is measured: a part
-  stopped at its cap keeps the rows it measured (batch 1 first: the figures that matter most)."""
+  stopped at its cap keeps the rows it measured (batch 1 first: the figures that matter most,
+  then batch 1 with XLA's GPU command buffers on for while loops and conditionals)."""
+  import jax  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   from hamburger_jax.benchmarks import report, timing, widths  # pylint: disable=C0415
   model, tok, prompts = _models(args)
   n_new = 32 if args.tiny else 128
   first = None  # batch 1's engine: the step costs below are measured in its layout
+  defaults, versus = {}, {}  # batch 1's tok/s, and with command buffers over it
   for b in (1, 4) if args.tiny else (1, 32):
     ids = (prompts * (b // len(prompts) + 1))[:b]
     engine = Engine(model, tok, stop_ids=())  # one per batch size; the confidences share it
@@ -195,23 +266,28 @@ def part_decode(args):
       first = engine
       yield (f"- {model.cfg.base.num_layers}-layer base, {n_new} new tokens a row (EOS "
              f"ignored), decoding layout {'fused' if engine.fused else 'separate'} "
-             f"{engine.dtype}; best of 2 interleaved rounds; compile s: compiled, or loaded "
-             "from the persistent compilation cache where an earlier part or run compiled it")
+             f"{engine.dtype}; tok/s = tokens all rows generated / the time the batch decoded, "
+             "its prefills apart (prefill s: the rows' prefills, added up); best of 2 "
+             "interleaved rounds; compile s: compiled, or loaded from the persistent "
+             "compilation cache where an earlier part or run compiled it")
+      yield ("- the rows with command buffers run in a process of their own (XLA reads its "
+             "flags when the backend starts), which allocates device memory as it goes")
+      if jax.default_backend() != "gpu":
+        yield (f"- `{COMMAND_BUFFERS}`: a GPU flag, no effect on "
+               f"{jax.default_backend()} (its rows rehearse the plumbing)")
       yield ""
-      yield "| batch | run | tok/s | vs base | tokens/step | compile s |"
-      yield "|---|---|---|---|---|---|"
-    runs = {"base": {"mode": "base"}, **{name: {"mode": "hamburger", "confidence": c}
-                                         for name, c in DECODE_CONFIDENCES.items()}}
-    res = timing.run_interleaved(engine, ids, n_new, 2, runs)
-    base_s = res["base"][0]
-    for name, (s, compile_s, gens) in res.items():
-      k = b * n_new / sum(g.macro_steps for g in gens)
-      yield (f"| {b} | {name} | {b * n_new / s:.1f} | {base_s / s:.2f}x | {k:.2f} | "
-             f"{compile_s:.0f} |")
+      yield "| batch | run | XLA flags | tok/s | vs base | tokens/step | prefill s | compile s |"
+      yield "|---|---|---|---|---|---|---|---|"
+    yield from decode_rows(engine, ids, n_new, xla_flags(), defaults if b == 1 else None)
+    if b == 1:
+      yield from command_buffer_rows(args, defaults, versus)
+  yield ""
+  if versus:
+    yield ("- batch 1 with command buffers against the defaults: "
+           + ", ".join(f"{name} {v:.2f}x" for name, v in versus.items()))
   # What bounds the ratios, last (three more programs to compile): r and the adapters' cost
   # at batch 1, measured, beside r where bytes would bound a step.
   cost = timing.step_costs(first.runner, 2, 1)
-  yield ""
   yield (f"- batch 1, steps in a jitted loop: r = micro step / base step = "
          f"{cost['micro'] / cost['base']:.3f}; a base step reading a merged entry costs "
          f"{cost['merged'] / cost['base'] - 1:+.1%}")
@@ -221,23 +297,18 @@ def part_decode(args):
   yield from (f"  {line}" for line in bound[1:])
 
 
-def cli_part(argv: list[str]):
+def cli_part(argv: list[str]) -> Iterator[str]:
   """Runs `python -m ARGV`, yielding its output a line at a time as it prints (a part stopped
   at its cap keeps what the command printed so far), then its exit code and, when it failed,
   the end of its stderr."""
-  import tempfile  # pylint: disable=import-outside-toplevel
   yield f"- `python -m {' '.join(argv)}`:"
   yield ""
-  with tempfile.TemporaryFile(mode="w+") as err:
-    with subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE, stderr=err,
-                          text=True) as proc:
-      for line in proc.stdout:
-        yield line.rstrip("\n")
-    yield ""
-    yield f"- exit {proc.returncode}"
-    if proc.returncode:
-      err.seek(0)
-      yield from ["", "stderr:", *err.read().strip().splitlines()[-15:]]
+  run = Capped([sys.executable, "-m", *argv], own_group=False)  # the part's cap stops it too
+  yield from (line.rstrip("\n") for line in run.lines())
+  yield ""
+  yield f"- exit {run.code}"
+  if run.code:
+    yield from ["", "stderr:", *run.stderr.strip().splitlines()[-15:]]
 
 
 def part_decode_1b(args):
@@ -261,25 +332,12 @@ def part_train_1b(args):
 
 RUNNERS = {"environment": part_environment, "tests": part_tests, "reference": part_reference,
            "precision": part_precision, "decode": part_decode, "decode_1b": part_decode_1b,
-           "train_1b": part_train_1b}
+           "train_1b": part_train_1b,
+           # a child of the decode part, with XLA_FLAGS of its own (not a part of the report)
+           "decode_command_buffers": part_decode_command_buffers}
 
 
 # ----------------------------------------------------------------------------- the run
-
-
-def run_capped(cmd: list[str], seconds: float, env=None) -> tuple[int | None, str, str]:
-  """Runs cmd for at most `seconds`: (exit code, or None when stopped; stdout; stderr). A stopped
-  command's whole process group is killed (pytest's workers too, which would otherwise go on
-  using the device under the next part), and what it printed so far is returned."""
-  with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                        start_new_session=True) as proc:
-    try:
-      out, err = proc.communicate(timeout=seconds)
-      return proc.returncode, out, err
-    except subprocess.TimeoutExpired:
-      os.killpg(proc.pid, signal.SIGKILL)
-      out, err = proc.communicate()
-      return None, out, err
 
 
 def run_parts(args) -> tuple[list[str], list[tuple[str, str, float, float]]]:
@@ -289,9 +347,8 @@ def run_parts(args) -> tuple[list[str], list[tuple[str, str, float, float]]]:
   total = 60 * args.budget_minutes
   for i, part in enumerate(PARTS):
     left = total - (time.monotonic() - start)
-    pending = sum(SHARES[p] for p in PARTS[i:])
     # The environment (seconds) runs whatever the budget: the report says what host it was.
-    cap = max(left, 0) * SHARES[part] / pending
+    cap = share_of_left(SHARES, PARTS[:i], left, part)
     if part == "environment":
       cap = max(cap, min(60.0, max(left, 0)))
     print(f"== {part}: up to {cap:.0f} s", file=sys.stderr, flush=True)
@@ -354,7 +411,7 @@ def main(argv=None) -> int:
   p.add_argument("--budget-minutes", type=float, default=8.0)
   p.add_argument("--out", default="accelerator_check.md", help="the markdown report")
   p.add_argument("--tiny", action="store_true", help="tiny models: the plumbing, on a CPU")
-  p.add_argument("--part", choices=PARTS, default=None,
+  p.add_argument("--part", choices=list(RUNNERS), default=None,
                  help="run this part alone, its markdown on stdout (no report, no cap)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                  help="the decoding dtype the precision part compares against float32 at "

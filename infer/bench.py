@@ -8,8 +8,10 @@
                                              # a config's model, random weights: FLOPs, MFU,
                                              # roofline (docs/results/accelerator_benches.md)
 
-Every row decodes exactly --new-tokens tokens (EOS ignored) so tokens/s compare like with like.
-Times exclude compilation (reported separately); each figure is the best of --repeats runs.
+Every row decodes exactly --new-tokens tokens (EOS ignored) so tokens/s compare like with like:
+a batch's tokens/s = the tokens all its rows generated / the time the batch decoded, its
+prefills reported apart (hamburger_jax/benchmarks/timing.py, time_batches). Times exclude
+compilation (reported separately); each figure is the best of --repeats runs.
 The compile column counts loads from the persistent compilation cache (on by default) when an
 earlier run compiled the same program: HAMBURGER_JAX_NO_COMPILE_CACHE=1 measures compilation.
 """
@@ -97,8 +99,12 @@ def main(argv=None) -> int:
   default_batches = {"base": [1, 8], "widths": list(bench_widths.WIDTHS)}.get(args.mode,
                                                                              [1, 8, 32])
   args.batches = args.batches or default_batches
-  {"base": bench_decode.bench_base, "hamburger": bench_decode.bench_hamburger,
-   "serve": bench_serve.bench_serve, "widths": bench_widths.bench_widths}[args.mode](args)
+  try:
+    {"base": bench_decode.bench_base, "hamburger": bench_decode.bench_hamburger,
+     "serve": bench_serve.bench_serve, "widths": bench_widths.bench_widths}[args.mode](args)
+  except cli.ModelLoadError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
   return 0
 
 

@@ -10,7 +10,31 @@ from hamburger_jax import cli
 from hamburger_jax.benchmarks import widths
 from hamburger_jax.benchmarks.prompts import PROMPTS, chat_ids
 from hamburger_jax.benchmarks.report import bytes_bound_lines, group_cap, launch_lines
-from hamburger_jax.benchmarks.timing import lockstep_cost, run_interleaved, step_costs, timed
+from hamburger_jax.benchmarks.timing import lockstep_cost, step_costs, time_batches, timed
+
+
+def time_transformers(ref, tok, ids, args) -> tuple[float, float, list[list[int]]]:
+  """transformers' generate on the same prompts (left-padded, greedy, args.new_tokens new
+  tokens a row): (decode seconds, prefill seconds, its new tokens), each the best of
+  args.repeats. Its prefill is a generate of one new token (one batched forward of the
+  prompts); decode = the whole generate less it: the time the batch decoded, as ours is."""
+  import torch  # pylint: disable=import-outside-toplevel
+  b, width = len(ids), max(map(len, ids))
+  input_ids = torch.full((b, width), tok.pad_id or 0, dtype=torch.long)
+  mask = torch.zeros((b, width), dtype=torch.long)
+  for i, row in enumerate(ids):
+    input_ids[i, width - len(row):] = torch.tensor(row)
+    mask[i, width - len(row):] = 1
+  kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=tok.pad_id)
+  run = lambda n: ref.generate(input_ids, max_new_tokens=n, **kwargs)
+  with torch.no_grad():
+    run(args.new_tokens)  # warm-up
+    total_s = min(timed(lambda: run(args.new_tokens)) for _ in range(args.repeats))
+    prefill_s = min(timed(lambda: run(1)) for _ in range(args.repeats))
+    out = run(args.new_tokens)[:, width:].tolist()
+  if any(len(h) != args.new_tokens for h in out):
+    raise RuntimeError("transformers stopped early: the EOS override did not take effect")
+  return total_s - prefill_s, prefill_s, out
 
 
 def bench_base(args) -> None:
@@ -38,36 +62,23 @@ def bench_base(args) -> None:
   print(f"{pretrained.describe('base', None, args.base)}, weights {args.dtype} "
         f"({wbytes / 1e6:.0f} MB), greedy, "
         f"{args.new_tokens} new tokens/row, torch threads {torch.get_num_threads()}, "
-        f"copy bandwidth {bw:.1f} GB/s")
+        f"copy bandwidth {bw:.1f} GB/s; tok/s = tokens all rows generated / the time the batch "
+        "decoded (the prefills apart: transformers' is a generate of one token)")
   rows = []
   for b in args.batches:
     ids = chat_ids(tok, (PROMPTS * (b // len(PROMPTS) + 1))[:b])
-    ours_s, compile_s, gens = run_interleaved(engine, ids, args.new_tokens, args.repeats,
-                                              {"base": {"mode": "base"}})["base"]
-    ours_tps = b * args.new_tokens / ours_s
-    # transformers: left-padded batch, same prompts, same number of new tokens.
-    width = max(map(len, ids))
-    input_ids = torch.full((b, width), tok.pad_id or 0, dtype=torch.long)
-    mask = torch.zeros((b, width), dtype=torch.long)
-    for i, row in enumerate(ids):
-      input_ids[i, width - len(row):] = torch.tensor(row)
-      mask[i, width - len(row):] = 1
-    kwargs = dict(attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False,
-                  pad_token_id=tok.pad_id)
-    with torch.no_grad():
-      ref.generate(input_ids, **kwargs)  # warm-up
-      hf_s = min(timed(lambda: ref.generate(input_ids, **kwargs)) for _ in range(args.repeats))
-      hf_out = ref.generate(input_ids, **kwargs)[:, width:].tolist()
-    if any(len(h) != args.new_tokens for h in hf_out):
-      raise RuntimeError("transformers stopped early: the EOS override did not take effect")
-    hf_tps = b * args.new_tokens / hf_s
-    same = sum(g.token_ids == h for g, h in zip(gens, hf_out))
-    rows.append((b, ours_tps, hf_tps, compile_s, same))
+    ours = time_batches(engine, ids, args.new_tokens, args.repeats,
+                        {"base": {"mode": "base"}})["base"]
+    hf_decode_s, hf_prefill_s, hf_out = time_transformers(ref, tok, ids, args)
+    same = sum(g.token_ids == h for g, h in zip(ours.gens, hf_out))
+    rows.append((b, ours.tokens_per_s, b * args.new_tokens / hf_decode_s, ours.compile_s, same,
+                 ours.prefill_s, hf_prefill_s))
   print("\n| batch | ours tok/s | transformers tok/s | ratio | identical greedy rows | "
-        "compile s |")
-  print("|---|---|---|---|---|---|")
-  for b, o, h, c, same in rows:
-    print(f"| {b} | {o:.1f} | {h:.1f} | {o / h:.2f}x | {same}/{b} | {c:.1f} |")
+        "prefill s (ours, transformers) | compile s |")
+  print("|---|---|---|---|---|---|---|")
+  for b, o, h, c, same, p_ours, p_hf in rows:
+    print(f"| {b} | {o:.1f} | {h:.1f} | {o / h:.2f}x | {same}/{b} | {p_ours:.2f}, {p_hf:.2f} | "
+          f"{c:.1f} |")
   b1 = [r for r in rows if r[0] == 1]
   if b1:
     roofline = bw * 1e9 / wbytes
@@ -112,31 +123,32 @@ def bench_hamburger(args) -> None:
         f"{engine.dtype}; adapter cost = a base step reading a merged entry (the adapters "
         "folded into the kernels) vs an unmerged one; micro vocab = the ids micro steps choose "
         "among (full: the whole vocabulary); same tokens = rows whose tokens equal the full "
-        "vocabulary's")
+        "vocabulary's; tok/s = tokens all rows generated / the time the batch decoded (the "
+        "prefills apart)")
   print("\n| batch | micro vocab | base tok/s | HAMburger tok/s | ratio | tokens/step k | "
         "KV entries/token | r | adapter cost | ceiling | of ceiling | same tokens | "
-        "compile s (base, ham) |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "prefill s (base, ham) | compile s (base, ham) |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   ham = {"mode": "hamburger", "confidence": args.confidence, "max_group": args.max_group}
   for b in args.batches:
     ids = chat_ids(tok, (PROMPTS * (b // len(PROMPTS) + 1))[:b])
     runs = {"base": {"mode": "base"}, **{name: ham for name in engines}}
-    out = run_interleaved(engine, ids, args.new_tokens, args.repeats, runs, engines)
-    base_s, base_c, _ = out["base"]
-    full_tokens = [g.token_ids for g in out["full"][2]]
+    out = time_batches(engine, ids, args.new_tokens, args.repeats, runs, engines)
+    base = out["base"]
+    full_tokens = [g.token_ids for g in out["full"].gens]
     for name, eng in engines.items():
-      ham_s, ham_c, gens = out[name]
+      t = out[name]
       cost = step_costs(eng.runner, args.repeats, b)
       r = cost["micro"] / cost["base"]
-      k = b * args.new_tokens / sum(g.macro_steps for g in gens)
-      ceiling = args.new_tokens / lockstep_cost(gens, r)
-      ratio = base_s / ham_s
-      same = sum(g.token_ids == t for g, t in zip(gens, full_tokens))
+      k = t.tokens / sum(g.macro_steps for g in t.gens)
+      ceiling = args.new_tokens / lockstep_cost(t.gens, r)
+      ratio = t.tokens_per_s / base.tokens_per_s
+      same = sum(g.token_ids == f for g, f in zip(t.gens, full_tokens))
       vocab = "full" if name == "full" else str(args.micro_vocab)
-      print(f"| {b} | {vocab} | {b * args.new_tokens / base_s:.1f} | "
-            f"{b * args.new_tokens / ham_s:.1f} | {ratio:.2f}x | {k:.2f} | {1 / k:.2f} | "
-            f"{r:.3f} | {cost['merged'] / cost['base'] - 1:+.1%} | {ceiling:.2f}x | "
-            f"{ratio / ceiling:.0%} | {same}/{b} | {base_c:.0f}, {ham_c:.0f} |")
+      print(f"| {b} | {vocab} | {base.tokens_per_s:.1f} | {t.tokens_per_s:.1f} | {ratio:.2f}x | "
+            f"{k:.2f} | {1 / k:.2f} | {r:.3f} | {cost['merged'] / cost['base'] - 1:+.1%} | "
+            f"{ceiling:.2f}x | {ratio / ceiling:.0%} | {same}/{b} | "
+            f"{base.prefill_s:.2f}, {t.prefill_s:.2f} | {base.compile_s:.0f}, {t.compile_s:.0f} |")
   rows = {"full": None}
   if args.micro_vocab is not None:
     rows[str(args.micro_vocab)] = int(engines["reduced"].model.micro_ids.shape[0])

@@ -8,7 +8,7 @@ import argparse
 
 import numpy as np
 
-from hamburger_jax.benchmarks.timing import engine_decode_s, time_decode_step
+from hamburger_jax.benchmarks.timing import time_batches, time_decode_step
 from hamburger_jax import cli
 from hamburger_jax.benchmarks.report import launch_lines
 
@@ -43,7 +43,7 @@ def bench_random(args) -> None:
     engine_s = {}
     if engine is not None:
       ids = rng.integers(0, hcfg.base.vocab_size, (b, args.prompt_len)).tolist()
-      engine_s = cli.phase(f"engine, batch {b}", lambda: engine_decode_s(
+      engine_s = cli.phase(f"engine, batch {b}", lambda: time_batches(
           engine, ids, args.new_tokens, args.repeats,
           {m: {"mode": m, "confidence": 0.0 if m == "hamburger" else 1.0} for m in modes}))
     for mode in modes:
@@ -64,7 +64,8 @@ def bench_random(args) -> None:
   print("step: one macro step alone, its KV cache holding what the decode writes (prompt + "
         "one entry per step); MFU = our FLOPs / step time / peak; roofline = bytes the step "
         "must read (weights per pass + KV cache) / step time / peak bandwidth; engine: "
-        "Engine.generate, wall time less the prompts' prefill")
+        "Engine.generate, tokens all rows generated / the time the batch decoded (the "
+        "prompts' prefills apart)")
   print("\n| mode | batch | tokens/step | KV entries | step ms | step tok/s | engine tok/s | "
         "FLOPs/token (ours) | FLOPs/token (XLA) | XLA / ours | MFU | MB read/step | roofline | "
         "bound | compile s (step, engine) |")
@@ -75,7 +76,7 @@ def bench_random(args) -> None:
     read = roofline.decode_step_bytes(hcfg, mode, b, kv_len)
     engine_tps, engine_c = "-", "-"
     if engine_r is not None:
-      engine_tps, engine_c = f"{b * args.new_tokens / engine_r[0]:.1f}", f"{engine_r[1]:.0f}"
+      engine_tps, engine_c = f"{engine_r.tokens_per_s:.1f}", f"{engine_r.compile_s:.0f}"
     print(f"| {mode} | {b} | {per_step} | {kv_len} | {1e3 * r['step_s']:.1f} | "
           f"{per_step / r['step_s']:.1f} | {engine_tps} | {ours / per_step / 1e6:.1f}M | "
           + ("- | - | " if r["xla"] is None else

@@ -4,7 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hamburger_jax.benchmarks.timing import lockstep_cost
+from hamburger_jax.benchmarks.timing import batch_decode_s, lockstep_cost, time_batches
+from hamburger_jax.decode.requests import Generation
 
 
 def _gen(groups):
@@ -87,21 +88,55 @@ def test_serve_fixed_pool_prints_the_streams_ceiling(capsys):
   assert int(rows["base"][6]) <= 15  # peak blocks: the pool bound
 
 
-def test_run_interleaved_alternates_the_settings_and_keeps_each_ones_best():
-  from hamburger_jax.benchmarks.timing import run_interleaved  # pylint: disable=C0415
-  calls, times = [], iter([9.0, 8.0, 3.0, 1.0, 4.0, 2.0, 5.0])
+def _timed_gen(queue_s: float, prefill_s: float, end_s: float, tokens: int = 8) -> Generation:
+  """A row admitted `queue_s` after the call, prefilled in `prefill_s`, done `end_s` after it."""
+  return Generation([1] * tokens, "", [1] * tokens, tokens, 0, 4, prefill_s,
+                    end_s - queue_s - prefill_s, queue_s=queue_s, latency_s=end_s)
+
+
+def test_a_batch_decodes_from_its_first_admission_to_its_last_token_less_the_prefills():
+  """One long prompt and three short ones, prefilled one at a time, then decoded together for
+  2 s: the batch decoded 2 s. Row 0's own span counts the others' prefills (1.2 s): the tok/s
+  taken from it was 37.5% low here."""
+  gens = [_timed_gen(0.0, 0.1, 3.3), _timed_gen(0.1, 1.0, 3.3), _timed_gen(1.1, 0.1, 3.3),
+          _timed_gen(1.2, 0.1, 3.3)]
+  assert batch_decode_s(gens) == pytest.approx(2.0)
+  assert gens[0].decode_s == pytest.approx(3.2)  # row 0's span: 2 s and the others' prefills
+  t = time_batches(SimpleNamespace(generate=lambda ids, max_new_tokens, **kw: gens), [[1]] * 4,
+                   8, 1, {"base": {}})["base"]
+  assert (t.tokens, t.tokens_per_s, t.prefill_s) == (32, pytest.approx(16.0), pytest.approx(1.3))
+  assert 32 / gens[0].decode_s < 0.7 * t.tokens_per_s
+
+
+def test_time_batches_alternates_the_settings_and_keeps_each_ones_fastest_round():
+  calls, spans = [], iter([9.0, 8.0, 3.0, 1.0, 4.0, 2.0, 5.0])
 
   class FakeEngine:
     def generate(self, ids, max_new_tokens, **kw):
       calls.append(kw["mode"])
-      t = next(times)
-      return [SimpleNamespace(decode_s=t, compile_s=t if len(calls) <= 2 else 0.0, tag=len(calls))]
+      g = _timed_gen(0.5, 0.5, 1.0 + next(spans), max_new_tokens)
+      g.compile_s, g.id = {1: 9.0, 2: 8.0}.get(len(calls), 0.0), len(calls)
+      return [g]
 
-  out = run_interleaved(FakeEngine(), [[1]], 4, 2, {"base": {"mode": "base"},
-                                                    "ham": {"mode": "hamburger"}})
+  out = time_batches(FakeEngine(), [[1]], 4, 2, {"base": {"mode": "base"},
+                                                 "ham": {"mode": "hamburger"}})
   # Each compiled and run once, then the rounds alternate (never all of one, then the other).
   assert calls == ["base", "hamburger", "base", "hamburger", "base", "hamburger"]
-  best_s, compile_s, gens = out["base"]
-  assert (best_s, compile_s, gens[0].tag) == (3.0, 9.0, 3)  # the fastest of its repeats
-  best_s, compile_s, gens = out["ham"]
-  assert (best_s, compile_s, gens[0].tag) == (1.0, 8.0, 4)
+  base, ham = out["base"], out["ham"]
+  assert (base.decode_s, base.compile_s, base.gens[0].id) == (3.0, 9.0, 3)  # its fastest round
+  assert (ham.decode_s, ham.compile_s, ham.gens[0].id) == (1.0, 8.0, 4)
+  assert (base.tokens_per_s, ham.tokens_per_s) == (pytest.approx(4 / 3), pytest.approx(4.0))
+
+
+def test_the_engine_gives_what_the_batch_figure_reads():
+  """On the engine: a short prompt admitted first, then a long one and two short ones. The rows
+  finish together, so the batch decoded row 0's span less the later rows' prefills."""
+  from hamburger_jax import testing  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  engine = Engine(testing.tiny_decode_model(), None, stop_ids=())
+  prompts = [[1, 2, 3], [3 + i % 90 for i in range(200)], [4, 5], [6, 7, 8]]
+  engine.generate(prompts, max_new_tokens=6, mode="base")  # compiles
+  gens = engine.generate(prompts, max_new_tokens=6, mode="base")
+  later = sum(g.prefill_s for g in gens[1:])
+  assert later > 0 and len({g.latency_s for g in gens}) == 1
+  assert batch_decode_s(gens) == pytest.approx(gens[0].decode_s - later, abs=1e-6)

@@ -123,20 +123,25 @@ def test_accelerator_check_parts_on_tiny_models():
   prec = ac.part_precision(argparse.Namespace(tiny=True, dtype="bfloat16"))
   assert prec[0].startswith("- decoding in bfloat16") and any(l.startswith("| base |") for l in prec)
   # The decode part hands on each row as it is measured (a part stopped at its cap keeps them):
-  # batch 1's header and 4 rows are out before batch 4 starts measuring.
+  # batch 1's header and 4 rows, then the same 4 runs with command buffers (from a child
+  # process: XLA reads its flags when the backend starts), are out before batch 4 starts.
   from hamburger_jax.benchmarks import timing  # pylint: disable=import-outside-toplevel
   decode, measuring_after = [], []
   def spy(*a, **kw):
     measuring_after.append(len(decode))
     return real(*a, **kw)
-  real = timing.run_interleaved
+  real = timing.time_batches
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(timing, "run_interleaved", spy)
+    mp.setattr(timing, "time_batches", spy)
     for line in ac.part_decode(args):
       decode.append(line)
-  assert measuring_after == [4, 8]
-  assert sum(l.startswith("| 1 |") for l in decode) == 4  # base and 3 HAMburger settings
+  assert measuring_after == [6, 14], decode
+  batch1 = [l for l in decode if l.startswith("| 1 |")]
+  assert [ac.COMMAND_BUFFERS in l for l in batch1] == [False] * 4 + [True] * 4, batch1
   assert sum(l.startswith("| 4 |") for l in decode) == 4
+  assert any("a GPU flag, no effect on cpu" in l for l in decode)
+  assert any(re.fullmatch(r"- batch 1 with command buffers against the defaults: base [\d.]+x, "
+                          r"c=0\.5 [\d.]+x, c=0\.8 [\d.]+x, forced [\d.]+x", l) for l in decode)
   assert any(l.startswith("- batch 1, steps in a jitted loop: r = ") for l in decode)
   assert any("r = " in l and "forced groups of 4 at most" in l for l in decode)
   assert [ac.pytest_workers(n) for n in (2, 16, 64)] == [2, 4, 4]

@@ -27,7 +27,6 @@ import sys
 import tempfile
 
 from hamburger_jax import cli
-from hamburger_jax.benchmarks import train_step
 from hamburger_jax.run_config import RECIPES, TRAINABLE
 
 
@@ -87,6 +86,7 @@ def main(argv=None) -> int:
   check_flags(p, args)
 
   from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.benchmarks import train_step  # pylint: disable=import-outside-toplevel
   from hamburger_jax.config import ConfigError, load_yaml  # pylint: disable=C0415
   from hamburger_jax.run_config import load_run_config  # pylint: disable=C0415
 
@@ -112,7 +112,11 @@ def main(argv=None) -> int:
   bench = train_step.TrainBench(args.config, args.steps, args.data, args.random_weights,
                                 not args.no_sft, args.input_batches)
   with tempfile.TemporaryDirectory(prefix="train-bench-") as tmp:
-    lines = train_step.run(bench, cfg, tmp, lambda: cli.device_peak(args, cfg.model.dtype))
+    try:
+      lines = train_step.run(bench, cfg, tmp, lambda: cli.device_peak(args, cfg.model.dtype))
+    except train_step.BenchError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 1
   print("\n".join(lines))
   return 0
 

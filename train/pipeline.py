@@ -3,9 +3,8 @@
   python -m train.pipeline --config configs/smollm2_135m.yaml --budget-minutes 480
   python -m train.pipeline --config configs/tiny.yaml --budget-minutes 3 --out runs/tiny-pipeline
 
-Runs the parts that README "Train" runs by hand (hamburger_jax/pipeline/; the teacher pass in
-its own process, `python -m train.prepare_data`), under --out
-(default: the config's checkpoint.dir + "-pipeline"):
+Runs the parts that README "Train" runs by hand (hamburger_jax/pipeline/, each through the
+library, in this process), under --out (default: the config's checkpoint.dir + "-pipeline"):
 
   self_distill   train.self_distill: the base's own greedy answers        -> responses.jsonl
                  (a model without tokenizer answers token-id prompts, --mix synthetic:N)
@@ -49,9 +48,6 @@ from typing import Sequence
 
 from hamburger_jax.pipeline import plan as planning, run, state
 
-TEACHER_PASS = "train.prepare_data"
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="python -m train.pipeline", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,7 +74,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def settings(args: argparse.Namespace) -> planning.Settings:
-  return planning.Settings(args.config, args.budget_minutes, TEACHER_PASS, out=args.out,
+  return planning.Settings(args.config, args.budget_minutes, out=args.out,
                            mix=args.mix, strategy=args.strategy,
                            teacher_top_k=args.teacher_top_k, eval_tasks=args.eval_tasks,
                            eval_limit=args.eval_limit)
@@ -96,6 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   print("\n".join(plan.lines()), flush=True)
   if args.plan:
     return 0
+  from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
+  # Before any part compiles: the parts run in this process, and JAX opens the cache once.
+  cache.enable_compilation_cache()
 
   def stop(*_):
     raise KeyboardInterrupt  # unwinds the part's own cleanup; a stage saves by itself

@@ -154,14 +154,10 @@ def main(argv: list[str] | None = None) -> int:
       conversations = [conv for conv, _ in distill(
           conversations, Engine(model, tokenizer), tokenizer, max_new_tokens=args.distill_tokens,
           batch=args.distill_batch, progress=bar.update)]
-  teacher = None
-  if args.teacher_top_k:
-    from hamburger_jax.segmentation import TeacherSpec  # pylint: disable=import-outside-toplevel
-    if args.teacher_top_k > model.cfg.vocab_size:
-      return _fail(ValueError(f"--teacher-top-k={args.teacher_top_k} exceeds the vocabulary "
-                              f"({model.cfg.vocab_size})"))
-    teacher = TeacherSpec(args.teacher_top_k,
-                          cfg.graft.resolved_feature_layers(model.cfg.num_layers))
+  try:
+    teacher = teacher_pass.teacher_spec(model, cfg.graft, args.teacher_top_k)
+  except ValueError as e:
+    return _fail(e)
   try:
     with tqdm(unit="sample", desc="segmenting" + (" + teacher" if teacher else "")) as bar:
       stats = prepare.prepare_dataset(

@@ -3,16 +3,19 @@ alike), one macro step alone, the unit steps in a jitted loop, and the lockstep 
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hamburger_jax import roofline
+from hamburger_jax import program_flops
 from hamburger_jax.benchmarks import widths
 from hamburger_jax.decode import launches
+from hamburger_jax.decode.requests import Generation
+from hamburger_jax.decode.step_program import decode_step_program
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -21,42 +24,52 @@ def timed(fn: Callable[[], Any]) -> float:
   return time.perf_counter() - t
 
 
-def run_interleaved(engine, ids, n_new: int, repeats: int, runs: dict[str, dict],
-                    engines: dict | None = None):
+@dataclasses.dataclass(frozen=True)
+class BatchTiming:
+  """One setting's figures for a batch, from its fastest round (time_batches)."""
+  decode_s: float  # the time the batch decoded (batch_decode_s)
+  prefill_s: float  # its rows' prefills, added up: reported apart, never in tok/s
+  compile_s: float  # spent compiling in the setting's first (untimed) call
+  tokens: int  # tokens all its rows generated
+  gens: list[Generation]  # the round's generations, in prompt order
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.tokens / self.decode_s
+
+
+def batch_decode_s(gens: Sequence[Generation]) -> float:
+  """Seconds a batch decoded: from its first row's admission to its last row's result, less
+  every row's prefill. The engine prefills the rows one at a time as it admits them
+  (decode/serving.py), so one row's own decode_s counts the prefills of the rows admitted after
+  it (row 0's: all of the others'), and the call's wall time counts its host setup too. (A row
+  evicted for KV blocks and prefilled again would count its first prefill as decoding; the
+  benches' pools hold every row, so none is.)"""
+  start = min(g.queue_s for g in gens)  # the first admission, after the call's compile
+  end = max(g.latency_s for g in gens)
+  return end - start - sum(g.prefill_s for g in gens)
+
+
+def time_batches(engine, ids, n_new: int, repeats: int, runs: dict[str, dict],
+                 engines: dict | None = None) -> dict[str, BatchTiming]:
   """Decodes one batch under each of several engine.generate settings (`runs`: name -> its
   keyword arguments; `engines`: name -> another engine for that run): each is compiled and run
-  once, then `repeats` rounds run each once in turn, so the machine's drift hits them alike (run
-  one after the other, a ~10% drift on this CPU showed up in their ratio). Returns name -> (best
-  decode s, compile s, generations)."""
+  once, then `repeats` rounds run each once in turn, so that the machine's drift hits them
+  alike (run one after the other, a ~10% drift on this CPU showed up in their ratio). Returns
+  name -> its fastest round's BatchTiming: tok/s = tokens all rows generated / the time the
+  batch decoded, its prefills apart."""
   engines = engines or {}
   gen = lambda name, kw: engines.get(name, engine).generate(ids, max_new_tokens=n_new, **kw)
-  first = {name: gen(name, kw) for name, kw in runs.items()}
-  best = {name: (float("inf"), None) for name in runs}
+  compile_s = {name: gen(name, kw)[0].compile_s for name, kw in runs.items()}
+  best: dict[str, BatchTiming] = {}
   for _ in range(repeats):
     for name, kw in runs.items():
-      g = gen(name, kw)
-      if g[0].decode_s < best[name][0]:
-        best[name] = (g[0].decode_s, g)
-  return {name: (best[name][0], first[name][0].compile_s, best[name][1]) for name in runs}
-
-def engine_decode_s(engine, ids, n_new: int, repeats: int,
-                    runs: dict[str, dict]) -> dict[str, tuple[float, float]]:
-  """name -> (best decode seconds of the batch, compile seconds) of engine.generate under each
-  setting, interleaved as run_interleaved does. Decode seconds: the call's wall time less its
-  prompts' prefill times (the rows are prefilled one by one before the batch decodes, so a
-  row's own decode_s would count its batch mates' prefills)."""
-  def decode_s(kw) -> float:
-    t = time.perf_counter()
-    gens = engine.generate(ids, max_new_tokens=n_new, **kw)
-    return time.perf_counter() - t - sum(g.prefill_s for g in gens)
-
-  compile_s = {name: engine.generate(ids, max_new_tokens=n_new, **kw)[0].compile_s
-               for name, kw in runs.items()}
-  best = {name: float("inf") for name in runs}
-  for _ in range(repeats):
-    for name, kw in runs.items():
-      best[name] = min(best[name], decode_s(kw))
-  return {name: (best[name], compile_s[name]) for name in runs}
+      gens = gen(name, kw)
+      t = BatchTiming(batch_decode_s(gens), sum(g.prefill_s for g in gens), compile_s[name],
+                      sum(g.new_tokens for g in gens), gens)
+      if name not in best or t.tokens_per_s > best[name].tokens_per_s:
+        best[name] = t
+  return best
 
 def step_costs(runner, repeats: int, batch: int = 1) -> dict[str, float]:
   """Seconds of one decode step at this batch size (decode/launches.py's unit steps, in the
@@ -83,10 +96,10 @@ def step_costs(runner, repeats: int, batch: int = 1) -> dict[str, float]:
   return out
 
 def time_decode_step(model, mode: str, batch: int, kv_len: int, repeats: int) -> dict[str, float]:
-  """roofline.decode_step_program compiled (seconds) and timed (the best mean step time of
+  """decode_step_program compiled (seconds) and timed (the best mean step time of
   `repeats` runs, each long enough to average over calls), with XLA's FLOPs for it (None on a
   GPU, where XLA does not count the matmuls cuBLAS runs)."""
-  step, (params, state) = roofline.decode_step_program(model, mode, batch, kv_len)
+  step, (params, state) = decode_step_program(model, mode, batch, kv_len)
   t = time.perf_counter()
   compiled = step.lower(params, state).compile()  # the calls below reuse it
   compile_s = time.perf_counter() - t
@@ -104,7 +117,7 @@ def time_decode_step(model, mode: str, batch: int, kv_len: int, repeats: int) ->
   run(1)  # the first call places the arguments
   calls = max(1, min(20, int(0.5 / run(1))))
   step_s = min(run(calls) for _ in range(repeats))
-  xla = roofline.xla_flops(compiled) if roofline.xla_counts_matmuls() else None
+  xla = program_flops.xla_flops(compiled) if program_flops.xla_counts_matmuls() else None
   return {"step_s": step_s, "compile_s": compile_s, "xla": xla}
 
 def lockstep_cost(gens, r: float) -> float:

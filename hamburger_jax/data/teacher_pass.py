@@ -167,6 +167,19 @@ def teacher_signals(stats: segmentation.TokenStats, groups) -> dict[str, np.ndar
           "teacher_features": stats.features[starts]}
 
 
+def teacher_spec(model: nnx.Module, graft_cfg, top_k: int) -> segmentation.TeacherSpec | None:
+  """The teacher signals the distillation recipe stores with each sample: the base's top-`top_k`
+  log-probabilities per response token and its features at the graft's feature layers
+  (`graft_cfg`: RunConfig.graft); None for top_k 0 (the paper recipe stores none)."""
+  if top_k < 0:
+    raise ValueError(f"--teacher-top-k={top_k} must be >= 0")
+  if top_k == 0:
+    return None
+  if top_k > model.cfg.vocab_size:
+    raise ValueError(f"--teacher-top-k={top_k} exceeds the vocabulary ({model.cfg.vocab_size})")
+  return segmentation.TeacherSpec(top_k, graft_cfg.resolved_feature_layers(model.cfg.num_layers))
+
+
 def teacher_metadata(model: nnx.Module, teacher: segmentation.TeacherSpec | None
                      ) -> tuple[dict[str, Any], dict[str, int] | None]:
   """(dataset metadata naming the base and the teacher signals, the builder's teacher shapes)."""

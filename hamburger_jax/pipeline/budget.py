@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Iterable, Sequence
 
 # Shares of the budget (sum 1). Self-distillation generates every token the stages train on,
 # the teacher pass reads them ~3x faster; training takes half; export and evaluation load a
@@ -20,17 +20,25 @@ TEACHER_SPEEDUP = 2.5
 MIN_STAGE_MINUTES = 4.0
 
 
+def share_of_left(shares: dict[str, float], done: Iterable[str], left: float,
+                  part: str) -> float:
+  """`part`'s share of what is `left` (minutes, seconds), among the parts not `done`: a quick
+  part hands what it did not use on to the later ones, in proportion to their shares, and an
+  overrun comes out of theirs; nothing left gives 0. The pipeline's parts and the accelerator
+  check's (infer/accelerator_check.py) share their budgets by this rule."""
+  done = set(done)
+  pending = sum(s for p, s in shares.items() if p not in done)
+  return max(left, 0.0) * shares[part] / pending if pending > 0 else 0.0
+
+
 def part_budget(shares: dict[str, float], used: dict[str, float], total: float,
                 part: str) -> float:
   """Minutes for `part`: its share of the minutes left, among the parts not finished yet.
 
   `shares` maps every part (in order) to its share, `used` each finished part to the minutes
-  it took. Unused minutes of a finished part go to the later parts in proportion to their
-  shares; an overrun comes out of theirs; nothing left gives 0 (the part's least work: one
-  training step, one answer)."""
-  left = total - sum(used.values())
-  pending = sum(s for p, s in shares.items() if p not in used)
-  return max(left, 0.0) * shares[part] / pending if pending > 0 else 0.0
+  it took (share_of_left; nothing left gives 0: the part's least work, one training step, one
+  answer)."""
+  return share_of_left(shares, used, total - sum(used.values()), part)
 
 
 def part_shares(stages: Sequence[tuple[str, int]]) -> dict[str, float]:

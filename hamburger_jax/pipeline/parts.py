@@ -6,33 +6,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
-import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from hamburger_jax.assets import AssetError
 from hamburger_jax.pipeline import budget as budget_rule
 from hamburger_jax.pipeline.plan import EVAL_DIR, Plan
 from hamburger_jax.pipeline.state import write_state
 
+if TYPE_CHECKING:  # the teacher pass's module imports jax and tfds: loaded when a part runs
+  from hamburger_jax.data.teacher_pass import PrepareStats
+
 
 class Interrupted(Exception):
   """The run was stopped (SIGTERM, Ctrl-C); the current part is left to its own resume."""
-
-
-def call(module: str, argv: list[str]) -> str:
-  """`python -m module argv` in its own process, its output shown and returned; its error exit
-  becomes a RuntimeError with its last lines. Interrupting the pipeline stops it too."""
-  print(f"$ python -m {module} {' '.join(argv)}", flush=True)
-  proc = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True,
-                        check=False)
-  print(proc.stdout, end="", flush=True)
-  print(proc.stderr, end="", file=sys.stderr, flush=True)
-  if proc.returncode:
-    last = [l for l in proc.stderr.strip().splitlines() if l.strip()][-1:] or [""]
-    raise RuntimeError(last[0].removeprefix("error: ") or
-                       f"{module} exited with {proc.returncode} (its error is printed above)")
-  return proc.stdout
 
 
 def answers_in(path: str) -> list[int]:
@@ -80,6 +66,31 @@ def run_self_distill(plan: Plan, budget: float, state: dict[str, Any]) -> dict[s
                     f"{sum(tokens)} response tokens"}
 
 
+def teacher_pass(plan: Plan, limit: int | None, overwrite: bool) -> PrepareStats:
+  """What `python -m train.prepare_data --source jsonl:ANSWERS` does with the plan's settings,
+  in this process: the first `limit` answers (None: all) segmented, with the base's teacher
+  signals, into plan.data (resuming from the finished shards of an interrupted attempt). Its
+  minutes are capped by `limit` (budget.teacher_limit), not by a clock: nothing here needs a
+  process of its own. Bad data or settings are a RuntimeError naming them."""
+  from hamburger_jax.data import prepare, sources  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.data.teacher_pass import teacher_spec  # pylint: disable=C0415
+  from hamburger_jax.data.tfds_builder import check_output_dir  # pylint: disable=C0415
+  from hamburger_jax.run_config import load_run_config  # pylint: disable=C0415
+  source = f"jsonl:{plan.responses}"
+  try:
+    check_output_dir(plan.data, overwrite)
+    cfg = load_run_config(plan.config, shared_only=True)
+    model, tokenizer = prepare.load_base(cfg.model, plan.token_ids)
+    return prepare.prepare_dataset(
+        sources.mixed_sources([source], limit), model, tokenizer, plan.data,
+        strategy=plan.strategy, max_group=cfg.graft.max_group, max_len=plan.max_len,
+        overwrite=overwrite, metadata={"source": source, "config": plan.config,
+                                       "base": cfg.model.base},
+        teacher=teacher_spec(model, cfg.graft, plan.teacher_top_k))
+  except (ValueError, FileExistsError, FileNotFoundError, AssetError) as e:
+    raise RuntimeError(str(e)) from None
+
+
 def run_prepare_data(plan: Plan, budget: float, state: dict[str, Any]) -> dict[str, Any]:
   answers = answers_in(plan.responses)
   if len(answers) < 2:
@@ -91,28 +102,16 @@ def run_prepare_data(plan: Plan, budget: float, state: dict[str, Any]) -> dict[s
   n = attempt.setdefault("prepare_data", budget_rule.teacher_limit(answers, budget,
                                                                    tokens_per_minute(state)))
   write_state(plan, state)
-  argv = ["--config", plan.config, "--source", f"jsonl:{plan.responses}", "--strategy",
-          plan.strategy, "--max-len", str(plan.max_len), "--teacher-top-k",
-          str(plan.teacher_top_k), "--out", plan.data]
-  if n < len(answers):
-    argv += ["--limit", str(n)]
-  if os.path.exists(plan.data):  # written by an attempt stopped before its record: redo it
-    argv.append("--overwrite")
-  if plan.token_ids:
-    argv.append("--token-ids")
-  out = call(plan.teacher_pass_module, argv)
-  # prepare_data's summary: "samples written  N (...)", "tokens  T (R response)".
-  samples = re.search(r"^samples written\s+(\d+)", out, re.M)
-  tokens = re.search(r"^tokens\s+(\d+) \((\d+) response\)", out, re.M)
-  figure = f"answers {n} of {len(answers)}"
-  rec = {"status": "done" if n == len(answers) else "budget", "answers_read": n}
-  if samples:
-    rec["samples"] = int(samples.group(1))
-    figure += f", samples {rec['samples']}"
-  if tokens:
-    rec["tokens"], rec["response_tokens"] = int(tokens.group(1)), int(tokens.group(2))
-    figure += f", tokens {rec['tokens']} ({rec['response_tokens']} response)"
-  return {**rec, "figure": figure}
+  print(f"teacher pass: {n} of {len(answers)} answers ({plan.responses}), strategy "
+        f"{plan.strategy}, teacher top-k {plan.teacher_top_k} -> {plan.data}", flush=True)
+  # A dataset written by an attempt stopped before its record is redone.
+  stats = teacher_pass(plan, n if n < len(answers) else None, os.path.exists(plan.data))
+  print(stats.summary(), flush=True)
+  return {"status": "done" if n == len(answers) else "budget", "answers_read": n,
+          "samples": stats.samples, "tokens": stats.tokens,
+          "response_tokens": stats.response_tokens,
+          "figure": f"answers {n} of {len(answers)}, samples {stats.samples}, tokens "
+                    f"{stats.tokens} ({stats.response_tokens} response)"}
 
 
 def saved_step(run_dir: str) -> int:

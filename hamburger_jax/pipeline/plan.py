@@ -31,7 +31,6 @@ class Settings:
   """A pipeline run as its command line states it (`python -m train.pipeline`'s flags)."""
   config: str  # the YAML run config
   budget_minutes: float
-  teacher_pass_module: str  # run as `python -m MODULE` for the teacher pass, in its own process
   out: str | None = None  # default: the config's checkpoint.dir + "-pipeline"
   mix: str | None = None  # default: TEXT_MIX, or IDS_MIX for a base without tokenizer
   strategy: str = STRATEGY
@@ -57,7 +56,6 @@ class Plan:
   teacher_top_k: int
   eval_tasks: str
   eval_limit: int
-  teacher_pass_module: str
   one_stage: bool = False  # the budget is too small for every stage: the last one alone
 
   def programs(self) -> list[tuple[str, str]]:
@@ -165,8 +163,7 @@ def make_plan(settings: Settings) -> Plan:
   tasks = s.eval_tasks or (IDS_EVAL_TASKS if token_ids else TEXT_EVAL_TASKS)
   check_parts(mix, tasks, s, token_ids)
   return Plan(s.config, out, s.budget_minutes, stages, cfgs, sets, token_ids, mix, max_len,
-              max_new, s.strategy, s.teacher_top_k, tasks, s.eval_limit, s.teacher_pass_module,
-              one_stage)
+              max_new, s.strategy, s.teacher_top_k, tasks, s.eval_limit, one_stage)
 
 
 def check_parts(mix: str, tasks: str, settings: Settings, token_ids: bool) -> None:

@@ -309,7 +309,7 @@ class Window:
         *(f"| {k} | {m[k]:.4f} |" for k in keep if k in m)])
 
   def decode(self) -> None:
-    from hamburger_jax.benchmarks.timing import engine_decode_s  # pylint: disable=import-outside-toplevel
+    from hamburger_jax.benchmarks.timing import time_batches  # pylint: disable=C0415
     from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
     prompts = []
     for i in self.val_ids:
@@ -330,8 +330,7 @@ class Window:
     rows = {}
     for b in DECODE_BATCHES:
       ids = (prompts * (b // len(prompts) + 1))[:b]
-      out = engine_decode_s(engine, ids, n, 2, runs)
-      tps = {k: b * n / v[0] for k, v in out.items()}
+      tps = {k: v.tokens_per_s for k, v in time_batches(engine, ids, n, 2, runs).items()}
       rows[b] = tps
       lines.append(f"| {b} | {tps['base']:,.0f} | {tps['c0.5']:,.0f} | "
                    f"{tps['c0.5'] / tps['base']:.2f}x | {tps['c0.8']:,.0f} | "
