@@ -170,14 +170,11 @@ def serve(engine, requests: Iterable[Request], *, slots: int = 8,
                          progress=progress), stats)
 
 
-def _serve(engine, requests: Iterable, stats: ServeStats, *, slots: int, kv_blocks: int | None,
-           mode: str, stream, max_new_bound: int | None, round_steps: int | None,
-           progress) -> Iterator[Generation]:
-  limit = np.int32(round_steps if round_steps is not None else np.iinfo(np.int32).max)
-  arrival = time.perf_counter()
+def _checked(engine, requests: Iterable, mode: str, arrival: float
+             ) -> tuple[collections.deque, list[Generation]]:
+  """(the requests that pass their checks, a failed Generation for each of the others)."""
   queue: collections.deque[Request] = collections.deque()
   failed: list[Generation] = []
-  preempted: dict[int, int] = collections.Counter()
   for i, r in enumerate(requests):
     # A copy: serving sets its id and token ids, never the caller's object (ids encoded
     # already travel with the copy, so no prompt is encoded twice).
@@ -188,130 +185,184 @@ def _serve(engine, requests: Iterable, stats: ServeStats, *, slots: int, kv_bloc
       queue.append(r)
     except GenerationError as e:
       failed.append(_failed(r, mode, str(e), arrival))
+  return queue, failed
+
+
+def _fitting(queue, layout, usable: int, mode: str, arrival: float
+             ) -> tuple[collections.deque, list[Generation]]:
+  """(the requests the pool can hold alone in the worst case, one entry per token; a failed
+  Generation for each of the others, which could otherwise be preempted forever)."""
+  fits, too_big = collections.deque(), []
+  for r in queue:
+    need = blocks_for(len(r.ids) + r.max_new_tokens, layout.block_size)
+    if need > usable:
+      too_big.append(_failed(r, mode, f"needs up to {need} KV blocks of {layout.block_size} "
+                             f"entries (prompt {len(r.ids)} + max_new_tokens "
+                             f"{r.max_new_tokens}) but the pool has {usable}: raise "
+                             "kv_blocks or shorten the request", arrival))
+    else:
+      fits.append(r)
+  return fits, too_big
+
+
+class _Scheduler:
+  """One serve() call's slots over the KV pool: admission, room for the next entry (the
+  youngest request gives way), decode rounds and the results of finished rows."""
+
+  def __init__(self, engine, layout, stats: ServeStats, queue: collections.deque, *,
+               mode: str, stream, round_steps: int | None, arrival: float, compile_s: float,
+               stochastic: bool):
+    self.engine, self.layout, self.stats, self.queue = engine, layout, stats, queue
+    self.mode, self.stream, self.stochastic = mode, stream, stochastic
+    self.arrival, self.compile_s = arrival, compile_s
+    self.round_steps = round_steps
+    self.limit = np.int32(round_steps if round_steps is not None else np.iinfo(np.int32).max)
+    self.pool = BlockAllocator(layout.num_blocks)
+    self.table = np.full((layout.slots, layout.blocks_per_row), TRASH_BLOCK, np.int32)
+    self.live: dict[int, _Live] = {}
+    self.free_slots = list(range(layout.slots))
+    self.lengths = np.zeros((layout.slots,), np.int64)
+    self.preempted: dict[int, int] = collections.Counter()
+    self.state = engine.init_state(layout)
+
+  def _put_table(self) -> None:
+    self.state = self.state.replace(cache=self.state.cache.replace(
+        table=self.engine.put(self.table)))
+
+  def release(self, slot: int) -> None:
+    self.pool.give_back(self.live.pop(slot).blocks)
+    self.table[slot] = TRASH_BLOCK
+    self.free_slots.append(slot)
+    self.free_slots.sort()
+
+  def admit(self) -> None:
+    """Admits while a slot and the prompt's blocks are free (first come, first served)."""
+    engine, stats = self.engine, self.stats
+    while self.queue and self.free_slots:
+      r = self.queue[0]
+      need = blocks_for(len(r.ids) + 1, self.layout.block_size)
+      if need > self.pool.free:
+        if not self.live:
+          raise RuntimeError("KV pool accounting error: nothing is live and blocks are missing")
+        return
+      self.queue.popleft()
+      slot = self.free_slots.pop(0)
+      blocks = self.pool.take(need)
+      self.table[slot] = row_table(blocks, self.layout.blocks_per_row)
+      self._put_table()
+      t = time.perf_counter()
+      hits, reused = engine.prefix_cache.hits, engine.prefix_cache.tokens_reused
+      self.state = engine.prefill(self.layout, self.state, r, slot)
+      jax.block_until_ready(self.state.done)
+      stats.prefix_hits += engine.prefix_cache.hits - hits
+      stats.prefix_tokens += engine.prefix_cache.tokens_reused - reused
+      now = time.perf_counter()
+      self.live[slot] = _Live(r, blocks, now, now - t, self.preempted[id(r)])
+      self.lengths[slot] = len(r.ids)
+
+  def make_room(self) -> None:
+    """Every live slot gets room for its next entry; the youngest gives way when blocks run
+    out (back to the queue's head, recomputed later)."""
+    live, size = self.live, self.layout.block_size
+    for slot in sorted(live, key=lambda s: live[s].admitted):
+      if slot not in live:
+        continue
+      while self.lengths[slot] >= len(live[slot].blocks) * size:
+        if self.pool.free == 0:
+          victim = max(live, key=lambda s: live[s].admitted)
+          self.preempted[id(live[victim].request)] += 1
+          self.stats.preemptions += 1
+          self.queue.appendleft(live[victim].request)
+          self.release(victim)
+          self.state = self.state.replace(done=self.state.done.at[victim].set(True))
+          if victim == slot:
+            break
+          continue
+        live[slot].blocks += self.pool.take(1)
+        self.table[slot] = row_table(live[slot].blocks, self.layout.blocks_per_row)
+    check_tables(self.table, live)
+    self._put_table()
+
+  def decode_round(self, sink) -> list[Generation]:
+    """One decode call over the live slots; the Generations of the rows it finished."""
+    engine, stats, live = self.engine, self.stats, self.live
+    stats.rounds += 1
+    stats.in_flight.append(len(live))
+    stats.queued.append(len(self.queue))
+    stats.blocks_used.append(self.pool.usable - self.pool.free)
+    view = engine.view_for(self.layout, max(len(lv.blocks) for lv in live.values()))
+    stats.views.append(view)
+    decode = engine.decode_program(self.layout, self.stochastic, self.stream is not None, view)
+    refill = np.bool_(bool(self.queue) and self.round_steps is None)
+    t_round = time.perf_counter()
+    self.state = decode(engine.params, self.state, engine.put(refill), engine.put(self.limit),
+                        sink)
+    done, n_tokens, length = jax.device_get((self.state.done, self.state.n_tokens,
+                                             self.state.cache.length))
+    stats.round_s.append(time.perf_counter() - t_round)
+    self.lengths[:] = length
+    finished = [s for s in sorted(live) if done[s]]
+    if not finished:
+      return []
+    results = self._results(finished, n_tokens, length)
+    stats.free_blocks_at_end = self.pool.free
+    return results
+
+  def _results(self, finished: list[int], n_tokens, length) -> list[Generation]:
+    tokens, groups, n_steps = jax.device_get((self.state.tokens, self.state.groups,
+                                              self.state.n_steps))
+    now = time.perf_counter()
+    tok = self.engine.tokenizer
+    results = []
+    for s in finished:
+      lv = self.live[s]
+      row = tokens[s, :n_tokens[s]].tolist()
+      text = tok.decode(row, skip_special_tokens=True) if tok is not None else ""
+      results.append(Generation(
+          row, text, groups[s, :n_steps[s]].tolist(), int(n_steps[s]), int(length[s]),
+          len(lv.request.ids), lv.prefill_s, now - lv.admitted, self.compile_s,
+          id=lv.request.id, queue_s=lv.admitted - lv.prefill_s - self.arrival,
+          latency_s=now - self.arrival, preemptions=lv.preemptions,
+          **_settings(lv.request, self.mode)))
+      self.release(s)
+    return results
+
+
+def _serve(engine, requests: Iterable, stats: ServeStats, *, slots: int, kv_blocks: int | None,
+           mode: str, stream, max_new_bound: int | None, round_steps: int | None,
+           progress) -> Iterator[Generation]:
+  arrival = time.perf_counter()
+  queue, failed = _checked(engine, requests, mode, arrival)
   yield from _report(failed, progress)
   if not queue:
     return
   longest = max(len(r.ids) for r in queue)
   bound = max(max_new_bound or 0, max(r.max_new_tokens for r in queue))
   layout = engine.layout(mode, slots, bound, longest, kv_blocks)
-  pool = BlockAllocator(layout.num_blocks)
-  stats.usable_blocks = pool.usable
-  fits, too_big = [], []
-  for r in queue:
-    # A request must fit the pool alone in the worst case (one entry per token), or it could
-    # be preempted forever.
-    need = blocks_for(len(r.ids) + r.max_new_tokens, layout.block_size)
-    if need > pool.usable:
-      too_big.append(_failed(r, mode, f"needs up to {need} KV blocks of {layout.block_size} "
-                             f"entries (prompt {len(r.ids)} + max_new_tokens "
-                             f"{r.max_new_tokens}) but the pool has {pool.usable}: raise "
-                             "kv_blocks or shorten the request", arrival))
-    else:
-      fits.append(r)
+  usable = BlockAllocator(layout.num_blocks).usable
+  stats.usable_blocks = usable
+  queue, too_big = _fitting(queue, layout, usable, mode, arrival)
   yield from _report(too_big, progress)
-  queue = collections.deque(fits)
   if not queue:
     return
-
   stochastic = any(not r.sampling.greedy for r in queue)
   compile_s = engine.compile_programs(layout, [r.ids for r in queue], stochastic,
                                      stream is not None)
   # Queueing and latency count from the end of compilation (reported apart: stats.compile_s),
   # as they would once a server's programs are compiled.
   stats.compile_s = compile_s
-  arrival += compile_s
-  state = engine.init_state(layout)
-  table = np.full((layout.slots, layout.blocks_per_row), TRASH_BLOCK, np.int32)
-  live: dict[int, _Live] = {}
-  free_slots = list(range(layout.slots))
-  lengths = np.zeros((layout.slots,), np.int64)
-
-  def release(slot: int) -> None:
-    pool.give_back(live.pop(slot).blocks)
-    table[slot] = TRASH_BLOCK
-    free_slots.append(slot)
-    free_slots.sort()
-
+  run = _Scheduler(engine, layout, stats, queue, mode=mode, stream=stream,
+                   round_steps=round_steps, arrival=arrival + compile_s, compile_s=compile_s,
+                   stochastic=stochastic)
   # The callback is live (its sink id valid) for as long as this call decodes, and no longer,
   # however the caller stops iterating.
   with stream_sink(stream) as sink_id:
     sink = engine.put(np.int32(sink_id))
-    while queue or live:
-      # Admit while a slot and the prompt's blocks are free (first come, first served).
-      while queue and free_slots:
-        r = queue[0]
-        need = blocks_for(len(r.ids) + 1, layout.block_size)
-        if need > pool.free:
-          if not live:
-            raise RuntimeError("KV pool accounting error: nothing is live and blocks are missing")
-          break
-        queue.popleft()
-        slot = free_slots.pop(0)
-        blocks = pool.take(need)
-        table[slot] = row_table(blocks, layout.blocks_per_row)
-        state = state.replace(cache=state.cache.replace(table=engine.put(table)))
-        t = time.perf_counter()
-        hits, reused = engine.prefix_cache.hits, engine.prefix_cache.tokens_reused
-        state = engine.prefill(layout, state, r, slot)
-        jax.block_until_ready(state.done)
-        stats.prefix_hits += engine.prefix_cache.hits - hits
-        stats.prefix_tokens += engine.prefix_cache.tokens_reused - reused
-        now = time.perf_counter()
-        live[slot] = _Live(r, blocks, now, now - t, preempted[id(r)])
-        lengths[slot] = len(r.ids)
-      # Every live slot needs room for its next entry; the youngest gives way when blocks run
-      # out.
-      for slot in sorted(live, key=lambda s: live[s].admitted):
-        if slot not in live:
-          continue
-        while lengths[slot] >= len(live[slot].blocks) * layout.block_size:
-          if pool.free == 0:
-            victim = max(live, key=lambda s: live[s].admitted)
-            preempted[id(live[victim].request)] += 1
-            stats.preemptions += 1
-            queue.appendleft(live[victim].request)
-            release(victim)
-            state = state.replace(done=state.done.at[victim].set(True))
-            if victim == slot:
-              break
-            continue
-          live[slot].blocks += pool.take(1)
-          table[slot] = row_table(live[slot].blocks, layout.blocks_per_row)
-      check_tables(table, live)
-      state = state.replace(cache=state.cache.replace(table=engine.put(table)))
-      if not live:
-        continue
-      stats.rounds += 1
-      stats.in_flight.append(len(live))
-      stats.queued.append(len(queue))
-      stats.blocks_used.append(pool.usable - pool.free)
-      view = engine.view_for(layout, max(len(lv.blocks) for lv in live.values()))
-      stats.views.append(view)
-      decode = engine.decode_program(layout, stochastic, stream is not None, view)
-      refill = np.bool_(bool(queue) and round_steps is None)
-      t_round = time.perf_counter()
-      state = decode(engine.params, state, engine.put(refill), engine.put(limit), sink)
-      done, n_tokens, length = jax.device_get((state.done, state.n_tokens, state.cache.length))
-      stats.round_s.append(time.perf_counter() - t_round)
-      lengths[:] = length
-      finished = [s for s in sorted(live) if done[s]]
-      if finished:
-        tokens, groups, n_steps = jax.device_get((state.tokens, state.groups, state.n_steps))
-        now = time.perf_counter()
-        results = []
-        for s in finished:
-          lv = live[s]
-          row = tokens[s, :n_tokens[s]].tolist()
-          text = (engine.tokenizer.decode(row, skip_special_tokens=True)
-                  if engine.tokenizer is not None else "")
-          results.append(Generation(
-              row, text, groups[s, :n_steps[s]].tolist(), int(n_steps[s]), int(length[s]),
-              len(lv.request.ids), lv.prefill_s, now - lv.admitted, compile_s, id=lv.request.id,
-              queue_s=lv.admitted - lv.prefill_s - arrival, latency_s=now - arrival,
-              preemptions=lv.preemptions, **_settings(lv.request, mode)))
-          release(s)
-        stats.free_blocks_at_end = pool.free
-        yield from _report(results, progress)
+    while run.queue or run.live:
+      run.admit()
+      run.make_room()
+      if run.live:
+        yield from _report(run.decode_round(sink), progress)
 
 
 def _settings(r: Request, mode: str) -> dict:
