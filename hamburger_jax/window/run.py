@@ -28,6 +28,8 @@ import jax
 import numpy as np
 
 from hamburger_jax import graft_checkpoint, peaks
+from hamburger_jax.benchmarks.timing import time_batches
+from hamburger_jax.decode.engine import Engine
 from hamburger_jax.data import boundaries as boundaries_lib
 from hamburger_jax.data.token_corpus import TokenCorpus, tokenizer_fingerprint
 from hamburger_jax.files import write_json_atomic, write_text_atomic
@@ -309,8 +311,6 @@ class Window:
         *(f"| {k} | {m[k]:.4f} |" for k in keep if k in m)])
 
   def decode(self) -> None:
-    from hamburger_jax.benchmarks.timing import time_batches  # pylint: disable=C0415
-    from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
     prompts = []
     for i in self.val_ids:
       s = self.samples(int(i))
