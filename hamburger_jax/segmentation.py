@@ -133,13 +133,24 @@ def confident(probs, max_group: int, threshold: float) -> list[int]:
   the greedy token has p > 0.6, so the entropy rules give groups of ~1.3 tokens (docs/results/data.md).
   """
   p = _as_entropies(probs)
-  sizes: list[int] = []
-  for j, x in enumerate(p):
-    if j and sizes[-1] < max_group and x >= threshold:
-      sizes[-1] += 1
-    else:
-      sizes.append(1)
-  return sizes
+  if not len(p):
+    return []
+  first = np.zeros(len(p), bool)
+  first[0] = True
+  starts = np.flatnonzero(confident_starts(p, np.ones(len(p), bool), first, max_group, threshold))
+  return np.diff(np.append(starts, len(p))).tolist()
+
+
+def confident_starts(probs: np.ndarray, response: np.ndarray, span_start: np.ndarray,
+                     max_group: int, threshold: float) -> np.ndarray:
+  """`confident` over many responses at once (vectorised: the boundary pass applies it to
+  millions of tokens): a response token opens a group iff it opens its response, or the base
+  gives it probability < threshold, or the group it would join already has max_group tokens.
+  [n] bool (False off responses)."""
+  hard = span_start | ~(probs >= threshold)  # as confident: a NaN never joins
+  idx = np.arange(len(probs))
+  run_start = np.maximum.accumulate(np.where(hard, idx, 0))
+  return response & (hard | ((idx - run_start) % max_group == 0))
 
 
 def fixed(entropies, max_group: int, k: int) -> list[int]:

@@ -9,7 +9,7 @@ from flax import nnx
 
 from hamburger_jax import precision, segmentation
 from hamburger_jax.config import LlamaConfig
-from hamburger_jax.data.boundaries import boundary_pass, confident_starts, pair_rows
+from hamburger_jax.data.boundaries import boundary_pass, pair_rows
 from hamburger_jax.model.llama import Llama
 
 CFG = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -21,17 +21,33 @@ def _groups(starts: np.ndarray) -> list[int]:
   return np.diff(np.append(idx, len(starts))).tolist()
 
 
+def _confident_loop(p, max_group: int, threshold: float) -> list[int]:
+  """The rule as docs/method.md states it, token by token: the reference."""
+  sizes: list[int] = []
+  for j, x in enumerate(p):
+    if j and sizes[-1] < max_group and x >= threshold:
+      sizes[-1] += 1
+    else:
+      sizes.append(1)
+  return sizes
+
+
 @pytest.mark.parametrize("threshold", [0.3, 0.6, 0.95])
 def test_vectorised_rule_is_the_segmentation_rule(threshold):
   rng = np.random.default_rng(0)
   for _ in range(20):
     n = int(rng.integers(1, 40))
     p = rng.random(n)
-    resp = np.ones(n, bool)
-    first = np.zeros(n, bool)
-    first[0] = True
-    starts = confident_starts(p, resp, first, 4, threshold)
-    assert _groups(starts) == segmentation.confident(p, 4, threshold)
+    assert segmentation.confident(p, 4, threshold) == _confident_loop(p, 4, threshold)
+  # Several responses at once: each opens its own groups; tokens off them open none.
+  p = rng.random(30)
+  resp, first = np.zeros(30, bool), np.zeros(30, bool)
+  resp[3:12] = resp[15:30] = True
+  first[[3, 15]] = True
+  starts = segmentation.confident_starts(p, resp, first, 4, threshold)
+  assert not starts[~resp].any()
+  assert _groups(starts[3:12]) == _confident_loop(p[3:12], 4, threshold)
+  assert _groups(starts[15:30]) == _confident_loop(p[15:30], 4, threshold)
 
 
 def test_pair_rows_holds_every_sample_once_within_the_row():

@@ -1,6 +1,6 @@
 """Group boundaries at accelerator speed: one forward-only, batched, jitted pass of the base over
 token-id samples gives the probability it assigns each response token, and the segmentation
-rule `confident:p` (hamburger_jax.segmentation.confident, vectorised here) turns those into the
+rule `confident:p` (hamburger_jax.segmentation.confident_starts) turns those into the
 tokens that open a group. Nothing else is kept: the teacher's signals are computed again inside
 the train step (hamburger_jax.online_teacher), so the pass writes one byte per token.
 
@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from hamburger_jax.model.llama import causal_segment_mask
-from hamburger_jax.segmentation import segment_positions
+from hamburger_jax.segmentation import confident_starts, segment_positions
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_rows",))
@@ -51,17 +51,6 @@ def token_probs_program(graphdef: nnx.GraphDef, state: nnx.State, ids_bt: jax.Ar
   p = jnp.pad(p_next[:, :-1], ((0, 0), (1, 0)), constant_values=1.0)
   first = segment_ids_bt != jnp.pad(segment_ids_bt[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
   return jnp.where(first, 1.0, p)
-
-
-def confident_starts(probs: np.ndarray, response: np.ndarray, span_start: np.ndarray,
-                     max_group: int, threshold: float) -> np.ndarray:
-  """segmentation.confident over every response at once: a response token opens a group iff it
-  opens its response, or the base gives it probability < threshold, or the group it would join
-  already has max_group tokens. [n] bool (False off responses)."""
-  hard = span_start | (probs < threshold)
-  idx = np.arange(len(probs))
-  run_start = np.maximum.accumulate(np.where(hard, idx, 0))
-  return response & (hard | ((idx - run_start) % max_group == 0))
 
 
 @dataclasses.dataclass
