@@ -86,6 +86,7 @@ class Window:
     self.corpus_dir = corpus_dir
     self.metrics_path = os.path.join(out_dir, "metrics.jsonl")
     self.summary: dict[str, Any] = {"budget_minutes": settings.budget_minutes}
+    self._schedules: tuple = (None, None)  # (total steps, schedules(...)) of Window.lr
 
   def elapsed(self) -> float:
     return time.monotonic() - self.s.started
@@ -158,9 +159,13 @@ class Window:
         f"{stats.mean_group:.2f} at confident:{self.s.threshold}"])
 
   def lr(self, step: int, total: int) -> dict[str, float]:
-    cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(
-        self.cfg.train, steps=max(total, self.cfg.train.warmup_steps, 1)))
-    return {name: float(f(step)) for name, f in schedules(cfg).items()}
+    """Each group's learning rate at `step` of a schedule of `total` steps (built once a total:
+    the training loop asks every step)."""
+    if self._schedules[0] != total:
+      cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(
+          self.cfg.train, steps=max(total, self.cfg.train.warmup_steps, 1)))
+      self._schedules = (total, schedules(cfg))
+    return {name: float(f(step)) for name, f in self._schedules[1].items()}
 
   def measure(self) -> None:
     it = batches(self.samples, self.warm_ids, self.cfg, [])
