@@ -16,6 +16,7 @@ from gguf.quants import quantize
 from hamburger_jax import pretrained, segmentation
 from hamburger_jax.config import LLAMA_3_2_1B, GraftConfig, HamburgerConfig, LlamaConfig
 from hamburger_jax.data import teacher_pass
+from hamburger_jax.model import lora
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import causal_segment_mask
 
@@ -67,6 +68,21 @@ def tiny_decode_model():
   m = Hamburger(HamburgerConfig(DECODE_CFG, GraftConfig(merger_head_dim=16)), rngs=nnx.Rngs(0))
   sharpen(m, 8.0)
   sharpen(m.micro.stop_head, 3.0)
+  return m
+
+
+# The distill tests' tiny model: DECODE_CFG with rank-4 merged-entry adapters.
+DISTILL_GRAFT = GraftConfig(merger_head_dim=16, base_lora_rank=4, base_lora_alpha=8.0)
+
+
+def tiny_distill_model() -> Hamburger:
+  """Sharpened like tiny_decode_model, and with the adapters' b set off zero (their init), so
+  that a loss over merged entries sees them act."""
+  m = Hamburger(HamburgerConfig(DECODE_CFG, DISTILL_GRAFT), rngs=nnx.Rngs(0))
+  sharpen(m, 4.0)
+  sharpen(m.micro.stop_head, 3.0)
+  for i, lin in enumerate(lora.base_linears(m.base)):
+    lin.lora.b.set_value(0.05 * jax.random.normal(jax.random.key(i), lin.lora.b.shape))
   return m
 
 

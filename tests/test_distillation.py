@@ -10,32 +10,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from hamburger_jax import layout
-from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig
 from hamburger_jax.distillation import (TRACKED_CONFIDENCES, acceptance, acceptance_metrics,
                                         distill_loss, micro_distill_loss)
-from hamburger_jax.model import lora
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import causal_segment_mask
 from hamburger_jax.run_config import ConfigError, DistillConfig, load_run_config
-from hamburger_jax.testing import sharpen
+from hamburger_jax.testing import DECODE_CFG, DISTILL_GRAFT, tiny_distill_model
 
-CFG = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,
-                  num_kv_heads=2, max_position_embeddings=256)
-GRAFT = GraftConfig(merger_head_dim=16, base_lora_rank=4, base_lora_alpha=8.0)
+CFG, GRAFT = DECODE_CFG, DISTILL_GRAFT
 K, TOP = GRAFT.max_group, 5
 
 
 @pytest.fixture(scope="module")
 def model() -> Hamburger:
-  m = Hamburger(HamburgerConfig(CFG, GRAFT), rngs=nnx.Rngs(0))
-  sharpen(m, 4.0)
-  sharpen(m.micro.stop_head, 3.0)
-  for i, lin in enumerate(lora.base_linears(m.base)):
-    lin.lora.b.set_value(0.05 * jax.random.normal(jax.random.key(i), lin.lora.b.shape))
-  return m
+  return tiny_distill_model()
 
 
 def _teacher(rng, r: int, g: int, f: int) -> dict[str, np.ndarray]:

