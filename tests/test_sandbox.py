@@ -44,6 +44,19 @@ def probe_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _token() -> str:
+  return f"sandbox-run-{os.getpid()}-{time.monotonic_ns()}"
+
+
+def _tagged(code: str, token: str) -> str:
+  """`code` re-executed with `token` in its argv: every process it forks carries the token in
+  its command line, so the test can find what outlived the run."""
+  return ("import os, sys\n"
+          "if sys.argv[1:] != [%r]:\n"
+          "  os.execv(sys.executable, [sys.executable, '-I', __file__, %r])\n" % (token, token)
+          ) + code
+
+
 def _attempts(*lines: str) -> str:
   """A program that runs each `label: expression` and prints `label OK` or `label BLOCKED`."""
   body = ["import glob, importlib, os, posix, shutil, socket, subprocess, sys, time",
@@ -64,20 +77,9 @@ def _outcomes(output: str) -> dict[str, str]:
           if len(parts) >= 2 and parts[1] in ("OK", "BLOCKED")}
 
 
-def _sandbox_pids() -> list[int]:
-  """Host processes running as the sandbox user (only meaningful when the tests run as root)."""
-  pids = []
-  for name in os.listdir("/proc"):
-    if name.isdigit():
-      try:
-        if os.stat(f"/proc/{name}").st_uid == sandbox.SANDBOX_UID:
-          pids.append(int(name))
-      except OSError:
-        pass
-  return pids
-
-
 def _pids_with(token: str) -> list[int]:
+  """Host processes whose command line holds `token`: this test's own, not those of a sandbox
+  run another pytest worker has going at the same time (both run as the sandbox user)."""
   pids = []
   for name in os.listdir("/proc"):
     if name.isdigit():
@@ -136,11 +138,11 @@ def test_fork_bomb_is_contained(fork: str) -> None:
           f"    {fork}\n"
           "  except OSError:\n"
           "    pass\n")
+  token = _token()
   start = time.monotonic()
-  result = sandbox.run_python(bomb, timeout_s=2)
+  result = sandbox.run_python(_tagged(bomb, token), timeout_s=2)
   assert result.status == "timeout" and time.monotonic() - start < 8
-  if os.geteuid() == 0:
-    assert _sandbox_pids() == [], "processes of the sandbox user outlived the run"
+  assert _pids_with(token) == [], "processes of the run outlived it"
 
 
 def test_process_limit() -> None:
@@ -156,16 +158,16 @@ def test_process_limit() -> None:
           "  except OSError:\n"
           "    break\n"
           "print('children', n)\n")
-  result = sandbox.run_python(code, timeout_s=10, max_processes=16)
+  token = _token()
+  result = sandbox.run_python(_tagged(code, token), timeout_s=10, max_processes=16)
   assert result.passed, result.output
   assert int(result.output.split()[1]) < 16
-  if os.geteuid() == 0:
-    assert _sandbox_pids() == []
+  assert _pids_with(token) == [], "sleeping children outlived the run"
 
 
 @pytest.mark.parametrize("ending", ["print('returning')", "time.sleep(60)"])
 def test_setsid_child_dies_with_the_run(probe_dir: Path, ending: str) -> None:
-  token = f"sandbox-escapee-{os.getpid()}-{time.monotonic_ns()}"
+  token = _token()
   late_file = probe_dir / "written_later.txt"
   # The escapee: a detached process, recognisable by its command line, that writes later.
   escapee = f"import time; time.sleep(1); open({str(late_file)!r}, 'w'); time.sleep(60)"
