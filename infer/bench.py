@@ -3,6 +3,8 @@
   python -m infer.bench                      # our base decode vs transformers' generate
   python -m infer.bench --mode hamburger     # HAMburger vs base in our engine (+ ceiling)
   python -m infer.bench --mode serve         # continuous batching: base vs HAMburger, slots, pool
+  python -m infer.bench --mode server        # infer.server under concurrent streaming clients
+                                             # vs serve() in process, the same requests
   python -m infer.bench --mode widths        # a w-row base forward vs a 1-row one, bandwidth
   python -m infer.bench --config configs/llama3_2_1b.yaml --random-weights --batches 1,8
                                              # a config's model, random weights: FLOPs, MFU,
@@ -23,13 +25,14 @@ import sys
 
 from hamburger_jax import cli
 from hamburger_jax.decode.requests import GenerationError, check_settings
-from infer import bench_decode, bench_random, bench_serve, bench_widths
+from infer import bench_decode, bench_random, bench_serve, bench_server, bench_widths
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--mode", choices=("base", "hamburger", "serve", "widths"), default=None,
+  p.add_argument("--mode", choices=("base", "hamburger", "serve", "server", "widths"),
+                 default=None,
                  help="default: base (with --random-weights: base and hamburger)")
   p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=None,
                  help="comma-separated batch sizes (default: 1,8 for base and --random-weights; "
@@ -59,9 +62,13 @@ def main(argv=None) -> int:
   cli.add_confidence_flag(p)
   p.add_argument("--max-group", type=int, default=None,
                  help="hamburger / serve: cap HAMburger's groups at this many tokens (1..K)")
-  p.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32],
-                 help="serve: comma-separated slot counts")
-  p.add_argument("--requests", type=int, default=48, help="serve: requests in the stream")
+  p.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                 help="serve: comma-separated slot counts (default 8,16,32); server: the "
+                 "server's slots (default 8)")
+  p.add_argument("--requests", type=int, default=None,
+                 help="serve / server: requests in the stream (default 48 / 32)")
+  p.add_argument("--clients", type=int, default=32,
+                 help="server: concurrent streaming clients")
   p.add_argument("--new-range", type=lambda s: tuple(int(x) for x in s.split(",")),
                  default=(32, 256), help="serve: min,max of per-request max_new_tokens")
   p.add_argument("--kv-blocks", type=int, default=160,
@@ -85,6 +92,11 @@ def main(argv=None) -> int:
   if args.repeats < 1:
     p.error(f"--repeats {args.repeats} must be >= 1")
   args.new_tokens = args.new_tokens or (32 if args.random_weights else 128)
+  server = args.mode == "server"
+  args.slots = args.slots or ([8] if server else [8, 16, 32])
+  args.requests = args.requests or (32 if server else 48)
+  if min(args.slots) < 1 or args.requests < 1 or args.clients < 1:
+    p.error("--slots, --requests and --clients must be >= 1")
   try:
     check_settings(args.new_tokens, args.confidence, args.max_group)
   except GenerationError as e:
@@ -101,7 +113,8 @@ def main(argv=None) -> int:
   args.batches = args.batches or default_batches
   try:
     {"base": bench_decode.bench_base, "hamburger": bench_decode.bench_hamburger,
-     "serve": bench_serve.bench_serve, "widths": bench_widths.bench_widths}[args.mode](args)
+     "serve": bench_serve.bench_serve, "server": bench_server.bench_server,
+     "widths": bench_widths.bench_widths}[args.mode](args)
   except cli.ModelLoadError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1

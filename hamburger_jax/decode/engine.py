@@ -56,6 +56,7 @@ class Engine:
     layout(mode, slots, max_new, longest_prompt, kv_blocks=None) -> Layout (static shapes)
     init_state(layout) -> DecodeState, every slot empty (done), on the engine's devices
     compile_programs(layout, prompt_ids, stochastic, stream=False) -> seconds compiling
+    compile_for(layout, longest_prompt, stochastic, stream=False) -> the same, for any prompt
     prefill(layout, state, request, slot) -> DecodeState, a checked request live in `slot`
     decode_program(layout, stochastic, stream, view)
         -> fn(params, state, refill, limit, sink) -> DecodeState (macro steps, then back)
@@ -336,6 +337,24 @@ class Engine:
       self._prefill_program(layout, chunk)
     for size in sorted({bucket(p0, LENGTH_BUCKETS) for p0, _ in plans if p0}):
       self._prefix_programs(layout, size)
+    for view in self.views(layout):
+      self.decode_program(layout, stochastic, stream, view)
+    return time.perf_counter() - t if len(self.programs) > before else 0.0
+
+  def compile_for(self, layout: Layout, longest_prompt: int, stochastic: bool,
+                  stream: bool = False) -> float:
+    """Compiles what any prompt of up to `longest_prompt` tokens runs in `layout` (every
+    prefill chunk size and prefix size it can use), for a server that cannot know its prompts
+    before they arrive; returns the seconds spent, as compile_programs."""
+    t = time.perf_counter()
+    before = len(self.programs)
+    for chunk in shapes.PREFILL_BUCKETS:
+      if chunk == shapes.PREFILL_BUCKETS[0] or chunk // 2 < longest_prompt:
+        self._prefill_program(layout, chunk)
+    if self.prefix_cache.enabled:
+      for size in shapes.LENGTH_BUCKETS:
+        if size == shapes.LENGTH_BUCKETS[0] or size // 2 < longest_prompt:
+          self._prefix_programs(layout, size)
     for view in self.views(layout):
       self.decode_program(layout, stochastic, stream, view)
     return time.perf_counter() - t if len(self.programs) > before else 0.0

@@ -194,29 +194,43 @@ def _fitting(queue, layout, usable: int, mode: str, arrival: float
   Generation for each of the others, which could otherwise be preempted forever)."""
   fits, too_big = collections.deque(), []
   for r in queue:
-    need = blocks_for(len(r.ids) + r.max_new_tokens, layout.block_size)
-    if need > usable:
-      too_big.append(_failed(r, mode, f"needs up to {need} KV blocks of {layout.block_size} "
-                             f"entries (prompt {len(r.ids)} + max_new_tokens "
-                             f"{r.max_new_tokens}) but the pool has {usable}: raise "
-                             "kv_blocks or shorten the request", arrival))
+    error = pool_error(r, layout, usable)
+    if error:
+      too_big.append(_failed(r, mode, error, arrival))
     else:
       fits.append(r)
   return fits, too_big
 
 
-class _Scheduler:
-  """One serve() call's slots over the KV pool: admission, room for the next entry (the
-  youngest request gives way), decode rounds and the results of finished rows."""
+def pool_error(r: Request, layout, usable: int) -> str | None:
+  """Why a pool of `usable` blocks can never hold checked request `r` alone (one entry per
+  token, the worst case), or None when it can."""
+  need = blocks_for(len(r.ids) + r.max_new_tokens, layout.block_size)
+  if need <= usable:
+    return None
+  return (f"needs up to {need} KV blocks of {layout.block_size} entries (prompt {len(r.ids)} + "
+          f"max_new_tokens {r.max_new_tokens}) but the pool has {usable}: raise kv_blocks or "
+          "shorten the request")
+
+
+class Scheduler:
+  """Slots over one layout's KV pool: admission, room for the next entry (the youngest request
+  gives way), decode rounds and the results of finished rows. A serve() call drives one over
+  its list of requests; a server (decode/admission.py) keeps one per mode and feeds its queue
+  between rounds.
+
+  `limit`: the most macro steps a round runs (None: no cap). `refill`: a round also ends when a
+  slot finishes while requests wait. `stochastic`: which decode program rounds run (None: the
+  sampling one only in rounds where a live request samples)."""
 
   def __init__(self, engine, layout, stats: ServeStats, queue: collections.deque, *,
-               mode: str, stream, round_steps: int | None, arrival: float, compile_s: float,
-               stochastic: bool):
+               mode: str, stream, limit: int | None, refill: bool, arrival: float,
+               compile_s: float, stochastic: bool | None):
     self.engine, self.layout, self.stats, self.queue = engine, layout, stats, queue
     self.mode, self.stream, self.stochastic = mode, stream, stochastic
     self.arrival, self.compile_s = arrival, compile_s
-    self.round_steps = round_steps
-    self.limit = np.int32(round_steps if round_steps is not None else np.iinfo(np.int32).max)
+    self.refill = refill
+    self.limit = np.int32(limit if limit is not None else np.iinfo(np.int32).max)
     self.pool = BlockAllocator(layout.num_blocks)
     self.table = np.full((layout.slots, layout.blocks_per_row), TRASH_BLOCK, np.int32)
     self.live: dict[int, _Live] = {}
@@ -234,6 +248,20 @@ class _Scheduler:
     self.table[slot] = TRASH_BLOCK
     self.free_slots.append(slot)
     self.free_slots.sort()
+
+  def drop(self, request: Request) -> bool:
+    """Removes `request` (this object) whether it waits or decodes: a live one's slot stops
+    and its blocks are free for the next round. False when it is neither."""
+    for i, r in enumerate(self.queue):
+      if r is request:
+        del self.queue[i]
+        return True
+    for slot, lv in self.live.items():
+      if lv.request is request:
+        self.release(slot)
+        self.state = self.state.replace(done=self.state.done.at[slot].set(True))
+        return True
+    return False
 
   def admit(self) -> None:
     """Admits while a slot and the prompt's blocks are free (first come, first served)."""
@@ -283,8 +311,8 @@ class _Scheduler:
     check_tables(self.table, live)
     self._put_table()
 
-  def decode_round(self, sink) -> list[Generation]:
-    """One decode call over the live slots; the Generations of the rows it finished."""
+  def decode_round(self, sink) -> list[tuple[Request, Generation]]:
+    """One decode call over the live slots; (request, Generation) of the rows it finished."""
     engine, stats, live = self.engine, self.stats, self.live
     stats.rounds += 1
     stats.in_flight.append(len(live))
@@ -292,8 +320,11 @@ class _Scheduler:
     stats.blocks_used.append(self.pool.usable - self.pool.free)
     view = engine.view_for(self.layout, max(len(lv.blocks) for lv in live.values()))
     stats.views.append(view)
-    decode = engine.decode_program(self.layout, self.stochastic, self.stream is not None, view)
-    refill = np.bool_(bool(self.queue) and self.round_steps is None)
+    stochastic = self.stochastic
+    if stochastic is None:
+      stochastic = any(not lv.request.sampling.greedy for lv in live.values())
+    decode = engine.decode_program(self.layout, stochastic, self.stream is not None, view)
+    refill = np.bool_(bool(self.queue) and self.refill)
     t_round = time.perf_counter()
     self.state = decode(engine.params, self.state, engine.put(refill), engine.put(self.limit),
                         sink)
@@ -308,7 +339,7 @@ class _Scheduler:
     stats.free_blocks_at_end = self.pool.free
     return results
 
-  def _results(self, finished: list[int], n_tokens, length) -> list[Generation]:
+  def _results(self, finished: list[int], n_tokens, length) -> list[tuple[Request, Generation]]:
     tokens, groups, n_steps = jax.device_get((self.state.tokens, self.state.groups,
                                               self.state.n_steps))
     now = time.perf_counter()
@@ -318,12 +349,12 @@ class _Scheduler:
       lv = self.live[s]
       row = tokens[s, :n_tokens[s]].tolist()
       text = tok.decode(row, skip_special_tokens=True) if tok is not None else ""
-      results.append(Generation(
+      results.append((lv.request, Generation(
           row, text, groups[s, :n_steps[s]].tolist(), int(n_steps[s]), int(length[s]),
           len(lv.request.ids), lv.prefill_s, now - lv.admitted, self.compile_s,
           id=lv.request.id, queue_s=lv.admitted - lv.prefill_s - self.arrival,
           latency_s=now - self.arrival, preemptions=lv.preemptions,
-          **_settings(lv.request, self.mode)))
+          **_settings(lv.request, self.mode))))
       self.release(s)
     return results
 
@@ -351,9 +382,9 @@ def _serve(engine, requests: Iterable, stats: ServeStats, *, slots: int, kv_bloc
   # Queueing and latency count from the end of compilation (reported apart: stats.compile_s),
   # as they would once a server's programs are compiled.
   stats.compile_s = compile_s
-  run = _Scheduler(engine, layout, stats, queue, mode=mode, stream=stream,
-                   round_steps=round_steps, arrival=arrival + compile_s, compile_s=compile_s,
-                   stochastic=stochastic)
+  run = Scheduler(engine, layout, stats, queue, mode=mode, stream=stream, limit=round_steps,
+                  refill=round_steps is None, arrival=arrival + compile_s, compile_s=compile_s,
+                  stochastic=stochastic)
   # The callback is live (its sink id valid) for as long as this call decodes, and no longer,
   # however the caller stops iterating.
   with stream_sink(stream) as sink_id:
@@ -362,7 +393,7 @@ def _serve(engine, requests: Iterable, stats: ServeStats, *, slots: int, kv_bloc
       run.admit()
       run.make_room()
       if run.live:
-        yield from _report(run.decode_round(sink), progress)
+        yield from _report([g for _, g in run.decode_round(sink)], progress)
 
 
 def _settings(r: Request, mode: str) -> dict:

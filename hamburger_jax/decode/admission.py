@@ -1,0 +1,326 @@
+"""Admission while running: the engine's serving loop for requests that arrive over time.
+
+`serve()` (serving.py) takes a list it knows in advance and sizes its layout from it. A server
+cannot: `AdmissionLoop` fixes its layouts when it starts (slots, KV pool, longest prompt, largest
+max_tokens, from its limits), compiles every program a request within them can run, and then
+runs the same `Scheduler` on a thread of its own. Requests come in through `submit()` from any
+thread: checked there (a request over the limits is refused, never truncated), queued, and
+admitted between decode rounds. Each macro step's group reaches its request's `on_tokens` as it
+is produced; `cancel()` frees a request's slot and blocks at the next round.
+
+Rounds run at most `round_steps` macro steps (and end early when a slot finishes while requests
+wait), so that a request arriving mid-round waits for at most that many steps. A model with a
+graft serves both modes at once, one scheduler (and KV pool) per mode, rounds taking turns.
+A preempted request is recomputed from its prompt and gives the same tokens (serving.py), so
+its stream resumes where it was and nothing is sent twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from hamburger_jax.decode.paged_kv import BlockAllocator
+from hamburger_jax.decode.requests import Generation, GenerationError, Request
+from hamburger_jax.decode.serving import Scheduler, ServeStats, pool_error, stream_sink
+
+# Macro steps a round runs before the loop admits what arrived meanwhile.
+DEFAULT_ROUND_STEPS = 8
+# Rounds the per-round statistics keep: a server runs for days, its figures describe the
+# recent past.
+STATS_WINDOW = 4096
+
+
+class QueueFull(RuntimeError):
+  """The loop already holds `max_queue` requests waiting for a slot: try again later."""
+
+
+class LoopClosed(RuntimeError):
+  """The loop is shutting down (or failed) and takes no more requests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """What a server's layouts are sized for; a request beyond them is refused."""
+  slots: int = 8
+  max_prompt_tokens: int = 1024
+  max_tokens: int = 512
+  kv_blocks: int | None = None  # None: every slot can hold its longest request
+  max_queue: int = 256
+
+  def check(self) -> None:
+    for name in ("slots", "max_prompt_tokens", "max_tokens", "max_queue"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise GenerationError(f"{name}={v!r} must be an integer >= 1")
+    if self.kv_blocks is not None and (not isinstance(self.kv_blocks, int)
+                                       or self.kv_blocks < 2):
+      raise GenerationError(f"kv_blocks={self.kv_blocks!r} must be an integer >= 2 (one block "
+                            "is reserved), or None")
+
+
+class Ticket:
+  """One submitted request: its tokens stream to `on_tokens(ids)` (on the loop's thread, in
+  order, once per macro step: the step's new token ids) and its end to
+  `on_done(generation)` (error set when it failed or was cancelled). `wait()` blocks for the
+  Generation."""
+
+  def __init__(self, request: Request, mode: str, on_tokens: Callable | None,
+               on_done: Callable | None):
+    self.request, self.mode = request, mode
+    self.on_tokens, self.on_done = on_tokens, on_done
+    self.sent = 0  # tokens handed to on_tokens
+    self.produced = 0  # tokens of the current attempt (a preempted request starts again)
+    self.attempt = 0
+    self.cancelled = False
+    self.result: Generation | None = None
+    self._done = threading.Event()
+
+  def wait(self, timeout: float | None = None) -> Generation | None:
+    self._done.wait(timeout)
+    return self.result
+
+  @property
+  def done(self) -> bool:
+    return self._done.is_set()
+
+  def finish(self, gen: Generation) -> None:
+    if self._done.is_set():
+      return
+    self.result = gen
+    self._done.set()
+    if self.on_done is not None:
+      _guarded(self.on_done, gen)
+
+  def deliver(self, ids: list[int], attempt: int) -> None:
+    """This attempt's next tokens: only those past what was sent go out."""
+    if attempt != self.attempt:
+      self.attempt, self.produced = attempt, 0
+    new = ids[max(self.sent - self.produced, 0):]
+    self.produced += len(ids)
+    if new and not self.cancelled and self.on_tokens is not None:
+      self.sent += len(new)
+      if not _guarded(self.on_tokens, new):
+        self.cancelled = True  # its reader is gone; the loop serves the others
+
+
+def _guarded(callback: Callable, *args) -> bool:
+  """Calls a caller's callback on the loop's thread: its failure must not end serving for
+  every other request (a client's event loop may be gone). False when it raised."""
+  try:
+    callback(*args)
+    return True
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
+class AdmissionLoop:
+  """Serves requests submitted from any thread, on one loop thread over `engine`.
+
+  `modes`: the modes served (each its own layout and KV pool). `start()` compiles and starts
+  the thread; `close()` stops taking requests, lets the ones in flight finish (or fails them
+  when `drain` is False) and joins."""
+
+  def __init__(self, engine, modes: tuple[str, ...], limits: Limits = Limits(), *,
+               round_steps: int = DEFAULT_ROUND_STEPS):
+    limits.check()
+    if not modes:
+      raise GenerationError("serve at least one mode")
+    self.engine, self.limits = engine, limits
+    self.modes = tuple(engine.check_mode(m) for m in modes)
+    self.round_steps = round_steps
+    self.layouts = {m: engine.layout(m, limits.slots, limits.max_tokens,
+                                     limits.max_prompt_tokens, limits.kv_blocks)
+                    for m in self.modes}
+    self.usable = {m: BlockAllocator(lay.num_blocks).usable for m, lay in self.layouts.items()}
+    self.stats = {m: _window_stats(limits.slots, self.usable[m]) for m in self.modes}
+    self.compile_s = 0.0
+    self._cond = threading.Condition()
+    self._inbox: collections.deque[Ticket] = collections.deque()
+    self._cancels: collections.deque[Ticket] = collections.deque()
+    self._waiting = 0  # submitted, not yet in a slot
+    self.cancelled = 0  # requests stopped by cancel() before they finished
+    self._tickets: dict[int, Ticket] = {}  # by id(request), every ticket not finished
+    self._closing = False
+    self._drain = True
+    self.error: str | None = None
+    self._thread: threading.Thread | None = None
+    self._current: Scheduler | None = None  # the scheduler whose round is decoding
+
+  # ------------------------------------------------------------------ any thread
+
+  def start(self) -> float:
+    """Compiles every program a request within the limits can run (both decode variants: greedy
+    and sampling, streaming) and starts the loop; returns the seconds spent compiling."""
+    t = time.perf_counter()
+    for lay in self.layouts.values():
+      for stochastic in (False, True):
+        self.engine.compile_for(lay, self.limits.max_prompt_tokens, stochastic, stream=True)
+    self.compile_s = time.perf_counter() - t
+    self._thread = threading.Thread(target=self._run, name="admission-loop", daemon=True)
+    self._thread.start()
+    return self.compile_s
+
+  def submit(self, request: Request, mode: str | None = None, *,
+             on_tokens: Callable | None = None, on_done: Callable | None = None) -> Ticket:
+    """Checks `request` against the engine and the limits (GenerationError says what to
+    change), then queues it. Raises QueueFull or LoopClosed instead of queueing."""
+    mode = self.modes[0] if mode is None else mode
+    if mode not in self.modes:
+      raise GenerationError(f"mode {mode!r} is not served here; use one of {list(self.modes)}")
+    request.check(self.engine)
+    lim = self.limits
+    if len(request.ids) > lim.max_prompt_tokens:
+      raise GenerationError(f"the prompt has {len(request.ids)} tokens, over this server's "
+                            f"limit of {lim.max_prompt_tokens}: shorten it")
+    if request.max_new_tokens > lim.max_tokens:
+      raise GenerationError(f"max_tokens={request.max_new_tokens} is over this server's limit "
+                            f"of {lim.max_tokens}: ask for at most {lim.max_tokens}")
+    error = pool_error(request, self.layouts[mode], self.usable[mode])
+    if error:
+      raise GenerationError(error)
+    ticket = Ticket(request, mode, on_tokens, on_done)
+    with self._cond:
+      if self._closing or self.error:
+        raise LoopClosed(self.error or "the server is shutting down")
+      if self._waiting >= lim.max_queue:
+        raise QueueFull(f"{self._waiting} requests are waiting (the limit is {lim.max_queue}); "
+                        "try again later")
+      self._waiting += 1
+      self._tickets[id(request)] = ticket
+      self._inbox.append(ticket)
+      self._cond.notify()
+    return ticket
+
+  def cancel(self, ticket: Ticket) -> None:
+    """Stops `ticket` (nothing more goes to its callbacks); its slot and blocks are freed at the
+    next round, and it finishes with error 'cancelled'."""
+    with self._cond:
+      if ticket.done or ticket.cancelled:
+        return
+      ticket.cancelled = True
+      self._cancels.append(ticket)
+      self._cond.notify()
+
+  def close(self, drain: bool = True, timeout: float | None = None) -> None:
+    with self._cond:
+      self._closing, self._drain = True, drain
+      self._cond.notify()
+    if self._thread is not None:
+      self._thread.join(timeout)
+
+  @property
+  def waiting(self) -> int:
+    return self._waiting
+
+  @property
+  def in_flight(self) -> int:
+    return len(self._tickets)
+
+  # ------------------------------------------------------------------ the loop's thread
+
+  def _run(self) -> None:
+    scheds = {m: Scheduler(self.engine, lay, self.stats[m], collections.deque(), mode=m,
+                           stream=self._deliver, limit=self.round_steps, refill=True,
+                           arrival=time.perf_counter(), compile_s=0.0, stochastic=None)
+              for m, lay in self.layouts.items()}
+    try:
+      with stream_sink(self._deliver) as sink_id:
+        sink = self.engine.put(np.int32(sink_id))
+        while self._take(scheds):
+          for sched in scheds.values():
+            self._round(sched, sink)
+    except Exception as e:  # pylint: disable=broad-except
+      # A device or program error ends serving: every request hears it, none hangs.
+      with self._cond:
+        self.error = f"the serving loop failed: {type(e).__name__}: {e}"
+      raise
+    finally:
+      self._fail_all(self.error or "the server shut down before this request finished")
+
+  def _take(self, scheds: dict[str, Scheduler]) -> bool:
+    """Moves arrivals into the schedulers' queues and applies cancellations; blocks while
+    there is nothing to do. False when the loop should end."""
+    with self._cond:
+      while True:
+        busy = any(s.queue or s.live for s in scheds.values())
+        if self._closing and (not self._drain or (not busy and not self._inbox)):
+          return False
+        if busy or self._inbox or self._cancels:
+          break
+        self._cond.wait()
+      arrivals, cancels = list(self._inbox), list(self._cancels)
+      self._inbox.clear()
+      self._cancels.clear()
+    for ticket in arrivals:
+      scheds[ticket.mode].queue.append(ticket.request)
+    for ticket in cancels:
+      sched = scheds[ticket.mode]
+      queued = any(r is ticket.request for r in sched.queue)
+      if sched.drop(ticket.request):
+        with self._cond:
+          self._waiting -= queued
+          self.cancelled += 1
+        self._finish(ticket, _ended(ticket, "cancelled"))
+    return True
+
+  def _round(self, sched: Scheduler, sink) -> None:
+    before = len(sched.queue)
+    sched.admit()
+    sched.make_room()
+    with self._cond:
+      self._waiting -= before - len(sched.queue)
+    if not sched.live:
+      return
+    self._current = sched
+    for request, gen in sched.decode_round(sink):
+      self._finish(self._tickets[id(request)], gen)
+
+  def _finish(self, ticket: Ticket, gen: Generation) -> None:
+    with self._cond:
+      self._tickets.pop(id(ticket.request), None)
+    ticket.finish(gen)
+
+  def _deliver(self, group: np.ndarray, count: np.ndarray) -> None:
+    """One macro step of the scheduler now decoding (the loop's thread waits on it)."""
+    for slot, lv in self._current.live.items():
+      n = int(count[slot])
+      ticket = self._tickets.get(id(lv.request))
+      if n and ticket is not None:
+        ticket.deliver(group[slot, :n].tolist(), lv.preemptions)
+
+  def _fail_all(self, error: str) -> None:
+    with self._cond:
+      self._closing = True
+      tickets = list(self._tickets.values())
+      self._tickets.clear()
+      self._inbox.clear()
+    for ticket in tickets:
+      ticket.finish(_ended(ticket, error))
+
+
+def _window_stats(slots: int, usable: int) -> ServeStats:
+  window = lambda: collections.deque(maxlen=STATS_WINDOW)
+  return ServeStats(slots=slots, usable_blocks=usable, in_flight=window(),
+                    blocks_used=window(), views=window(), queued=window(), round_s=window())
+
+
+def recent(stats: ServeStats) -> dict:
+  """A mode's figures over the last STATS_WINDOW rounds (GET /health)."""
+  mean = lambda xs: round(float(np.mean(xs)), 4) if xs else 0.0
+  return {"rounds": stats.rounds, "round_s_mean": mean(stats.round_s),
+          "in_flight_mean": mean(stats.in_flight), "preemptions": stats.preemptions,
+          "prefix_tokens": stats.prefix_tokens}
+
+
+def _ended(ticket: Ticket, error: str) -> Generation:
+  r = ticket.request
+  return Generation([], "", [], 0, 0, len(r.ids or ()), 0.0, 0.0, id=r.id, error=error,
+                    mode=ticket.mode, confidence=r.confidence, max_group=r.max_group,
+                    seed=r.seed, sampling=r.sampling)

@@ -1,0 +1,94 @@
+"""infer.bench --mode server: `python -m infer.server` under N concurrent streaming clients,
+beside the in-process `serve()` on the same requests, in the same run."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+
+from hamburger_jax import cli
+from hamburger_jax.benchmarks.prompts import serve_workload
+
+
+def _in_process(engine, workload, mode: str, slots: int, confidence: float) -> dict:
+  """serve() over the workload, all arriving at t = 0 (programs compiled before the clock)."""
+  import time  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.requests import Request  # pylint: disable=import-outside-toplevel
+  layout = engine.layout(mode, slots, max(n for _, n in workload),
+                         max(len(ids) for ids, _ in workload))
+  engine.compile_programs(layout, [ids for ids, _ in workload], stochastic=False)
+  t = time.perf_counter()
+  gens = list(engine.serve([Request(ids, max_new_tokens=n, confidence=confidence)
+                            for ids, n in workload], slots=slots, mode=mode))
+  wall = time.perf_counter() - t
+  lat = np.asarray([g.latency_s for g in gens])
+  tokens = sum(g.new_tokens for g in gens)
+  return {"gens": gens, "requests": len(gens), "answered": sum(not g.error for g in gens),
+          "failed": sum(bool(g.error) for g in gens), "duplicated": 0, "wall_s": wall,
+          "requests_per_s": len(gens) / wall, "tok_s": tokens / wall,
+          "ttft_p50": float("nan"), "ttft_p99": float("nan"),
+          "latency_p50": float(np.percentile(lat, 50)),
+          "latency_p99": float(np.percentile(lat, 99)),
+          "prefill_p50": float(np.median([g.prefill_s for g in gens]))}
+
+
+def _server_args(args, mode: str, slots: int, workload) -> list[str]:
+  # One mode, as serve() runs: the other's programs would only add compile time and memory.
+  out = ["--modes", mode, "--slots", str(slots), "--confidence", str(args.confidence),
+         "--max-prompt-tokens", str(max(len(ids) for ids, _ in workload)),
+         "--max-tokens", str(max(n for _, n in workload)), "--max-queue", str(len(workload))]
+  for flag, value in (("--checkpoint", args.checkpoint), ("--base", args.base),
+                      ("--micro-vocab", args.micro_vocab)):
+    if value is not None:
+      out += [flag, str(value)]
+  return out
+
+
+def bench_server(args) -> None:
+  # pylint: disable=import-outside-toplevel
+  import httpx2 as httpx  # the HTTP client: only this bench needs it (not accelerator hosts)
+  from hamburger_jax import pretrained
+  from hamburger_jax.benchmarks.server_load import ServerProcess, drive, summary
+  from hamburger_jax.decode.engine import Engine
+
+  checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
+  mode = "hamburger" if checkpoint is not None else "base"
+  model, tok = cli.load_model(mode, checkpoint, args.base, micro_vocab=args.micro_vocab)
+  engine = Engine(model, tok)  # stops at end of turn, as the server does: the same tokens
+  workload = serve_workload(tok, args.requests, args.new_range)
+  slots = args.slots[0]
+  print(f"the server against serve(): {len(workload)} requests (ShareGPT held-out + "
+        f"gsm_symbolic, max_new_tokens {args.new_range[0]}-{args.new_range[1]}), greedy, "
+        f"{mode} c={args.confidence}, {slots} slots, {args.clients} concurrent streaming "
+        f"clients ({os.cpu_count()} CPU cores)", flush=True)
+  local = _in_process(engine, workload, mode, slots, args.confidence)
+  with tempfile.TemporaryDirectory() as tmp:
+    server = ServerProcess(_server_args(args, mode, slots, workload),
+                           os.path.join(tmp, "server.txt"))
+    try:
+      server.wait_ready()
+      name = httpx.get(server.url + "/v1/models", timeout=60).json()["data"][0]["id"]
+      answers = drive(server.url, [{"model": name, "prompt": ids, "max_tokens": n,
+                                    "temperature": 0} for ids, n in workload], args.clients)
+      health = httpx.get(server.url + "/health", timeout=60).json()
+    finally:
+      server.stop()
+  remote = summary(answers)
+  same = sum(a.error is None and a.completion_tokens == g.new_tokens
+             for a, g in zip(answers, local["gens"]))
+  print("\n| side | answered | failed | duplicated | requests/s | output tok/s | vs serve() | "
+        "TTFT p50 s | TTFT p99 s | latency p50 s | latency p99 s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  for side, r in (("serve() in process", local), ("HTTP server", remote)):
+    print(f"| {side} | {r['answered']}/{r['requests']} | {r['failed']} | {r['duplicated']} | "
+          f"{r['requests_per_s']:.2f} | {r['tok_s']:.1f} | {r['tok_s'] / local['tok_s']:.2f}x | "
+          f"{r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {r['latency_p50']:.2f} | "
+          f"{r['latency_p99']:.2f} |")
+  round_s = health["modes"][mode]["round_s_mean"]
+  print(f"\ntime to first token p50 {remote['ttft_p50']:.2f} s; one prefill (serve()'s p50, "
+        f"{local['prefill_p50']:.2f} s) + one round (the server's mean at this load, "
+        f"{round_s:.2f} s) = {local['prefill_p50'] + round_s:.2f} s")
+  print(f"answers with serve()'s token count: {same}/{len(workload)}; errors: "
+        f"{remote['errors'] or 'none'}")
