@@ -20,9 +20,10 @@ def _in_process(engine, workload, mode: str, slots: int, confidence: float) -> d
                          max(len(ids) for ids, _ in workload))
   engine.compile_programs(layout, [ids for ids, _ in workload], stochastic=False)
   t = time.perf_counter()
-  gens = list(engine.serve([Request(ids, max_new_tokens=n, confidence=confidence)
-                            for ids, n in workload], slots=slots, mode=mode))
+  gens = list(engine.serve([Request(ids, max_new_tokens=n, confidence=confidence, id=i)
+                            for i, (ids, n) in enumerate(workload)], slots=slots, mode=mode))
   wall = time.perf_counter() - t
+  gens.sort(key=lambda g: g.id)  # they come as they finish
   lat = np.asarray([g.latency_s for g in gens])
   tokens = sum(g.new_tokens for g in gens)
   return {"gens": gens, "requests": len(gens), "answered": sum(not g.error for g in gens),
@@ -81,10 +82,11 @@ def bench_server(args) -> None:
   print("\n| side | answered | failed | duplicated | requests/s | output tok/s | vs serve() | "
         "TTFT p50 s | TTFT p99 s | latency p50 s | latency p99 s |")
   print("|---|---|---|---|---|---|---|---|---|---|---|")
+  cell = lambda x: "-" if np.isnan(x) else f"{x:.2f}"  # serve() reports no first-token time
   for side, r in (("serve() in process", local), ("HTTP server", remote)):
     print(f"| {side} | {r['answered']}/{r['requests']} | {r['failed']} | {r['duplicated']} | "
           f"{r['requests_per_s']:.2f} | {r['tok_s']:.1f} | {r['tok_s'] / local['tok_s']:.2f}x | "
-          f"{r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {r['latency_p50']:.2f} | "
+          f"{cell(r['ttft_p50'])} | {cell(r['ttft_p99'])} | {r['latency_p50']:.2f} | "
           f"{r['latency_p99']:.2f} |")
   round_s = health["modes"][mode]["round_s_mean"]
   print(f"\ntime to first token p50 {remote['ttft_p50']:.2f} s; one prefill (serve()'s p50, "

@@ -140,3 +140,20 @@ def test_the_engine_gives_what_the_batch_figure_reads():
   later = sum(g.prefill_s for g in gens[1:])
   assert later > 0 and len({g.latency_s for g in gens}) == 1
   assert batch_decode_s(gens) == pytest.approx(gens[0].decode_s - later, abs=1e-6)
+
+
+def test_server_load_summary_counts_lost_duplicated_and_failed():
+  """The server bench's tally: an answer with two ids or an id seen twice is duplicated; an
+  error or an answer that never finished is failed; percentiles only over answered ones."""
+  from hamburger_jax.benchmarks.server_load import Answer, summary  # pylint: disable=C0415
+  answers = [Answer(0, {"a"}, "x", 4, 2, "stop", sent=0.0, first=0.5, end=1.0),
+             Answer(1, {"b"}, "y", 6, 3, "length", sent=0.0, first=1.5, end=2.0),
+             Answer(2, {"a", "c"}, "z", 2, 1, "stop", sent=0.5, first=1.0, end=1.5),
+             Answer(3, set(), sent=0.5, end=4.0, error="HTTP 503: full"),
+             Answer(4, {"d"}, "w", 1, 1, None, sent=0.5, end=3.0)]
+  s = summary(answers)
+  assert (s["requests"], s["answered"], s["failed"]) == (5, 3, 2)
+  assert s["duplicated"] == 2  # "a" twice, and answer 2 carried two ids
+  assert s["tokens"] == 12 and s["wall_s"] == 4.0 and s["tok_s"] == 3.0
+  assert s["ttft_p50"] == 0.5 and s["latency_p50"] == 1.0
+  assert s["errors"] == ["HTTP 503: full"]
