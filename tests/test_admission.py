@@ -111,6 +111,22 @@ def test_cancel_frees_the_slot_and_blocks(engine, alone):
     loop.close()
 
 
+def test_a_reader_that_fails_cancels_its_request(engine, alone):
+  """A stream callback that raises (its client's event loop is gone, say) cancels its own
+  request; the others are served."""
+  loop = AdmissionLoop(engine, ("hamburger",), LIMITS, round_steps=1)
+  loop.start()
+  try:
+    def gone(ids):
+      raise RuntimeError("event loop is closed")
+    broken = loop.submit(Request(PROMPTS[4], max_new_tokens=24, confidence=1.0), on_tokens=gone)
+    fine = loop.submit(_request(0))
+    assert broken.wait(60).error == "cancelled" and loop.cancelled == 1
+    assert fine.wait(60).token_ids == alone["hamburger"][0].token_ids
+  finally:
+    loop.close()
+
+
 def test_refusals(engine):
   loop = AdmissionLoop(engine, ("hamburger",), Limits(slots=2, max_prompt_tokens=16,
                                                       max_tokens=8, max_queue=2))
@@ -124,7 +140,10 @@ def test_refusals(engine):
     loop.submit(Request(PROMPTS[0], max_new_tokens=4), "base")
   with pytest.raises(GenerationError, match="confidence must be in"):
     loop.submit(Request(PROMPTS[0], max_new_tokens=4, confidence=2.0))
-  loop.submit(Request(PROMPTS[0], max_new_tokens=4))
+  once = Request(PROMPTS[0], max_new_tokens=4)
+  loop.submit(once)
+  with pytest.raises(GenerationError, match="being served already: submit a copy"):
+    loop.submit(once)
   loop.submit(Request(PROMPTS[1], max_new_tokens=4))
   with pytest.raises(QueueFull, match="2 requests are waiting"):
     loop.submit(Request(PROMPTS[3], max_new_tokens=4))

@@ -79,6 +79,7 @@ class Ticket:
     self.produced = 0  # tokens of the current attempt (a preempted request starts again)
     self.attempt = 0
     self.cancelled = False
+    self.reader_gone: Callable[[], None] = lambda: None  # the loop's cancel, set by submit
     self.result: Generation | None = None
     self._done = threading.Event()
 
@@ -107,7 +108,7 @@ class Ticket:
     if new and not self.cancelled and self.on_tokens is not None:
       self.sent += len(new)
       if not _guarded(self.on_tokens, new):
-        self.cancelled = True  # its reader is gone; the loop serves the others
+        self.reader_gone()  # whoever read the stream is gone: free its slot
 
 
 def _guarded(callback: Callable, *args) -> bool:
@@ -186,7 +187,11 @@ class AdmissionLoop:
     if error:
       raise GenerationError(error)
     ticket = Ticket(request, mode, on_tokens, on_done)
+    ticket.reader_gone = lambda: self.cancel(ticket)
     with self._cond:
+      if id(request) in self._tickets:
+        raise GenerationError("this Request object is being served already: submit a copy "
+                              "(dataclasses.replace(request))")
       if self._closing or self.error:
         raise LoopClosed(self.error or "the server is shutting down")
       if self._waiting >= lim.max_queue:
