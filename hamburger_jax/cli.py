@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Any, Callable, TypeVar
 
+from hamburger_jax import files
 from hamburger_jax.config import DEFAULT_CONFIDENCE
 
 T = TypeVar("T")
@@ -165,8 +166,8 @@ def load_model(mode: str, checkpoint: str | None, base: str | None, *,
                                    **overrides)
   try:
     return phase(f"loading weights ({what})", load)
-  except (ValueError, RuntimeError, FileNotFoundError) as e:  # weights/config/asset errors
-    raise ModelLoadError(str(e)) from e
+  except (ValueError, RuntimeError, FileNotFoundError, files.StorageError) as e:  # weights, config,
+    raise ModelLoadError(str(e)) from e  # assets, or a bucket that cannot be read
 
 
 def add_precision_flag(p: argparse.ArgumentParser) -> None:

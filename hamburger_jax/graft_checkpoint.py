@@ -11,15 +11,15 @@ either form.
 A checkpoint is written whole in a temporary directory that then replaces the old one
 (files.write_dir_atomic): a run killed mid-export, or a full disk, leaves the previous checkpoint
 (or none), never a directory whose metadata, tables and shards come from two exports or stop
-halfway, which would only fail (or load wrong weights) when someone reads it later.
+halfway, which would only fail (or load wrong weights) when someone reads it later. On a bucket
+(`gs://...`), where nothing renames atomically, the directory is finished by a marker written
+last, and reading refuses a checkpoint without it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 from typing import Any, Mapping, Sequence
 
 import ml_dtypes
@@ -90,9 +90,9 @@ def reshard_graft(path: str, out: str | None = None, *, max_shard_mb: float | No
   meta = {k: v for k, v in meta.items() if k != "shards"}
   out = out or path
   # Same tensors, so the checkpoint's micro-step vocabulary still belongs to it.
-  keep = [os.path.join(path, micro_vocab_lib.FILE)]
+  keep = [files.join(path, micro_vocab_lib.FILE)]
   _write_checkpoint(out, meta, tensors, max_shard_mb,
-                    keep=[f for f in keep if os.path.isfile(f)])
+                    keep=[f for f in keep if files.isfile(f)])
   return out
 
 
@@ -161,14 +161,6 @@ def _plan_shards(tensors: Mapping[str, np.ndarray], limit: int
   return [s for s in shards if s], split
 
 
-def _sha256(path: str) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 22), b""):
-      h.update(block)
-  return h.hexdigest()
-
-
 def _write_tables(directory: str, meta: dict[str, Any],
                   tensors: Mapping[str, Mapping[str, np.ndarray]],
                   max_shard_mb: float | None) -> dict[str, Any]:
@@ -189,7 +181,7 @@ def _write_tables(directory: str, meta: dict[str, Any],
       size = os.path.getsize(path)
       if size > limit:  # the plan's header bound is wrong: never ship an oversized shard
         raise RuntimeError(f"internal: shard {file} is {size} bytes, over the {limit}-byte limit")
-      entries.append({"file": file, "bytes": size, "sha256": _sha256(path)})
+      entries.append({"file": file, "bytes": size, "sha256": files.sha256(path)})
     meta["shards"][name] = {"files": entries, "split": split}
   return meta
 
@@ -204,19 +196,21 @@ def _write_checkpoint(path: str, meta: dict[str, Any],
     with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
       json.dump(full, f, indent=2)
     for name in keep:
-      shutil.copy2(name, tmp)
+      files.download(name, os.path.join(tmp, os.path.basename(name)))
   files.write_dir_atomic(path, write)
 
 
 def read_meta(path: str) -> dict[str, Any]:
-  meta_path = os.path.join(path, META_FILE)
-  if not os.path.exists(meta_path):
+  meta_path = files.join(path, META_FILE)
+  if not files.exists(meta_path):
     raise WeightsError(f"{path} is not a HAMburger checkpoint (no {META_FILE}); pass the "
                        "directory written by train.main's export or "
                        "hamburger_jax.graft_checkpoint.save_graft")
+  if not files.is_complete(path):
+    raise WeightsError(f"{path} is an unfinished export (no {files.COMMIT_MARKER}: its writer "
+                       "stopped, or is still writing, before the end); export it again")
   try:
-    with open(meta_path, encoding="utf-8") as f:
-      meta = json.load(f)
+    meta = json.loads(files.read_text(meta_path))
   except (UnicodeDecodeError, json.JSONDecodeError) as e:
     raise WeightsError(f"{meta_path} is not valid JSON ({e}): the checkpoint is damaged; "
                        "re-export it (train.main writes it at the end of a run)") from None
@@ -247,7 +241,8 @@ def tensors_source(checkpoint: str, name: str, meta: Mapping[str, Any]) -> str:
 
 def _read_file(path: str) -> dict[str, np.ndarray]:
   try:
-    return load_file(path)
+    with files.local_copy(path) as local:
+      return load_file(local)
   except FileNotFoundError:
     raise WeightsError(f"{path} is missing: the checkpoint is incomplete; re-export it") from None
   except Exception as e:  # pylint: disable=broad-except  # safetensors' SafetensorError & co.
@@ -260,27 +255,27 @@ def read_tensors(checkpoint: str, name: str, meta: Mapping[str, Any]) -> dict[st
   shards checked against the index (size and sha256) and split tensors joined again."""
   entry = _shard_entry(checkpoint, name, meta)
   if entry is None:
-    return _read_file(os.path.join(checkpoint, f"{name}.safetensors"))
-  meta_path = os.path.join(checkpoint, META_FILE)
+    return _read_file(files.join(checkpoint, f"{name}.safetensors"))
+  meta_path = files.join(checkpoint, META_FILE)
   try:
-    files = [(str(f["file"]), int(f["bytes"]), str(f["sha256"])) for f in entry["files"]]
+    shards = [(str(f["file"]), int(f["bytes"]), str(f["sha256"])) for f in entry["files"]]
     split = {str(k): tuple(int(d) for d in v) for k, v in entry["split"].items()}
   except (KeyError, TypeError, ValueError, AttributeError):
     raise WeightsError(f"{meta_path}: the shard index of {name!r} is damaged; re-export the "
                        "checkpoint") from None
   tensors: dict[str, np.ndarray] = {}
-  for file, size, digest in files:
+  for file, size, digest in shards:
     if os.path.basename(file) != file or not file.endswith(".safetensors"):
       raise WeightsError(f"{meta_path}: shard {file!r} is not a file name in the checkpoint "
                          "directory; re-export the checkpoint")
-    path = os.path.join(checkpoint, file)
-    if not os.path.isfile(path):
+    path = files.join(checkpoint, file)
+    if not files.isfile(path):
       raise WeightsError(f"{path} is missing: the checkpoint is incomplete (hamburger.json lists "
-                         f"{len(files)} shards of {name!r}); copy every shard, or re-export it")
-    if os.path.getsize(path) != size:
-      raise WeightsError(f"{path} has {os.path.getsize(path)} bytes but the index lists {size}: "
+                         f"{len(shards)} shards of {name!r}); copy every shard, or re-export it")
+    if (got := files.getsize(path)) != size:
+      raise WeightsError(f"{path} has {got} bytes but the index lists {size}: "
                          "the file is truncated or was not copied whole; copy it again")
-    if _sha256(path) != digest:
+    if files.sha256(path) != digest:
       raise WeightsError(f"{path} is corrupted (its sha256 differs from the index's); copy it "
                          "again or re-export the checkpoint")
     for key, value in _read_file(path).items():

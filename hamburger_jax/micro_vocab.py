@@ -16,7 +16,6 @@ its length takes the first N.
 from __future__ import annotations
 
 import json
-import os
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -66,24 +65,23 @@ def save(checkpoint: str, counts: np.ndarray, size: int, sources: Sequence[str])
     raise MicroVocabError("the answers hold no tokens: nothing to build the list from")
   doc = {"format": FORMAT, "vocab_size": int(counts.size), "answer_tokens": int(counts.sum()),
          "sources": list(sources), "ids": ids.tolist(), "counts": counts[ids].tolist()}
-  files.write_json_atomic(os.path.join(checkpoint, FILE), doc)
+  files.write_json_atomic(files.join(checkpoint, FILE), doc)
   return doc
 
 
 def load(checkpoint: str, size: int, vocab_size: int) -> np.ndarray:
   """The first `size` ids of `checkpoint`'s list, checked against a model of `vocab_size`
   tokens: a missing list, a size it cannot give, or ids the model does not have are errors."""
-  path = os.path.join(checkpoint, FILE)
+  path = files.join(checkpoint, FILE)
   if size < 1:
     raise MicroVocabError(f"micro vocabulary size {size} must be >= 1 (leave it unset for the "
                           "full vocabulary)")
-  if not os.path.isfile(path):
+  if not files.isfile(path):
     raise MicroVocabError(f"{path} does not exist: build the checkpoint's list with `python -m "
                           f"train.micro_vocab --responses ANSWERS.jsonl --checkpoint {checkpoint}`"
                           " (or decode with the full vocabulary)")
   try:
-    with open(path, encoding="utf-8") as f:
-      doc = json.load(f)
+    doc = json.loads(files.read_text(path))
     stored_vocab, ids = int(doc["vocab_size"]), np.asarray(doc["ids"], np.int64)
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise MicroVocabError(f"{path} is not a micro vocabulary list ({e}): rebuild it with "

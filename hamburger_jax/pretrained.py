@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from hamburger_jax import assets
+from hamburger_jax import assets, files
 from hamburger_jax import micro_vocab as micro_vocab_lib
 from hamburger_jax.config import (KNOWN_ARCHITECTURES, ConfigError, GraftConfig,
                                   HamburgerConfig, LlamaConfig, from_dict, to_dict)
@@ -33,6 +33,7 @@ def resolve_base(source: str) -> tuple[str, str]:
   """'smollm2' | path/to/model.gguf | HF directory -> (kind, path)."""
   if source in (DEFAULT_BASE, "default"):
     return "gguf", assets.smollm2_gguf()
+  files.check_local(source, "base model", "the weights readers (GGUF, HF safetensors)")
   if source.endswith(".gguf"):
     if not os.path.exists(source):
       raise FileNotFoundError(f"GGUF file {source} does not exist")
@@ -303,7 +304,13 @@ def load_run(config: str, checkpoint: str | None = None, micro_vocab: int | None
 def check_init_from(cfg) -> None:
   """A stage that starts from its predecessor's export fails early, and says how to make it."""
   path = cfg.train.init_from
-  if not path or os.path.exists(os.path.join(path, META_FILE)):
+  if not path:
+    return
+  if files.exists(files.join(path, META_FILE)):
+    if not files.is_complete(path):
+      raise ConfigError(f"train.init_from={path} is an unfinished export (no "
+                        f"{files.COMMIT_MARKER}: its writer stopped before the end); export it "
+                        "again")
     return
   what = f"train.init_from={path}"
   if cfg.stage:

@@ -6,6 +6,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
+from hamburger_jax import files
 from hamburger_jax.config import (DEFAULT_CONFIDENCE, PRECISIONS, REMAT, ConfigError,
                                   GraftConfig, LlamaConfig, apply_overrides, from_dict, load_yaml,
                                   to_dict)
@@ -164,6 +165,8 @@ class DistillConfig:
 
 
 EXPORT_DTYPES = ("bfloat16", "float32", "float16")
+# What reads a dataset (tfds's array_record files): a bucket is read through a mount instead.
+DATASET_READER = "the dataset reader (array_record)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,6 +251,10 @@ def check_training_inputs(cfg: RunConfig) -> None:
   if not d:
     raise ConfigError("data.dir is empty: build a dataset with python -m train.prepare_data ... "
                       "--out DIR and set data.dir=DIR")
+  try:
+    files.check_local(d, "data.dir", DATASET_READER)
+  except files.StorageError as e:
+    raise ConfigError(str(e)) from None
   if not os.path.isdir(d):
     raise ConfigError(f"data.dir {d} does not exist: build it with python -m train.prepare_data "
                       f"... --out {d} (or set data.dir to an existing dataset)")

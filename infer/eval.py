@@ -88,9 +88,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     value = getattr(args, name)
     if value is not None and value < 1:
       p.error(f"--{name.replace('_', '-')}={value} must be a positive integer")
-  if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
-    p.error(f"checkpoint {args.checkpoint} does not exist: pass a directory written by "
-            "train.main's export (or hamburger_jax.graft_checkpoint.save_graft)")
+  from hamburger_jax import files
+  from hamburger_jax.run_config import DATASET_READER
+  try:  # a bucket that cannot be reached fails here, before the model loads
+    if args.checkpoint is not None and not files.isdir(args.checkpoint):
+      p.error(f"checkpoint {args.checkpoint} does not exist: pass a directory written by "
+              "train.main's export (or hamburger_jax.graft_checkpoint.save_graft)")
+    files.check_writable(args.out, "--out")
+    for flag, path in (("--data", args.data), ("--train-data", args.train_data)):
+      if path is not None:
+        files.check_local(path, flag, DATASET_READER)
+  except files.StorageError as e:
+    p.error(str(e))
   if args.tasks and "nll" in args.tasks and args.data is None:
     p.error("task nll needs --data DIR (a tfds dataset written by train.prepare_data)")
   if args.data is not None and not os.path.isdir(args.data):

@@ -29,3 +29,24 @@ def tiny_data_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
   from hamburger_jax.data.synthetic import build_synthetic_dataset  # pylint: disable=C0415
   return build_synthetic_dataset(str(tmp_path_factory.mktemp("tiny-data") / "data"), vocab=256,
                                  max_group=4)
+
+
+@pytest.fixture(scope="session")
+def gcs():
+  """A Cloud Storage emulator with one bucket, `gs://<gcs.bucket>` (tests/gcs_emulator.py):
+  the `gs://` paths of gcsfs, etils.epath, tensorstore and orbax go to it while it runs.
+  `gcs.env` is what a subprocess needs to reach it too."""
+  import os  # pylint: disable=import-outside-toplevel
+  import gcs_emulator  # pylint: disable=import-outside-toplevel
+  emulator = gcs_emulator.start()
+  before = {k: os.environ.get(k) for k in emulator.env}
+  os.environ.update(emulator.env)
+  try:
+    yield emulator
+  finally:
+    emulator.server.stop()
+    for k, v in before.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v

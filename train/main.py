@@ -93,6 +93,7 @@ def main(argv=None) -> int:
   init_distributed(args)
   from hamburger_jax import graft_checkpoint  # pylint: disable=import-outside-toplevel
   from hamburger_jax import training  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.files import StorageError  # pylint: disable=import-outside-toplevel
   try:
     graft_checkpoint.check_shard_limit(args.export_shard_mb)  # before hours of training, not after
   except ValueError as e:
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
   if args.export_step is not None:
     try:
       export_dir = training.export_step(cfg, args.export_step)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, StorageError) as e:
       raise SystemExit(f"error: {e}") from None
     print(f"done: step {args.export_step} exported to {export_dir}" + shard_export(args,
                                                                                export_dir))
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
     result = training.run(cfg, max_steps=args.max_steps, max_minutes=args.max_minutes,
                          max_cpu_minutes=args.max_cpu_minutes,
                          progress=not args.no_progress)
-  except (ConfigError, FileNotFoundError) as e:
+  except (ConfigError, FileNotFoundError, StorageError) as e:
     raise SystemExit(f"error: {e}") from None
   print(f"done: {result.steps_done} steps this run, at step {result.final_step}/{cfg.train.steps}"
         + (f"; export in {result.export_dir}" + shard_export(args, result.export_dir)
@@ -121,11 +122,11 @@ def shard_export(args, export_dir: str) -> str:
   """With --export-shard-mb, rewrites the export just written in files of at most that size (by
   the process that wrote it); returns what to add to the closing line."""
   import jax  # pylint: disable=import-outside-toplevel
-  from hamburger_jax import graft_checkpoint  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import files, graft_checkpoint  # pylint: disable=import-outside-toplevel
   if args.export_shard_mb is None or jax.process_index() != 0:
     return ""
   graft_checkpoint.reshard_graft(export_dir, max_shard_mb=args.export_shard_mb)
-  n = len([f for f in os.listdir(export_dir) if f.endswith(".safetensors")])
+  n = len([f for f in files.listdir(export_dir) if f.endswith(".safetensors")])
   return f" ({n} files of at most {args.export_shard_mb:g} MiB)"
 
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-from hamburger_jax import graft_checkpoint, micro_vocab, pretrained
+from hamburger_jax import files, graft_checkpoint, micro_vocab, pretrained
 
 DEFAULT_SIZE = 8192
 REPORTED_SIZES = (1024, 2048, 4096, 8192)
@@ -25,10 +24,10 @@ REPORTED_SIZES = (1024, 2048, 4096, 8192)
 def read_answers(path: str) -> list[list[int]]:
   """The response_ids of every record of a self_distill JSONL file; SystemExit naming the line
   that is not such a record."""
-  if not os.path.isfile(path):
+  if not files.isfile(path):
     raise SystemExit(f"error: --responses {path} does not exist")
   answers = []
-  with open(path, encoding="utf-8") as f:
+  with files.open_file(path, encoding="utf-8") as f:
     for n, line in enumerate(f, 1):
       if not line.strip():
         continue
@@ -58,12 +57,12 @@ def main(argv=None) -> int:
   if args.size < 1:
     p.error(f"--size {args.size} must be >= 1")
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
-  if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, graft_checkpoint.META_FILE)):
+  if checkpoint is None or not files.isfile(files.join(checkpoint, graft_checkpoint.META_FILE)):
     p.error(f"--checkpoint {checkpoint}: not a graft checkpoint directory (no "
             f"{graft_checkpoint.META_FILE})")
   paths = args.responses.split(",")
-  answers = [a for path in paths for a in read_answers(path)]  # all read before any write
   try:
+    answers = [a for path in paths for a in read_answers(path)]  # all read before any write
     vocab = pretrained.vocab_size(checkpoint)
     counts = micro_vocab.count_tokens(answers, vocab)
     doc = micro_vocab.save(checkpoint, counts, args.size, paths)
@@ -71,7 +70,7 @@ def main(argv=None) -> int:
     raise SystemExit(f"error: {e}") from None
   ids = doc["ids"]
   print(f"{len(answers)} answers, {doc['answer_tokens']} tokens, {int((counts > 0).sum())} "
-        f"distinct; wrote {len(ids)} ids to {os.path.join(checkpoint, micro_vocab.FILE)}")
+        f"distinct; wrote {len(ids)} ids to {files.join(checkpoint, micro_vocab.FILE)}")
   for n in REPORTED_SIZES:
     if n <= len(ids):
       print(f"  first {n}: {micro_vocab.coverage(counts, ids[:n]):.1%} of answer tokens")

@@ -26,12 +26,13 @@ import argparse
 import os
 import sys
 
+from hamburger_jax import files
 from hamburger_jax.assets import AssetError
 from hamburger_jax.data import prepare, shards, sources, teacher_pass
 from hamburger_jax.data.tfds_builder import DatasetExistsError, check_output_dir
 from hamburger_jax.evaluation import tasks as eval_tasks
 from hamburger_jax.layout import LayoutError
-from hamburger_jax.run_config import load_run_config
+from hamburger_jax.run_config import DATASET_READER, load_run_config
 from hamburger_jax.segmentation import get_strategy
 
 
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         args.source, args.limit, args.seed,
         exclude=eval_tasks.evaluation_questions("gsm_symbolic"))
     keep_split = prepare.split_of_samples(args.keep_split_of) if args.keep_split_of else None
-  except (DatasetExistsError, ValueError) as e:
+  except (DatasetExistsError, ValueError, files.StorageError) as e:
     return _fail(e)
   import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
@@ -183,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _join(args: argparse.Namespace) -> int:
   try:
+    files.check_local(args.join, "--join", DATASET_READER)  # before the shards are looked for
     stats = prepare.join_shards(args.join, overwrite=args.overwrite)
-  except (shards.ShardsError, DatasetExistsError) as e:
+  except (shards.ShardsError, DatasetExistsError, files.StorageError) as e:
     return _fail(e)
   print(stats.summary())
   print(f"wrote {args.join}")

@@ -17,8 +17,10 @@ import grain
 import numpy as np
 import tensorflow_datasets as tfds
 
+from hamburger_jax import files
 from hamburger_jax.data.tfds_builder import from_bfloat16_bits
 from hamburger_jax.layout import LayoutError, SampleLayout, layout_sample, pack_rows
+from hamburger_jax.run_config import DATASET_READER
 
 _READ_THREADS = 2  # the machines this runs on have few cores; the model wants them
 
@@ -168,6 +170,7 @@ def _builder(data_dir: str):
   if not data_dir:
     raise FileNotFoundError("no dataset given (data.dir is empty): build one with "
                             "python -m train.prepare_data ... --out DIR and set data.dir to it")
+  files.check_local(data_dir, "dataset", DATASET_READER)
   try:
     return tfds.builder_from_directory(data_dir)
   except Exception as e:  # pylint: disable=broad-except

@@ -32,7 +32,9 @@ from tensorflow_datasets.core import naming as tfds_naming
 from tensorflow_datasets.core import shuffle as tfds_shuffle
 from tensorflow_datasets.core import splits as tfds_splits
 
+from hamburger_jax import files
 from hamburger_jax.layout import LayoutError, check_groups
+from hamburger_jax.run_config import DATASET_READER
 
 SPLITS = ("train", "validation")
 Sample = Mapping[str, Any]  # {"input_ids", "prompt_len", "groups", "source"}
@@ -148,8 +150,8 @@ def build_dataset(out_dir: str, splits: Mapping[str, Callable[[], Iterable[Sampl
   interrupted build never leaves anything at `out_dir` (a kill may leave a `.NAME.tmp-*`
   directory beside it, which the next run for the same output removes).
   """
+  check_output_dir(out_dir, overwrite)
   out = os.path.abspath(out_dir)
-  check_output_dir(out, overwrite)
   with work_dir_beside(out, "tmp") as tmp:
     _build(out, tmp, splits, max_group=max_group, metadata=metadata, teacher=teacher)
   return out
@@ -193,8 +195,8 @@ def join_datasets(out_dir: str, parts: Sequence[str], *, max_group: int,
   rewritten, so joining costs no pass over the data and leaves the parts intact. Atomic like
   build_dataset: nothing appears at `out_dir` until the whole dataset is there.
   """
+  check_output_dir(out_dir, overwrite)
   out = os.path.abspath(out_dir)
-  check_output_dir(out, overwrite)
   infos = [tfds.builder_from_directory(os.fspath(p)).info for p in parts]
   with work_dir_beside(out, "tmp") as tmp:
     built = os.path.join(tmp, "joined")
@@ -306,7 +308,9 @@ def _remove_work_dir(path: str, out: str) -> None:
 
 def check_output_dir(out_dir: str, overwrite: bool) -> None:
   """Refuses an existing `out_dir` unless `overwrite`; first removes what killed runs for the same
-  output left beside it (clean_stale_work_dirs)."""
+  output left beside it (clean_stale_work_dirs). A bucket URL is refused (files.StorageError):
+  the dataset is built in a local directory renamed into place, and read through array_record."""
+  files.check_local(out_dir, "dataset output", DATASET_READER)
   clean_stale_work_dirs(out_dir)
   if os.path.exists(out_dir) and not overwrite:
     raise DatasetExistsError(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import html
 import math
-import os
 import textwrap
 from typing import Any, Sequence
 
@@ -237,7 +236,7 @@ def plot_groups_example(example: dict[str, Any] | None, path: str, cols: int = 8
 
 def plot_all(results: dict[str, Any], out_dir: str) -> list[str]:
   """Writes the four PNGs (FILES) into out_dir; returns their paths."""
-  os.makedirs(out_dir, exist_ok=True)
-  q, s, g, e = (os.path.join(out_dir, f) for f in FILES)
+  files.makedirs(out_dir)
+  q, s, g, e = (files.join(out_dir, f) for f in FILES)
   return [plot_quality_vs_compression(results, q), plot_speed(results, s),
           plot_group_sizes(results, g), plot_groups_example(results.get("example"), e)]

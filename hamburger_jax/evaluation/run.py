@@ -13,7 +13,6 @@ import collections
 import dataclasses
 import datetime
 import json
-import os
 import sys
 from typing import Any, Callable
 
@@ -146,7 +145,7 @@ def evaluate(model, tok, model_info: dict[str, Any], s: EvalSettings,
     n = check_disjoint(s.train_data, engine, examples)
     log(f"checked: no evaluation prompt is among the {n} training prompts of {s.train_data}")
 
-  os.makedirs(s.out, exist_ok=True)
+  files.makedirs(s.out)
   results = {"command": s.command,
              "created": datetime.datetime.now().isoformat(timespec="seconds"),
              "config": {**{k: v for k, v in dataclasses.asdict(s).items()
@@ -155,13 +154,14 @@ def evaluate(model, tok, model_info: dict[str, Any], s: EvalSettings,
              "model": model_info, "device": str(jax.devices()[0]),
              "tasks": {}, "group_sizes": {}, "example": None}
   group_sizes = {ckey(c): collections.Counter() for c in s.confidences}
-  # Generations go out as each task ends: a long evaluation shows its progress on disk.
-  with open(os.path.join(s.out, "generations.jsonl"), "w", encoding="utf-8") as gen_file:
+  # Generations go out as each task ends: a long evaluation shows its progress on disk (on a
+  # bucket, where an object appears whole, once the last task ends).
+  with files.open_file(files.join(s.out, "generations.jsonl"), "w", encoding="utf-8") as gen_file:
     _run_tasks(model, tok, engine, s, names, tasks, examples, results, group_sizes, gen_file,
                log)
   results["group_sizes"] = {c: dict(sorted(h.items())) for c, h in group_sizes.items() if h}
-  files.write_json_atomic(os.path.join(s.out, "results.json"), results, indent=2)
-  files.write_text_atomic(os.path.join(s.out, "results.md"), markdown(results))
+  files.write_json_atomic(files.join(s.out, "results.json"), results, indent=2)
+  files.write_text_atomic(files.join(s.out, "results.md"), markdown(results))
   if s.plots:
     from hamburger_jax.evaluation import plots  # pylint: disable=import-outside-toplevel
     plots.plot_all(results, s.out)

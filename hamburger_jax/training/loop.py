@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 import time
 from typing import Any, Callable
@@ -20,7 +19,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from hamburger_jax import graft_checkpoint, pretrained
+from hamburger_jax import files, graft_checkpoint, pretrained
 from hamburger_jax.config import ConfigError
 from hamburger_jax.data import pipeline
 from hamburger_jax.decode.requests import pooled_tokens_per_step
@@ -80,7 +79,7 @@ def checkpoint_manager(directory: str, cfg: RunConfig) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(
       save_interval_steps=1, max_to_keep=cfg.checkpoint.keep, enable_async_checkpointing=True,
       create=True)
-  return ocp.CheckpointManager(os.path.abspath(directory), options=options,
+  return ocp.CheckpointManager(files.absolute(directory), options=options,
                                item_names=("state", "data", "config"))
 
 
@@ -107,37 +106,60 @@ def check_resumable(saved: dict, cfg: RunConfig, where: str) -> None:
 
 
 class MetricsLog:
-  """metrics.jsonl + TensorBoard event files (written by process 0 only)."""
+  """metrics.jsonl + TensorBoard event files (written by process 0 only).
+
+  On a bucket an object cannot be appended to: metrics.jsonl and the event file are uploaded
+  whole, at most every UPLOAD_S seconds (an object takes about one write a second), at each
+  checkpoint save (`flush`) and at the end; a killed run loses at most the lines since its last
+  save, which the resumed run logs again."""
+  UPLOAD_S = 5.0
 
   def __init__(self, directory: str, enabled: bool):
     self.enabled = enabled
-    self.path = os.path.join(directory, "metrics.jsonl")
+    self.path = files.join(directory, "metrics.jsonl")
+    self.remote = files.is_remote(directory)
+    self.text, self.pending, self.uploaded = "", False, time.monotonic()
     self.tb = None
     if enabled:
-      os.makedirs(directory, exist_ok=True)
+      files.makedirs(directory)
+      if self.remote and files.exists(self.path):
+        self.text = files.read_text(self.path)  # a resumed run's log goes on after it
       from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-      self.tb = SummaryWriter(os.path.join(directory, "tb"))
+      self.tb = SummaryWriter(files.join(directory, "tb"))
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
     if not self.enabled:
       return
-    with open(self.path, "a") as f:
-      f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+    line = json.dumps({"step": step, "time": time.time(), **metrics}) + "\n"
     for k, v in metrics.items():
       self.tb.add_scalar(k, v, step)
+    if self.remote:
+      self.text, self.pending = self.text + line, True
+      if time.monotonic() - self.uploaded >= self.UPLOAD_S:
+        self.flush()
+      return
+    with open(self.path, "a") as f:
+      f.write(line)
     self.tb.flush()
+
+  def flush(self) -> None:
+    """Uploads what a bucket's log has not yet received (locally every line is written at once)."""
+    if self.enabled and self.pending:
+      files.write_text_atomic(self.path, self.text)
+      self.tb.flush()
+      self.pending, self.uploaded = False, time.monotonic()
 
   def close(self) -> None:
     if self.tb is not None:
+      self.flush()
       self.tb.close()
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-  path = os.path.join(run_dir, "metrics.jsonl")
-  if not os.path.exists(path):
+  path = files.join(run_dir, "metrics.jsonl")
+  if not files.exists(path):
     raise FileNotFoundError(f"{path} does not exist: pass the checkpoint.dir of a train.main run")
-  with open(path, encoding="utf-8") as f:
-    rows = [json.loads(line) for line in f if line.strip()]
+  rows = [json.loads(line) for line in files.read_text(path).splitlines() if line.strip()]
   # A resumed run re-logs the steps after its last checkpoint: the later record wins.
   by_step = {r["step"]: r for r in rows}
   return [by_step[s] for s in sorted(by_step)]
@@ -223,10 +245,23 @@ def resume_latest(trainer: Trainer, mngr: ocp.CheckpointManager, iterator, cfg: 
   log(f"resumed from step {latest} in {ckpt_dir}")
 
 
+def export_path(cfg: RunConfig) -> str:
+  """Where a run's params-only export goes."""
+  return cfg.checkpoint.export or files.join(cfg.checkpoint.dir, "export")
+
+
+def check_outputs(cfg: RunConfig) -> None:
+  """A bucket that the run's checkpoints or export cannot be written to fails now, in one line
+  (files.StorageError), not after the model loaded or a first save."""
+  files.check_writable(cfg.checkpoint.dir, "checkpoint.dir")
+  if cfg.checkpoint.export:
+    files.check_writable(cfg.checkpoint.export, "checkpoint.export")
+
+
 def export_graft(trainer: Trainer, cfg: RunConfig, step: int,
                  log: Callable[[str], None]) -> str:
   """Writes the params-only export that `infer.generate --checkpoint` (and the next stage) reads."""
-  export_dir = cfg.checkpoint.export or os.path.join(cfg.checkpoint.dir, "export")
+  export_dir = export_path(cfg)
   model = trainer.current_model()
   if trainer.process_index == 0:
     graft_checkpoint.save_graft(model, export_dir, cfg.model.base,
@@ -240,8 +275,9 @@ def export_graft(trainer: Trainer, cfg: RunConfig, step: int,
 def export_step(cfg: RunConfig, step: int, log: Callable[[str], None] = print) -> str:
   """Exports the checkpoint saved at `step` (e.g. the one the generation check liked best, before
   the run's end) without training; returns the export directory."""
-  ckpt_dir = os.path.join(cfg.checkpoint.dir, "checkpoints")
-  if not os.path.isdir(ckpt_dir):
+  check_outputs(cfg)
+  ckpt_dir = files.join(cfg.checkpoint.dir, "checkpoints")
+  if not files.isdir(ckpt_dir):
     raise FileNotFoundError(f"{ckpt_dir} does not exist: no run saved checkpoints in "
                             f"checkpoint.dir={cfg.checkpoint.dir}")
   mngr = checkpoint_manager(ckpt_dir, cfg)
@@ -259,6 +295,110 @@ def export_step(cfg: RunConfig, step: int, log: Callable[[str], None] = print) -
     mngr.close()
 
 
+def _check_limits(max_steps: int | None, max_minutes: float | None,
+                  max_cpu_minutes: float | None) -> None:
+  if max_steps is not None and max_steps < 1:
+    raise ConfigError(f"max_steps={max_steps} must be >= 1")
+  for name, value in (("max_minutes", max_minutes), ("max_cpu_minutes", max_cpu_minutes)):
+    if value is not None and not value >= 0:
+      raise ConfigError(f"{name}={value} must be >= 0")
+
+
+class _Budget:
+  """One invocation's wall-time and CPU-time limits (run's docstring)."""
+
+  def __init__(self, max_minutes: float | None, max_cpu_minutes: float | None):
+    self.max_minutes, self.max_cpu_minutes = max_minutes, max_cpu_minutes
+    self.deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
+    self.cpu_used = 0.0
+
+  def cpu_spent(self) -> bool:
+    return self.max_cpu_minutes is not None and self.cpu_used >= 60 * self.max_cpu_minutes
+
+  def spent(self) -> bool:
+    return (self.deadline is not None and time.monotonic() >= self.deadline) or self.cpu_spent()
+
+  def describe(self) -> str:
+    return f"{self.cpu_used / 60:.1f} CPU min" if self.cpu_spent() else f"{self.max_minutes} min"
+
+
+def _open(cfg: RunConfig, log: Callable[[str], None]) -> tuple[Trainer, ocp.CheckpointManager,
+                                                               Any]:
+  """The run's trainer, checkpoint manager and data iterator, resumed from the latest save;
+  every input is checked before the model loads."""
+  check_outputs(cfg)  # a bucket that cannot be written fails before anything loads
+  meta = pipeline.dataset_metadata(cfg.data.dir)  # data problems fail before the model loads
+  check_data(cfg, meta)
+  pretrained.check_init_from(cfg)
+  trainer = Trainer(cfg)
+  check_data(cfg, meta, trainer.model)
+  d = cfg.data
+  ckpt_dir = files.join(cfg.checkpoint.dir, "checkpoints")
+  mngr = checkpoint_manager(ckpt_dir, cfg)
+  iterator = pipeline.make_train_iterator(
+      d.dir, "train", batch_rows=trainer.local_rows, entries=d.entries, groups=d.groups,
+      max_group=cfg.graft.max_group, seed=d.seed, shard_index=trainer.process_index,
+      shard_count=trainer.process_count, position_offset=cfg.graft.position_offset)
+  try:
+    resume_latest(trainer, mngr, iterator, cfg, ckpt_dir, log)
+  except BaseException:
+    mngr.close()
+    _close(iterator)
+    raise
+  return trainer, mngr, iterator
+
+
+class _Saver:
+  """Saves the train state, the data position and the run config at a step."""
+
+  def __init__(self, mngr: ocp.CheckpointManager, trainer: Trainer, iterator, cfg: RunConfig,
+               metrics_log: MetricsLog):
+    self.mngr, self.trainer, self.iterator, self.metrics_log = mngr, trainer, iterator, metrics_log
+    self.config_dict = cfg.to_dict()
+    self.saved = set(mngr.all_steps())
+
+  def __call__(self, step: int) -> None:
+    # A stop (time budget, SIGTERM, Ctrl-C) can fall on a step that was just saved or that the
+    # run resumed from: orbax refuses to write a step twice, and the state is the same.
+    if step in self.saved:
+      return
+    snapshot = IteratorSnapshot(self.iterator.get_state())
+    self.mngr.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(self.trainer.state),
+        data=grain.checkpoint.CheckpointSave(snapshot),
+        config=ocp.args.JsonSave(self.config_dict)), force=True)
+    self.saved.add(step)
+    self.metrics_log.flush()
+
+
+def _timed_step(trainer: Trainer, iterator, cfg: RunConfig, budget: _Budget) -> dict[str, float]:
+  """One train step and its metrics, with its time charged to `budget`."""
+  t0, c0 = time.perf_counter(), time.process_time()
+  m = trainer.step([next(iterator) for _ in range(cfg.data.accum)])
+  dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+  budget.cpu_used += cpu
+  # distill counts teacher windows (up to K tokens from each predicting entry), not groups
+  size_key = "mean_window_size" if cfg.train.recipe == "distill" else "mean_group_size"
+  m.update({"step_s": dt, "step_cpu_s": cpu, "tokens_per_s": m["tokens"] / dt,
+            size_key: m["tokens"] / max(m["groups"], 1.0)})
+  return m
+
+
+def _checks_due(trainer: Trainer, cfg: RunConfig, done: int, last_step: bool,
+                generation_check: GenerationCheck) -> dict[str, float]:
+  """The validation and the generation check that fall after step `done`."""
+  d, t, out = cfg.data, cfg.train, {}
+  if t.eval_every and (done % t.eval_every == 0 or last_step):
+    out.update(trainer.evaluate(pipeline.validation_batches(
+        d.dir, batch_rows=trainer.local_rows, entries=d.entries, groups=d.groups,
+        max_group=cfg.graft.max_group, shard_index=trainer.process_index,
+        shard_count=trainer.process_count, position_offset=cfg.graft.position_offset),
+        max(d.validation_rows // d.rows, 1)))
+  if t.generate_every and (done % t.generate_every == 0 or last_step):
+    out.update(generation_check())
+  return out
+
+
 def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | None = None,
         max_cpu_minutes: float | None = None, progress: bool = True,
         log: Callable[[str], None] = print) -> RunResult:
@@ -271,80 +411,29 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
   another job takes the cores (wall time grows a lot), and evaluation is not charged to it. It
   counts per invocation (a resumed run starts a new budget) and charges the first step's
   compilation and the process's background threads (checkpoint writes, data prefetch)."""
-  if max_steps is not None and max_steps < 1:
-    raise ConfigError(f"max_steps={max_steps} must be >= 1")
-  for name, value in (("max_minutes", max_minutes), ("max_cpu_minutes", max_cpu_minutes)):
-    if value is not None and not value >= 0:
-      raise ConfigError(f"{name}={value} must be >= 0")
+  _check_limits(max_steps, max_minutes, max_cpu_minutes)
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-  meta = pipeline.dataset_metadata(cfg.data.dir)  # data problems fail before the model loads
-  check_data(cfg, meta)
-  pretrained.check_init_from(cfg)
-  trainer = Trainer(cfg)
-  check_data(cfg, meta, trainer.model)
-  d, t = cfg.data, cfg.train
-  ckpt_dir = os.path.join(cfg.checkpoint.dir, "checkpoints")
-  mngr = checkpoint_manager(ckpt_dir, cfg)
-  iterator = pipeline.make_train_iterator(
-      d.dir, "train", batch_rows=trainer.local_rows, entries=d.entries, groups=d.groups,
-      max_group=cfg.graft.max_group, seed=d.seed, shard_index=trainer.process_index,
-      shard_count=trainer.process_count, position_offset=cfg.graft.position_offset)
-  config_dict = cfg.to_dict()
-  try:
-    resume_latest(trainer, mngr, iterator, cfg, ckpt_dir, log)
-  except BaseException:
-    mngr.close()
-    _close(iterator)
-    raise
+  trainer, mngr, iterator = _open(cfg, log)
+  t = cfg.train
   start = int(jax.device_get(trainer.state.step))
   end = t.steps if max_steps is None else min(t.steps, start + max_steps)
   metrics_log = MetricsLog(cfg.checkpoint.dir, trainer.process_index == 0)
-
-  saved = set(mngr.all_steps())
-
-  def save(step: int) -> None:
-    # A stop (time budget, SIGTERM, Ctrl-C) can fall on a step that was just saved or that the
-    # run resumed from: orbax refuses to write a step twice, and the state is the same.
-    if step in saved:
-      return
-    snapshot = IteratorSnapshot(iterator.get_state())
-    mngr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(trainer.state), data=grain.checkpoint.CheckpointSave(snapshot),
-        config=ocp.args.JsonSave(config_dict)), force=True)
-    saved.add(step)
-
+  save = _Saver(mngr, trainer, iterator, cfg, metrics_log)
   interrupted = []
   previous = signal.signal(signal.SIGTERM, lambda *_: interrupted.append("SIGTERM"))
-  generation_check = GenerationCheck(trainer, d.dir, t)
+  generation_check = GenerationCheck(trainer, cfg.data.dir, t)
   last: dict[str, float] = {}
   bar = tqdm(total=end, initial=start, unit="step", disable=not progress or trainer.process_index)
-  deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
-  cpu_used = 0.0
-  # distill counts teacher windows (up to K tokens from each predicting entry), not groups
-  size_key = "mean_window_size" if t.recipe == "distill" else "mean_group_size"
+  budget = _Budget(max_minutes, max_cpu_minutes)
   try:
     if t.generate_every and start == 0 < end:  # where the curve starts: the initial graft
       metrics_log.write(0, generation_check())
     for step in range(start, end):
-      t0, c0 = time.perf_counter(), time.process_time()
-      m = trainer.step([next(iterator) for _ in range(d.accum)])
-      dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-      cpu_used += cpu
-      m.update({"step_s": dt, "step_cpu_s": cpu, "tokens_per_s": m["tokens"] / dt,
-                size_key: m["tokens"] / max(m["groups"], 1.0)})
+      m = _timed_step(trainer, iterator, cfg, budget)
       done = step + 1
-      timed_out = done < end and (
-          (deadline is not None and time.monotonic() >= deadline)
-          or (max_cpu_minutes is not None and cpu_used >= 60 * max_cpu_minutes))
+      timed_out = done < end and budget.spent()
       last_step = done == end or timed_out  # a time-boxed stop evaluates and logs like an end
-      if t.eval_every and (done % t.eval_every == 0 or last_step):
-        m.update(trainer.evaluate(pipeline.validation_batches(
-            d.dir, batch_rows=trainer.local_rows, entries=d.entries, groups=d.groups,
-            max_group=cfg.graft.max_group, shard_index=trainer.process_index,
-            shard_count=trainer.process_count, position_offset=cfg.graft.position_offset),
-            max(d.validation_rows // d.rows, 1)))
-      if t.generate_every and (done % t.generate_every == 0 or last_step):
-        m.update(generation_check())
+      m.update(_checks_due(trainer, cfg, done, last_step, generation_check))
       last = m
       if done % t.log_every == 0 or last_step or any(k.startswith("val_") for k in m):
         metrics_log.write(done, m)
@@ -353,14 +442,10 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
                       tok_s=f"{m['tokens_per_s']:.0f}")
       if done % cfg.checkpoint.every == 0 or done == end:
         save(done)
-      if interrupted:
-        log(f"{interrupted[0]}: saving step {done} and stopping")
-        save(done)
-        break
-      if timed_out:
-        spent = (f"{cpu_used / 60:.1f} CPU min" if max_cpu_minutes is not None
-                 and cpu_used >= 60 * max_cpu_minutes else f"{max_minutes} min")
-        log(f"{spent} of training: saving step {done} and stopping (run again to resume)")
+      if interrupted or timed_out:
+        log(f"{interrupted[0]}: saving step {done} and stopping" if interrupted else
+            f"{budget.describe()} of training: saving step {done} and stopping (run again to "
+            "resume)")
         save(done)
         break
   except KeyboardInterrupt:

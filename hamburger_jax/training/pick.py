@@ -13,8 +13,9 @@ shows the checks as markdown (python -m train.pick prints it with the pick).
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Sequence
+
+from hamburger_jax import files
 
 GEN_KEYS = ("gen_tokens_per_step", "gen_prefix_agreement", "gen_identical")
 
@@ -29,8 +30,8 @@ class Pick:
 def saved_steps(run_dir: str) -> set[int] | None:
   """Steps with a checkpoint under RUN_DIR/checkpoints (None when the run has no such folder)."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  path = os.path.join(run_dir, "checkpoints")
-  if not os.path.isdir(path):
+  path = files.join(run_dir, "checkpoints")
+  if not files.isdir(path):
     return None
   return set(ocp.utils.checkpoint_steps(path))  # orbax's own reading of its step folders
 
