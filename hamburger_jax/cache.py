@@ -1,13 +1,14 @@
 """Per-user caches that make a second run start fast: JAX's persistent compilation cache, and the
 float32 arrays that GGUF conversion produces.
 
-Both live under one directory, `cache_root()`:
+They live under one directory, `cache_root()`:
   $HAMBURGER_JAX_CACHE_DIR, else $XDG_CACHE_HOME/hamburger_jax, else ~/.cache/hamburger_jax
-with `jax/` for compiled programs (unless $JAX_COMPILATION_CACHE_DIR names another place) and
-`weights/` for converted weights. Switches (any value but "", "0", "false", "no" turns them on):
+with `jax/` for compiled programs (unless $JAX_COMPILATION_CACHE_DIR names another place),
+`weights/` for converted weights and `buckets/` for local copies of base weights read from a
+bucket (files.mirror). Switches (any value but "", "0", "false", "no" turns them on):
   HAMBURGER_JAX_NO_COMPILE_CACHE=1   compile everything, write nothing
   HAMBURGER_JAX_NO_WEIGHT_CACHE=1    convert GGUF files on every load, write nothing
-Deleting the directory is always safe: both caches are rebuilt on the next run.
+Deleting the directory is always safe: the caches are rebuilt on the next run.
 """
 
 from __future__ import annotations

@@ -190,6 +190,43 @@ def local_copy(path: str) -> Iterator[str]:
     yield local
 
 
+def mirror(path: str, root: str) -> str:
+  """A local copy of bucket file `path`, or of the files directly in bucket directory `path` (an
+  HF model directory: config.json, weights, tokenizer), under local directory `root` (at
+  root/BUCKET/OBJECT-PATH), for readers that need files (a GGUF, memory-mapped safetensors);
+  returns its path. Downloaded once per machine: a file already there with the object's size and
+  modification time is kept; each file is written whole (write_atomic). A local `path` is
+  returned as it is."""
+  if not is_remote(path):
+    return path
+  path = path.rstrip("/")
+  local = os.path.join(root, *path.split("://", 1)[1].split("/"))
+  if isfile(path):
+    _fetch(path, local)
+    return local
+  if not isdir(path):
+    raise MissingError(f"cannot read {path}: no such bucket or object")
+  for name in listdir(path):
+    if isfile(join(path, name)):
+      _fetch(join(path, name), os.path.join(local, name))
+  return local
+
+
+def _fetch(path: str, local: str) -> None:
+  stat = _remote("cannot read", path, lambda: _epath(path).stat())
+  mtime = float(stat.mtime)
+  if (os.path.isfile(local) and os.path.getsize(local) == stat.length
+      and os.path.getmtime(local) == mtime):
+    return
+  os.makedirs(os.path.dirname(local), exist_ok=True)
+
+  def write(tmp: str) -> None:
+    download(path, tmp)
+    os.utime(tmp, (mtime, mtime))
+
+  write_atomic(local, write)
+
+
 def upload(local: str, path: str) -> None:
   """Copies local file `local` to `path` (a bucket object appears whole when the copy ends)."""
   def copy() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from hamburger_jax import assets, files
+from hamburger_jax import assets, cache, files
 from hamburger_jax import micro_vocab as micro_vocab_lib
 from hamburger_jax.config import (KNOWN_ARCHITECTURES, ConfigError, GraftConfig,
                                   HamburgerConfig, LlamaConfig, from_dict, to_dict)
@@ -33,7 +33,8 @@ def resolve_base(source: str) -> tuple[str, str]:
   """'smollm2' | path/to/model.gguf | HF directory -> (kind, path)."""
   if source in (DEFAULT_BASE, "default"):
     return "gguf", assets.smollm2_gguf()
-  files.check_local(source, "base model", "the weights readers (GGUF, HF safetensors)")
+  # The GGUF reader and the HF loader open files: a bucket's copy is kept in the cache.
+  source = files.mirror(source, os.path.join(cache.cache_root(), "buckets"))
   if source.endswith(".gguf"):
     if not os.path.exists(source):
       raise FileNotFoundError(f"GGUF file {source} does not exist")

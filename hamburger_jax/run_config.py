@@ -171,7 +171,7 @@ DATASET_READER = "the dataset reader (array_record)"
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  dir: str = "runs/default"  # orbax checkpoints, metrics.jsonl, TensorBoard events
+  dir: str = "runs/default"  # orbax checkpoints, metrics.jsonl, TensorBoard events; or gs://
   every: int = 50
   keep: int = 3
   export: str = ""  # params-only export directory written at the end ("" = <dir>/export)

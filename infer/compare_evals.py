@@ -15,16 +15,17 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import sys
+
+from hamburger_jax import files
 
 
 def read_run(directory: str) -> dict[tuple, dict]:
-  path = os.path.join(directory, "generations.jsonl")
-  if not os.path.isfile(path):
+  path = files.join(directory, "generations.jsonl")
+  if not files.isfile(path):
     raise SystemExit(f"error: {path} does not exist: give an infer.eval --out directory")
   out = {}
-  with open(path, encoding="utf-8") as f:
+  with files.open_file(path, encoding="utf-8") as f:
     for n, line in enumerate(f, 1):
       try:
         r = json.loads(line)

@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Sequence
 
+from hamburger_jax import files
 from hamburger_jax.evaluation.plots import plot_all
 
 
@@ -20,11 +21,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("results", help="results.json written by python -m infer.eval")
   p.add_argument("--out", default=None, help="directory for the PNGs (default: the JSON's)")
   args = p.parse_args(argv)
-  if not os.path.exists(args.results):
+  if not files.exists(args.results):
     p.error(f"{args.results} does not exist: run python -m infer.eval first")
-  with open(args.results, encoding="utf-8") as f:
-    results = json.load(f)
-  for path in plot_all(results, args.out or os.path.dirname(os.path.abspath(args.results))):
+  results = json.loads(files.read_text(args.results))
+  for path in plot_all(results, args.out or os.path.dirname(files.absolute(args.results))):
     print(path)
   return 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +40,9 @@ def _model(seed: int) -> Hamburger:
 def _params(model) -> dict:
   return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, GraftParam))}
 
+
+def _upload_dir(local: str, remote: str) -> None:
+  files.write_dir_atomic(remote, lambda tmp: shutil.copytree(local, tmp, dirs_exist_ok=True))
 
 @pytest.fixture
 def bucket_dir(gcs) -> str:
@@ -160,8 +164,8 @@ def test_no_credentials_or_permission_is_said_in_words(bucket_dir: str, monkeypa
 
 
 def test_readers_of_local_files_refuse_a_bucket_and_say_to_mount_it(capsys):
-  """Datasets (array_record) and base weights (GGUF, safetensors memory maps) are read from local
-  files: a bucket URL there is refused at once, by every way in."""
+  """Datasets are read through array_record, which opens local files: a bucket URL there is
+  refused at once, by every way in."""
   from hamburger_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
   from hamburger_jax.data import pipeline  # pylint: disable=import-outside-toplevel
   from hamburger_jax.run_config import (  # pylint: disable=import-outside-toplevel
@@ -176,9 +180,6 @@ def test_readers_of_local_files_refuse_a_bucket_and_say_to_mount_it(capsys):
     check_training_inputs(load_run_config(TINY, [f"data.dir={data}"]))
   with pytest.raises(files.StorageError, match=re.escape(f"dataset {data} is on a bucket")):
     pipeline.dataset_metadata(data)
-  with pytest.raises(files.StorageError, match="base model gs://my-bucket/m is on a bucket, but "
-                                                "the weights readers"):
-    pretrained.load_llama("gs://my-bucket/m")
   assert prepare_data.main(["--config", TINY, "--source", "synthetic", "--out", data]) == 2
   assert f"dataset output {data} is on a bucket" in capsys.readouterr().err
   assert prepare_data.main(["--join", data]) == 2
@@ -186,6 +187,39 @@ def test_readers_of_local_files_refuse_a_bucket_and_say_to_mount_it(capsys):
   with pytest.raises(SystemExit):
     eval_cli.parse_args(["--config", TINY, "--tasks", "nll", "--data", data])
   assert f"--data {data} is on a bucket" in capsys.readouterr().err
+
+
+def test_a_base_on_a_bucket_is_read_from_a_local_copy(bucket_dir: str, tmp_path: Path,
+                                                      monkeypatch):
+  """A GGUF, or an HF directory, on a bucket loads as from the disk: each host keeps a copy in
+  its cache, fetched once (a file already there with the object's size and time is kept)."""
+  from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.convert import hf  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.run_config import ModelConfig  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.testing import write_tiny_llama_gguf  # pylint: disable=C0415
+  monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path / "cache"))
+  monkeypatch.setenv(cache.NO_WEIGHT_CACHE_ENV, "1")
+  local = str(tmp_path / "tiny.gguf")
+  write_tiny_llama_gguf(local)
+  remote = files.join(bucket_dir, "models", "tiny.gguf")
+  files.upload(local, remote)
+  (got, _), (want, _) = pretrained.load_llama(remote), pretrained.load_llama(local)
+  want_params = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(want))}
+  for p, v in nnx.to_flat_state(nnx.state(got)):
+    np.testing.assert_array_equal(np.asarray(v[...]), want_params[p], err_msg=str(p))
+  copy = files.mirror(remote, os.path.join(cache.cache_root(), "buckets"))
+  assert copy.startswith(str(tmp_path / "cache")) and Path(copy).read_bytes() == Path(
+      local).read_bytes()
+  before = os.stat(copy).st_ino
+  assert files.mirror(remote, os.path.join(cache.cache_root(), "buckets")) == copy
+  assert os.stat(copy).st_ino == before  # kept, not fetched again
+  hf_dir = str(tmp_path / "hf")
+  hf.save(want, want.cfg, hf_dir)
+  _upload_dir(hf_dir, files.join(bucket_dir, "models", "hf"))
+  arch = pretrained.architecture(ModelConfig(base=files.join(bucket_dir, "models", "hf")))
+  assert arch.hidden_size == want.cfg.hidden_size and arch.num_layers == want.cfg.num_layers
+  with pytest.raises(FileNotFoundError, match="no such bucket or object"):
+    pretrained.load_llama(files.join(bucket_dir, "models", "absent.gguf"))
 
 
 # ----------------------------------------------------------------------------- training
@@ -297,11 +331,6 @@ def test_training_to_a_missing_bucket_fails_before_any_work(tiny_data_dir: str):
 # ----------------------------------------------------------------------------- inference
 
 
-def _upload_dir(local: str, remote: str) -> None:
-  import shutil  # pylint: disable=import-outside-toplevel
-  files.write_dir_atomic(remote, lambda tmp: shutil.copytree(local, tmp, dirs_exist_ok=True))
-
-
 def test_eval_reads_its_checkpoint_from_and_writes_its_results_to_a_bucket(
     local_run: str, bucket_dir: str, sub_env: dict[str, str]):
   checkpoint, out = files.join(bucket_dir, "export"), files.join(bucket_dir, "eval")
@@ -317,6 +346,14 @@ def test_eval_reads_its_checkpoint_from_and_writes_its_results_to_a_bucket(
   from hamburger_jax.evaluation import plots  # pylint: disable=import-outside-toplevel
   for name in plots.FILES:
     assert files.read_bytes(files.join(out, name))[:8] == b"\x89PNG\r\n\x1a\n", name
+  # Redrawn from the bucket's results.json, into the bucket; compared from the bucket.
+  from infer import compare_evals  # pylint: disable=import-outside-toplevel
+  from infer import plots as plots_cli  # pylint: disable=import-outside-toplevel
+  files.remove(files.join(out, plots.FILES[0]))
+  assert plots_cli.main([files.join(out, "results.json")]) == 0
+  assert files.read_bytes(files.join(out, plots.FILES[0]))[:8] == b"\x89PNG\r\n\x1a\n"
+  assert len(compare_evals.read_run(out)) == len(
+      files.read_text(files.join(out, "generations.jsonl")).splitlines())
 
 
 @pytest.mark.usefixtures("gcs")
