@@ -205,7 +205,7 @@ def mirror(path: str, root: str) -> str:
     _fetch(path, local)
     return local
   if not isdir(path):
-    raise MissingError(f"cannot read {path}: no such bucket or object")
+    raise MissingError(f"cannot read {path}: {missing_bucket(path) or 'no such object'}")
   for name in listdir(path):
     if isfile(join(path, name)):
       _fetch(join(path, name), os.path.join(local, name))
@@ -347,10 +347,14 @@ def check_writable(path: str, what: str) -> None:
     raise StorageError(f"{what} {path} cannot be written: {cause(e.__cause__ or e)}") from None
 
 
-def check_readable(path: str, what: str) -> None:
-  """Fails now, in one line, where bucket path `path` cannot be read or holds nothing."""
-  if is_remote(path) and not exists(path):
-    raise StorageError(f"{what} {path} does not exist (no object or directory there)")
+def missing_bucket(path: str) -> str:
+  """For a message about `path` not being there: "no bucket gs://B (...)" when it is on a bucket
+  that does not exist (or that this account cannot list), else ""."""
+  if not is_remote(path):
+    return ""
+  scheme, rest = path.split("://", 1)
+  bucket = f"{scheme}://{rest.split('/', 1)[0]}"
+  return "" if exists(bucket) else f"no bucket {bucket} (or this account cannot list it)"
 
 
 def check_local(path: str, what: str, reader: str) -> None:

@@ -203,7 +203,8 @@ def _write_checkpoint(path: str, meta: dict[str, Any],
 def read_meta(path: str) -> dict[str, Any]:
   meta_path = files.join(path, META_FILE)
   if not files.exists(meta_path):
-    raise WeightsError(f"{path} is not a HAMburger checkpoint (no {META_FILE}); pass the "
+    why = files.missing_bucket(path) or f"no {META_FILE}"
+    raise WeightsError(f"{path} is not a HAMburger checkpoint ({why}); pass the "
                        "directory written by train.main's export or "
                        "hamburger_jax.graft_checkpoint.save_graft")
   if not files.is_complete(path):

@@ -318,5 +318,6 @@ def check_init_from(cfg) -> None:
     what = f"stage {cfg.stage!r} starts from the previous stage's export {path}, which"
     raise ConfigError(f"{what} does not exist yet: run the previous stage to its end first "
                       "(python -m train.main --config CONFIG --stage PREVIOUS)")
-  raise ConfigError(f"{what} is not a graft export (no {META_FILE}); point it at the "
+  why = files.missing_bucket(path) or f"no {META_FILE}"
+  raise ConfigError(f"{what} is not a graft export ({why}); point it at the "
                     "export directory a run wrote")

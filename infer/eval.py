@@ -92,8 +92,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   from hamburger_jax.run_config import DATASET_READER
   try:  # a bucket that cannot be reached fails here, before the model loads
     if args.checkpoint is not None and not files.isdir(args.checkpoint):
-      p.error(f"checkpoint {args.checkpoint} does not exist: pass a directory written by "
-              "train.main's export (or hamburger_jax.graft_checkpoint.save_graft)")
+      why = files.missing_bucket(args.checkpoint)
+      p.error(f"checkpoint {args.checkpoint} {f'is not there, {why}' if why else 'does not exist'}"
+              ": pass a directory written by train.main's export (or "
+              "hamburger_jax.graft_checkpoint.save_graft)")
     files.check_writable(args.out, "--out")
     for flag, path in (("--data", args.data), ("--train-data", args.train_data)):
       if path is not None:

@@ -115,8 +115,37 @@ def test_unfinished_export_on_a_bucket_is_refused(bucket_dir: str):
   files.remove(files.join(path, files.COMMIT_MARKER))  # as a writer killed before its end
   with pytest.raises(WeightsError, match=f"{path} is an unfinished export"):
     pretrained.load_graft(_model(1), path)
-  with pytest.raises(WeightsError, match="is not a HAMburger checkpoint"):
+  with pytest.raises(WeightsError, match="is not a HAMburger checkpoint .no hamburger.json"):
     pretrained.load_graft(_model(1), files.join(bucket_dir, "nothing-here"))
+  with pytest.raises(WeightsError, match=re.escape(
+      "gs://no-such-bucket-here/export is not a HAMburger checkpoint (no bucket "
+      "gs://no-such-bucket-here (or this account cannot list it))")):
+    pretrained.load_graft(_model(1), "gs://no-such-bucket-here/export")
+
+
+def test_a_stage_starts_from_an_export_on_a_bucket_once_it_is_finished(bucket_dir: str,
+                                                                        tiny_data_dir: str):
+  """train.init_from on a bucket: a finished export is loaded into the run's model; an
+  unfinished one, or one on a bucket that does not exist, is refused before the model loads."""
+  from hamburger_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.run_config import load_run_config  # pylint: disable=import-outside-toplevel
+  export = files.join(bucket_dir, "micro", "export")
+  cfg = lambda path, seed=0: load_run_config(TINY, [f"data.dir={tiny_data_dir}",
+                                                    f"train.init_from={path or repr('')}",
+                                                    f"train.seed={seed}"])
+  source, _ = pretrained.build_run_model(cfg("", seed=1))  # not the graft a seed-0 run starts at
+  graft_checkpoint.save_graft(source, export, "random", dtype="float32")
+  files.remove(files.join(export, files.COMMIT_MARKER))
+  with pytest.raises(ConfigError, match=f"train.init_from={export} is an unfinished export"):
+    pretrained.check_init_from(cfg(export))
+  files.mark_complete(export)
+  started, _ = pretrained.build_run_model(cfg(export))
+  assert any(not np.array_equal(v, _params(pretrained.build_run_model(cfg(""))[0])[p])
+             for p, v in _params(source).items())
+  for p, v in _params(source).items():
+    np.testing.assert_array_equal(_params(started)[p], v, err_msg=str(p))
+  with pytest.raises(ConfigError, match="is not a graft export .no bucket gs://no-such-bucket-"):
+    pretrained.check_init_from(cfg("gs://no-such-bucket-here/export"))
 
 
 def test_missing_object_of_a_finished_export_is_named(bucket_dir: str):
@@ -218,8 +247,10 @@ def test_a_base_on_a_bucket_is_read_from_a_local_copy(bucket_dir: str, tmp_path:
   _upload_dir(hf_dir, files.join(bucket_dir, "models", "hf"))
   arch = pretrained.architecture(ModelConfig(base=files.join(bucket_dir, "models", "hf")))
   assert arch.hidden_size == want.cfg.hidden_size and arch.num_layers == want.cfg.num_layers
-  with pytest.raises(FileNotFoundError, match="no such bucket or object"):
+  with pytest.raises(FileNotFoundError, match="absent.gguf: no such object"):
     pretrained.load_llama(files.join(bucket_dir, "models", "absent.gguf"))
+  with pytest.raises(FileNotFoundError, match="no bucket gs://no-such-bucket-here "):
+    pretrained.load_llama("gs://no-such-bucket-here/m.gguf")
 
 
 # ----------------------------------------------------------------------------- training
@@ -364,6 +395,11 @@ def test_eval_to_a_missing_bucket_fails_before_the_model_loads(capsys):
                          "--out", "gs://no-such-bucket-here/eval"])
   err = capsys.readouterr().err
   assert "--out gs://no-such-bucket-here/eval cannot be written: no such bucket" in err
+  with pytest.raises(SystemExit):
+    eval_cli.parse_args(["--config", TINY, "--tasks", "synthetic",
+                         "--checkpoint", "gs://no-such-bucket-here/export"])
+  assert ("checkpoint gs://no-such-bucket-here/export is not there, no bucket "
+          "gs://no-such-bucket-here") in capsys.readouterr().err
 
 
 @pytest.mark.slow
