@@ -344,6 +344,12 @@ def test_killed_run_resumes_from_the_bucket_exactly(local_run: str, tiny_data_di
   for step, m in logged.items():
     assert m["loss"] == pytest.approx(ref[step]["loss"], abs=1e-6), step
   assert any(n.startswith("events.out.tfevents") for n in files.listdir(files.join(run_dir, "tb")))
+  # The tools that read a run read it from the bucket.
+  from hamburger_jax.training import pick  # pylint: disable=import-outside-toplevel
+  from train import curves  # pylint: disable=import-outside-toplevel
+  assert STEPS in pick.saved_steps(run_dir)
+  assert curves.main([run_dir]) == 0
+  assert files.read_bytes(files.join(run_dir, "curves.png"))[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.usefixtures("gcs")
@@ -446,5 +452,7 @@ def test_two_processes_save_into_one_bucket_directory(tiny_data_dir: str, bucket
   assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(files.listdir(files.join(step, "state")))
   assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(
       files.listdir(files.join(step, "data")))
-  assert sorted(_metrics(run_dir)) == [1, 2]
+  lines = files.read_text(files.join(run_dir, "metrics.jsonl")).splitlines()
+  assert [json.loads(line)["step"] for line in lines] == [1, 2]  # one writer
+  assert len(files.listdir(files.join(run_dir, "tb"))) == 1
   assert files.is_complete(files.join(run_dir, "export")) and _export(files.join(run_dir, "export"))
