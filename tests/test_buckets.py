@@ -350,6 +350,10 @@ def test_killed_run_resumes_from_the_bucket_exactly(local_run: str, tiny_data_di
   assert STEPS in pick.saved_steps(run_dir)
   assert curves.main([run_dir]) == 0
   assert files.read_bytes(files.join(run_dir, "curves.png"))[:8] == b"\x89PNG\r\n\x1a\n"
+  earlier = files.join(run_dir, "export-7")  # an earlier saved step, exported from the bucket
+  _run([*args, "--export-step", "7", "--set", f"checkpoint.export={earlier}"], sub_env)
+  assert graft_checkpoint.read_meta(earlier)["trained_steps"] == 7
+  assert any(not np.array_equal(v, got[k]) for k, v in _export(earlier).items())
 
 
 @pytest.mark.usefixtures("gcs")
