@@ -351,7 +351,11 @@ def test_killed_run_resumes_from_the_bucket_exactly(local_run: str, tiny_data_di
   assert curves.main([run_dir]) == 0
   assert files.read_bytes(files.join(run_dir, "curves.png"))[:8] == b"\x89PNG\r\n\x1a\n"
   earlier = files.join(run_dir, "export-7")  # an earlier saved step, exported from the bucket
-  _run([*args, "--export-step", "7", "--set", f"checkpoint.export={earlier}"], sub_env)
+  from hamburger_jax import training  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.run_config import load_run_config  # pylint: disable=import-outside-toplevel
+  sets = [a for a in args[args.index("--set"):] if a != "--set"]
+  assert training.export_step(load_run_config(TINY, [*sets, f"checkpoint.export={earlier}"]), 7,
+                              log=lambda _: None) == earlier
   assert graft_checkpoint.read_meta(earlier)["trained_steps"] == 7
   assert any(not np.array_equal(v, got[k]) for k, v in _export(earlier).items())
 
