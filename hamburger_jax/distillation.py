@@ -82,43 +82,6 @@ def acceptance_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
   return out
 
 
-def window_token_stats(h_nkd: jax.Array, head_dv: jax.Array, window_nk: jax.Array,
-                       topk_ids_nkt: jax.Array, topk_logp_nkt: jax.Array, valid_nk: jax.Array,
-                       rows: int, chunk: int, cap: int | None = None) -> dict[str, jax.Array]:
-  """chunked_token_stats of every micro step of the windows [N, K] (ce, kl, argmax).
-
-  With `cap` (the most valid positions a batch row can hold: a row predicts each of its tokens
-  once), only valid positions reach the LM head, the largest matmul of a micro step: each row's
-  valid positions are gathered in order into `cap` slots, and their stats scattered back. A
-  window layout padded to a static group count is mostly empty (3/4 of its positions with the
-  window config's 1024 tokens and 1024 groups of 4). Other positions get ce = kl = 0 and argmax
-  = -1; callers mask them either way."""
-  n, k, d = h_nkd.shape
-  per_row = n * k // rows
-  flat = lambda x: x.reshape(n * k, *x.shape[2:])
-  if cap is None or cap >= per_row:
-    stats = chunked_token_stats(flat(h_nkd), head_dv, flat(window_nk), chunk, h_nkd.dtype,
-                                flat(topk_ids_nkt), flat(topk_logp_nkt), rows=rows)
-    return {name: stats[name].reshape(n, k) for name in ("ce", "kl", "argmax")}
-  valid = valid_nk.reshape(rows, per_row)
-  order = jnp.argsort(~valid, axis=-1, stable=True)[:, :cap]  # [rows, cap]: valid ones first
-
-  def take(x):  # [N, K, ...] -> [rows * cap, ...]
-    x = x.reshape(rows, per_row, *x.shape[2:])
-    idx = order.reshape(rows, cap, *(1,) * (x.ndim - 2))
-    return jnp.take_along_axis(x, idx, axis=1).reshape(rows * cap, *x.shape[2:])
-
-  stats = chunked_token_stats(take(h_nkd), head_dv, take(window_nk), chunk, h_nkd.dtype,
-                              take(topk_ids_nkt), take(topk_logp_nkt), rows=rows)
-  kept = jnp.take_along_axis(valid, order, axis=1)
-  out = {}
-  for name, fill in (("ce", 0), ("kl", 0), ("argmax", -1)):
-    v = jnp.where(kept, stats[name].reshape(rows, cap), fill)
-    full = jnp.full((rows, per_row), fill, v.dtype)
-    out[name] = full.at[jnp.arange(rows)[:, None], order].set(v).reshape(n, k)
-  return out
-
-
 def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str, jax.Array],
                       cfg: DistillConfig, ce_chunk: int, group_end_n: jax.Array | None = None,
                       merge_read_n: jax.Array | None = None
@@ -128,20 +91,20 @@ def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str
   step's argmax with the teacher's greedy token [N, K]).
 
   `merge_read_n` [N] bool (stop target "harm"): group n is a merged entry, and group n + 1's
-  token 0 is predicted from it. A batch with the teacher's unmerged rows (`tokens` [B, L], the
-  teacher in the step) sends only its valid positions to the LM head (window_token_stats)."""
+  token 0 is predicted from it."""
   k = model.max_group
   window = batch["window_ids"].reshape(-1, k)
   size = batch["window_size"].reshape(-1)
   topk_ids = batch["teacher_topk_ids"].reshape(-1, k, batch["teacher_topk_ids"].shape[-1])
   topk_logp = batch["teacher_topk_logp"].reshape(topk_ids.shape)
+  n, _, d = feats_nfd.shape
   h = model.micro_hidden(feats_nfd, window)  # [N, K, D]
+  stats = chunked_token_stats(h.reshape(-1, d), model.base.head_dv(), window.reshape(-1),
+                              ce_chunk, h.dtype, topk_ids.reshape(n * k, -1),
+                              topk_logp.reshape(n * k, -1), rows=batch["window_size"].shape[0])
+  ce, kl, argmax = (stats[name].reshape(n, k) for name in ("ce", "kl", "argmax"))
   step = jnp.arange(k)[None, :]
   valid = step < size[:, None]  # [N, K]
-  cap = batch["tokens"].shape[1] if "tokens" in batch else None
-  stats = window_token_stats(h, model.base.head_dv(), window, topk_ids, topk_logp, valid,
-                             batch["window_size"].shape[0], ce_chunk, cap)
-  ce, kl, argmax = stats["ce"], stats["kl"], stats["argmax"]
   agree = argmax == topk_ids[..., 0]  # the student's token is the teacher's greedy token
   if cfg.stop_target in ("teacher", "harm"):
     next_agrees = jnp.pad(agree[:, 1:], ((0, 0), (0, 1)))

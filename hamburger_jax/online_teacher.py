@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from hamburger_jax.losses import chunked_topk
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import causal_segment_mask
-from hamburger_jax.run_config import RunConfig
 from hamburger_jax.segmentation import segment_positions
 
 # The batch fields the teacher reads ([B, L], [B, L], [B, G, K]).
@@ -47,15 +46,6 @@ def teacher_signals(model: Hamburger, batch: Mapping[str, jax.Array], top_k: int
   signals = {"teacher_topk_ids": ids[rows, index], "teacher_topk_logp": logp[rows, index],
              "teacher_features": feats[rows[..., 0], index[..., 0]].astype(jnp.float32)}
   return jax.lax.stop_gradient(signals)
-
-
-def lm_head_cap(cfg: RunConfig) -> int | None:
-  """The most window positions one row sends to the micro steps' LM head, None where every
-  position does: with the teacher in the step a row predicts each of its `data.row_tokens`
-  tokens once, so the loss gathers its valid positions (distillation.window_token_stats)."""
-  if cfg.train.recipe == "distill" and cfg.distill.teacher == "online":
-    return cfg.data.row_tokens
-  return None
 
 
 def with_teacher(model: Hamburger, batch: Mapping[str, jax.Array], top_k: int,

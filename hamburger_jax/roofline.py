@@ -195,13 +195,11 @@ def lm_head_rows(rows: int, per_row: int, ce_chunk: int, loop_once: bool = False
 
 
 def train_step_flops(hcfg: HamburgerConfig, rows: int, entries: int, groups: int,
-                     trainable: str, ce_chunk: int, loop_once: bool = False,
-                     head_cap: int | None = None) -> FlopCount:
+                     trainable: str, ce_chunk: int, loop_once: bool = False) -> FlopCount:
   """One optimiser step of hamburger_jax/training on one micro-batch of `rows` packed rows of
   `entries` base-input entries and `groups` predicted groups, either recipe (the distill
   recipe's extra terms are elementwise). Stage `micro` runs no base forward. `loop_once`: what
-  XLA's cost analysis counts (lm_head_rows). `head_cap`: the window positions a row sends to
-  the micro steps' LM head when only valid ones go (online_teacher.lm_head_cap).""" 
+  XLA's cost analysis counts (lm_head_rows).""" 
   b, g = hcfg.base, hcfg.graft
   d, k, f = b.hidden_size, g.max_group, g.num_features
   train_base = trainable == "all"
@@ -221,8 +219,7 @@ def train_step_flops(hcfg: HamburgerConfig, rows: int, entries: int, groups: int
   if k > 1:
     out += stack_flops(b, g.micro_layers, n * t, t, grad_in=micro_in, train_w=micro_w)
   h_grad = micro_in or micro_w  # the hidden states the heads read carry a gradient
-  positions = groups * k if head_cap is None else min(groups * k, head_cap)
-  head = head_flops(b, lm_head_rows(rows, positions, ce_chunk, loop_once))
+  head = head_flops(b, lm_head_rows(rows, groups * k, ce_chunk, loop_once))
   head_bwd = head * (h_grad + train_base)  # dh; the (tied or untied) head matrix in "all"
   out += FlopCount(head, head_bwd, head if head_bwd else 0)
   out += stop_head_flops(d, n * k, grad_in=h_grad, train_w=trainable in TRAINED_STOP)

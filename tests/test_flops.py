@@ -139,41 +139,6 @@ def test_train_step_flops_match_the_traced_program(trainable, recipe, lora, dtyp
   assert ours.model == ours.executed - ours.remat
 
 
-def test_online_train_step_flops_match_the_traced_program(tmp_path):
-  """The window's step (the teacher in the step): the student's matmuls with only each row's
-  valid window positions at the micro steps' LM head (at most its tokens), plus the teacher's
-  forward over the unmerged rows: what window.plan counts for its MFU."""
-  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.data.synthetic import write_synthetic_corpus
-  from hamburger_jax.data.token_corpus import TokenCorpus
-  from hamburger_jax.online_teacher import lm_head_cap
-  from hamburger_jax.training import Trainer
-  from hamburger_jax.window.plan import step_flops
-  from hamburger_jax.window.stream import RESPONSE_TOKENS, Samples, batches
-  from train import window
-  cfg = load_run_config(TINY, [*window.WINDOW_OVERRIDES, *window.TINY_OVERRIDES,
-                               "train.ce_chunk=256"])
-  d, k = cfg.data, cfg.graft.max_group
-  cap = lm_head_cap(cfg)
-  assert cap == d.tokens < d.groups * k  # 128 tokens against 64 groups of 4: the gather is taken
-  write_synthetic_corpus(str(tmp_path / "c"), 256, 40)
-  c = TokenCorpus.load(str(tmp_path / "c"))
-  starts = (np.arange(len(c.tokens)) % 3 == 0).astype(np.uint8)
-  batch = next(batches(Samples(c.tokens, c.samples, c.responses, starts), range(40), cfg))
-  batch.pop(RESPONSE_TOKENS)
-  trainer = Trainer(cfg)
-  traced = program_flops.traced_matmul_flops(trainer.train_step, trainer.state, trainer.frozen,
-                                             trainer.global_batch([batch]))
-  student = roofline.train_step_flops(trainer.model.cfg, d.rows, d.entries, d.groups,
-                                      cfg.train.trainable, cfg.train.ce_chunk, head_cap=cap)
-  teacher = roofline.base_forward_flops(trainer.model.cfg.base, d.rows, d.tokens)
-  assert traced == student.executed + teacher
-  assert step_flops(cfg, trainer.model.cfg) == student.model + teacher
-  padded = roofline.train_step_flops(trainer.model.cfg, d.rows, d.entries, d.groups,
-                                     cfg.train.trainable, cfg.train.ce_chunk)
-  assert student.executed < padded.executed  # half the head rows: 128 of 256 a row
-
-
 def test_decode_bytes_by_hand():
   hcfg = tiny_hamburger().cfg
   # Base: 256 x 64 tied embedding/head, 4 layers of 36,864 kernel + 128 norm params, final norm.

@@ -131,29 +131,3 @@ def test_packing_keeps_each_sample_once_within_limits():
   packed = [s for rows in pack_rows([samples[0], big, samples[1]], rows=2, oversize=left.append,
                                     **limits) for row in rows for s in row]
   assert left == [big] and packed == [samples[0], samples[1]]
-
-
-def test_only_valid_window_positions_reach_the_lm_head(model):
-  """With the teacher's rows in the batch, the micro steps' LM head runs on each row's valid
-  positions only (at most its token count): loss, metrics and gradients are those of the head
-  over every padded position."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  ts = [_token_sample(*s) for s in _samples()]
-  # 12 groups of 4 (48 positions) a row against 32 tokens: the gather is taken.
-  online = pack_batch([ts[:2], ts[2:]], tokens=32, entries=24, groups=12, max_group=K)
-  cfg = DistillConfig(stop_target="harm")
-  with precision.matmuls("highest"):
-    batch = with_teacher(model, {k: jnp.asarray(v) for k, v in online.items()}, TOP, chunk=7)
-    padded = {k: v for k, v in batch.items() if k != "tokens"}  # no cap: every position
-    run = lambda b: nnx.value_and_grad(
-        lambda m: distill_loss(m, b, cfg, ce_chunk=5), has_aux=True)(model)
-    (got, got_m), got_g = run(batch)
-    (want, want_m), want_g = run(padded)
-  np.testing.assert_allclose(float(got), float(want), rtol=1e-6, atol=1e-6)
-  for name in ("kl", "lm_loss", "stop_bce", "agree_s2", "acc_s3", "agree_merged"):
-    np.testing.assert_allclose(float(got_m[name]), float(want_m[name]), rtol=1e-6, atol=1e-6,
-                               err_msg=name)
-  flat_got, flat_want = jax.tree.leaves(got_g), jax.tree.leaves(want_g)
-  assert len(flat_got) == len(flat_want) > 0
-  for a, b in zip(flat_got, flat_want):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

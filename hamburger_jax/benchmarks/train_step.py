@@ -21,7 +21,6 @@ from hamburger_jax import cli, layout, peaks, program_flops, roofline
 from hamburger_jax.data import pipeline, synthetic
 from hamburger_jax.data.tfds_builder import build_dataset
 from hamburger_jax.losses import sft_loss
-from hamburger_jax.online_teacher import lm_head_cap
 from hamburger_jax.training import Trainer
 
 
@@ -193,8 +192,7 @@ def measure_hamburger(trainer: Trainer, cfg, batches: Batches) -> StepRow:
     if i:
       times.append(time.perf_counter() - t)
   count = lambda **kw: roofline.train_step_flops(trainer.model.cfg, d.rows, d.entries, d.groups,
-                                                 cfg.train.trainable, cfg.train.ce_chunk,
-                                                 head_cap=lm_head_cap(cfg), **kw)
+                                                 cfg.train.trainable, cfg.train.ce_chunk, **kw)
   return StepRow(min(times), compile_s, count(), xla_view(step, trainer.mesh.size),
                  count(loop_once=True), trainer.mesh.size)
 

@@ -12,7 +12,6 @@ from hamburger_jax import aot, pretrained, roofline, sharding
 from hamburger_jax.config import ConfigError, load_yaml
 from hamburger_jax.data.teacher_pass import (DEFAULT_BATCH_TOKENS, DEFAULT_MAX_LEN,
                                              lower_teacher_pass)
-from hamburger_jax.online_teacher import lm_head_cap
 from hamburger_jax.run_config import RunConfig, load_run_config, stage_names
 from hamburger_jax.segmentation import TeacherSpec
 from hamburger_jax.training.trainer import DEFAULT_TEACHER_TOP_K, Trainer
@@ -166,7 +165,7 @@ def check_train(config: str, topology: str, *, headroom: float = aot.DEFAULT_HEA
     name, d = cfg.stage or "train", cfg.data
     flops = d.accum * roofline.train_step_flops(
         trainer.model.cfg, d.rows, d.entries, d.groups, cfg.train.trainable,
-        cfg.train.ce_chunk, head_cap=lm_head_cap(cfg)).model
+        cfg.train.ce_chunk).model
     step, evaluation = reports[f"{name}: train step"], reports[f"{name}: evaluation step"]
     step.name, evaluation.name = "train step", "evaluation step"
     stages.append(StageReport(

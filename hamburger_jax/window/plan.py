@@ -12,7 +12,6 @@ import dataclasses
 
 from hamburger_jax import roofline
 from hamburger_jax.config import HamburgerConfig
-from hamburger_jax.online_teacher import lm_head_cap
 from hamburger_jax.run_config import RunConfig
 
 # Kept for the parts after training, in units of the train step's measured compile where they
@@ -89,7 +88,7 @@ def step_flops(cfg: RunConfig, hcfg: HamburgerConfig) -> float:
   (roofline.train_step_flops) and the teacher's forward over the unmerged rows."""
   d = cfg.data
   student = roofline.train_step_flops(hcfg, d.rows, d.entries, d.groups, cfg.train.trainable,
-                                      cfg.train.ce_chunk, head_cap=lm_head_cap(cfg)).model
+                                      cfg.train.ce_chunk).model
   return student + roofline.base_forward_flops(hcfg.base, d.rows, d.row_tokens)
 
 
