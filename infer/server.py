@@ -115,6 +115,9 @@ def build(args: argparse.Namespace):
   except cli.ModelLoadError as e:
     raise SystemExit(f"error: {e}") from None
   mesh = tensor_mesh(jax.devices(), args.tensor) if args.tensor > 1 else None
+  if args.tensor > 1 and mesh is None:
+    raise SystemExit(f"error: --tensor {args.tensor}: the first {args.tensor} devices do not "
+                     "form a rectangular block, which a TPU mesh needs; try another count")
   engine = Engine(model, tok, block_size=args.block_size, mesh=mesh,
                   prefix_cache_tokens=args.prefix_cache_tokens)
   name = args.served_model_name or os.path.basename(os.path.normpath(
