@@ -240,12 +240,17 @@ def tensors_source(checkpoint: str, name: str, meta: Mapping[str, Any]) -> str:
   return os.path.join(checkpoint, f"{name}-*-of-{len(entry['files']):05d}.safetensors")
 
 
-def _read_file(path: str) -> dict[str, np.ndarray]:
+def _read_file(path: str, local: str | None = None) -> dict[str, np.ndarray]:
+  """The tensors of file `path`, read from `local` (its local copy) when given."""
   try:
-    with files.local_copy(path) as local:
+    if local is not None:
       return load_file(local)
+    with files.local_copy(path) as copy:
+      return load_file(copy)
   except FileNotFoundError:
     raise WeightsError(f"{path} is missing: the checkpoint is incomplete; re-export it") from None
+  except files.StorageError:
+    raise  # a bucket that cannot be read says so itself
   except Exception as e:  # pylint: disable=broad-except  # safetensors' SafetensorError & co.
     raise WeightsError(f"{path} cannot be read ({e}): the file is truncated or corrupted; "
                        "re-export the checkpoint or restore the file") from None
@@ -273,13 +278,15 @@ def read_tensors(checkpoint: str, name: str, meta: Mapping[str, Any]) -> dict[st
     if not files.isfile(path):
       raise WeightsError(f"{path} is missing: the checkpoint is incomplete (hamburger.json lists "
                          f"{len(shards)} shards of {name!r}); copy every shard, or re-export it")
-    if (got := files.getsize(path)) != size:
-      raise WeightsError(f"{path} has {got} bytes but the index lists {size}: "
-                         "the file is truncated or was not copied whole; copy it again")
-    if files.sha256(path) != digest:
-      raise WeightsError(f"{path} is corrupted (its sha256 differs from the index's); copy it "
-                         "again or re-export the checkpoint")
-    for key, value in _read_file(path).items():
+    with files.local_copy(path) as local:  # a shard on a bucket is downloaded once
+      if (got := os.path.getsize(local)) != size:
+        raise WeightsError(f"{path} has {got} bytes but the index lists {size}: "
+                           "the file is truncated or was not copied whole; copy it again")
+      if files.sha256(local) != digest:
+        raise WeightsError(f"{path} is corrupted (its sha256 differs from the index's); copy it "
+                           "again or re-export the checkpoint")
+      table = _read_file(path, local)
+    for key, value in table.items():
       if key in tensors:
         raise WeightsError(f"{path}: tensor {key!r} is in two shards; re-export the checkpoint")
       tensors[key] = value
