@@ -118,7 +118,8 @@ def check_top_k(sampling, checkpoint: str | None, base: str | None) -> None:
   from hamburger_jax.decode.sampling import SamplingError
   try:
     sampling.check_vocab(pretrained.vocab_size(checkpoint, base))
-  except (SamplingError, WeightsError, FileNotFoundError, ValueError, RuntimeError) as e:
+  except (SamplingError, WeightsError, FileNotFoundError, ValueError, RuntimeError,
+          files.StorageError) as e:
     raise SystemExit(f"error: {e}") from None  # RuntimeError: assets.AssetError (not installed)
 
 

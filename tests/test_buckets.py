@@ -178,17 +178,22 @@ def test_a_bucket_that_does_not_exist_fails_in_one_line_and_nothing_is_written(g
 def test_no_credentials_or_permission_is_said_in_words(bucket_dir: str, monkeypatch, code,
                                                        words):
   """What Cloud Storage answers a caller without credentials (401) or access (403), which the
-  emulator never does: gcsfs's error, raised where the object is written."""
+  emulator never does: gcsfs's error, raised where an object is opened to be written or read."""
   from etils import epath  # pylint: disable=import-outside-toplevel
   from gcsfs.retry import HttpError  # pylint: disable=import-outside-toplevel
+  export = files.join(bucket_dir, "export")
+  graft_checkpoint.save_graft(_model(0), export, "random", dtype="float32")
 
   def refuse(*_, **__):
-    raise HttpError({"code": code, "message": "caller does not have storage.objects.create"})
+    raise HttpError({"code": code, "message": "caller does not have storage.objects.get"})
 
   monkeypatch.setattr(type(epath.Path(bucket_dir)), "open", refuse)
   with pytest.raises(files.StorageError) as e:
     files.check_writable(bucket_dir, "--out")
   assert str(e.value).startswith(f"--out {bucket_dir} cannot be written: {words}")
+  with pytest.raises(files.StorageError) as e:
+    pretrained.load_graft(_model(1), export)
+  assert str(e.value).startswith(f"cannot read {export}/hamburger.json: {words}")
   assert "\n" not in str(e.value)
 
 
