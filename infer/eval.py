@@ -149,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
   # Imported after argument checks so bad arguments fail fast.
-  from hamburger_jax import cache
+  from hamburger_jax import cache, files
   from hamburger_jax.assets import AssetError
   from hamburger_jax.config import ConfigError
   from hamburger_jax.convert.mapping import WeightsError
@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = evaluate(model, tok, {**info, "micro_vocab": args.micro_vocab},
                        settings(args, argv))
   except (EvalError, AssetError, ConfigError, SourceError, WeightsError, GenerationError,
-          FileNotFoundError, SandboxUnavailable, cli.ModelLoadError) as e:
+          FileNotFoundError, SandboxUnavailable, cli.ModelLoadError, files.StorageError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   print(markdown(results))
