@@ -44,6 +44,7 @@ def _params(model) -> dict:
 def _upload_dir(local: str, remote: str) -> None:
   files.write_dir_atomic(remote, lambda tmp: shutil.copytree(local, tmp, dirs_exist_ok=True))
 
+
 @pytest.fixture
 def bucket_dir(gcs) -> str:
   """A fresh directory in the emulator's bucket."""
