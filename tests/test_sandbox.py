@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -143,6 +144,45 @@ def test_fork_bomb_is_contained(fork: str) -> None:
   result = sandbox.run_python(_tagged(bomb, token), timeout_s=2)
   assert result.status == "timeout" and time.monotonic() - start < 8
   assert _pids_with(token) == [], "processes of the run outlived it"
+
+
+def test_each_run_has_a_user_of_its_own() -> None:
+  if os.geteuid() != 0:
+    pytest.skip("runs change user only when the caller is root")
+  uids = []
+  for _ in range(2):
+    result = sandbox.run_python("import os\nprint(os.getuid(), os.getgid())\n", timeout_s=10)
+    assert result.passed, result.output
+    uid, gid = map(int, result.output.split()[:2])
+    assert uid == gid >= sandbox.SANDBOX_UID_BASE
+    uids.append(uid)
+  assert uids[0] != uids[1]
+
+
+def test_a_fork_bomb_does_not_spend_a_concurrent_run_s_process_limit() -> None:
+  """RLIMIT_NPROC counts a user's processes host-wide: a run beside a fork bomb still forks."""
+  bomb = ("import os\n"
+          "while True:\n"
+          "  try:\n"
+          "    os.fork()\n"
+          "  except OSError:\n"
+          "    pass\n")
+  ended = []
+  thread = threading.Thread(
+      target=lambda: ended.append(sandbox.run_python(bomb, timeout_s=4, max_processes=16)))
+  thread.start()
+  time.sleep(1.0)  # the bomb holds its 16 processes by now
+  code = ("import os\n"
+          "pids = [os.fork() for _ in range(4)]\n"
+          "if 0 in pids:\n"
+          "  os._exit(0)\n"
+          "for p in pids:\n"
+          "  os.waitpid(p, 0)\n"
+          "print('forked', len(pids))\n")
+  result = sandbox.run_python(code, timeout_s=10, max_processes=16)
+  thread.join()
+  assert result.passed and "forked 4" in result.output, result.output
+  assert ended and ended[0].status == "timeout"
 
 
 def test_process_limit() -> None:

@@ -9,9 +9,10 @@ The boundary is the kernel's, set up with util-linux's `unshare` and `setpriv` (
 - a read-only view of the whole filesystem, except a private, size-limited tmpfs at /tmp (the
   working directory, holding main.py); the parent's home, /root, /home, /run, /var/tmp and /dev/shm
   are hidden under empty read-only tmpfs (the interpreter is bound back in if it lives there);
-- the program runs with no capabilities, no_new_privs and, when the caller is root, as the
-  unprivileged user 65534 (so RLIMIT_NPROC binds and root-only files stay closed); its environment
-  holds only PATH, HOME=/tmp, locale and thread-count variables;
+- the program runs with no capabilities, no_new_privs and, when the caller is root, as an
+  unprivileged user id of its own, no account's (so RLIMIT_NPROC binds to this run alone and
+  root-only files stay closed); its environment holds only PATH, HOME=/tmp, locale and
+  thread-count variables;
 - resource limits: address space, CPU time, processes, file size, open files, no core files; a
   wall-clock limit kept by the init, outside the program's reach, ends the whole tree.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -38,8 +40,19 @@ import sys
 import tempfile
 import time
 
-# The unprivileged user the program runs as when the caller is root ("nobody").
-SANDBOX_UID = 65534
+# The user ids programs run as when the caller is root: one per run, above any account's.
+# RLIMIT_NPROC counts every process of a real user id on the host, so runs sharing one (or
+# sharing "nobody" with the host's daemons) would spend each other's process limits: a fork bomb
+# in one run would make another's fork fail.
+SANDBOX_UID_BASE = 1 << 30
+_RUNS = itertools.count()
+
+
+def run_uid() -> int:
+  """A user id for one run: this process's id and a counter, so concurrent runs (threads, or
+  processes) never share one."""
+  return SANDBOX_UID_BASE + ((os.getpid() % (1 << 20)) << 8) + next(_RUNS) % 256
+
 # Exit code the program's bootstrap uses for a MemoryError under the address-space limit.
 _EXIT_MEMORY = 87
 # Seconds the parent waits past the init's own wall clock before it kills the tree itself.
@@ -313,7 +326,7 @@ def start_program(code: str, root: str, *, timeout_s: float, memory_mb: int, max
   python = _python()
   if isolate:
     covers, keep = _covers()
-    workdir, uid = "/tmp", (SANDBOX_UID if as_root else 0)
+    workdir, uid = "/tmp", (run_uid() if as_root else 0)
   else:
     covers, keep = [], []
     workdir, uid = os.path.join(root, "work"), os.geteuid()
@@ -322,7 +335,7 @@ def start_program(code: str, root: str, *, timeout_s: float, memory_mb: int, max
   bootstrap = _BOOTSTRAP_HEAD + runner + _BOOTSTRAP_TAIL
   argv = [python, "-I", "-B", "-c", bootstrap, json.dumps(program_cfg)]
   if isolate:
-    ids = [f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups"] if as_root else []
+    ids = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if as_root else []
     argv = [shutil.which(SETPRIV) or SETPRIV, *ids, "--inh-caps=-all", "--bounding-set=-all",
             "--no-new-privs", "--", *argv]
   env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
