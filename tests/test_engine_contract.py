@@ -220,3 +220,19 @@ def test_generate_takes_requests_with_their_own_settings_and_ids(engine):
   with pytest.raises(GenerationError, match="distinct"):
     engine.generate([reqs[0], reqs[0]], mode="hamburger")
   assert np.all([r.ids is None for r in reqs])
+
+
+def test_a_stream_callback_that_answers_true_returns_after_each_step(engine):
+  """A callback returning True ends each decode call after one macro step (how a server admits
+  arrivals at once); the tokens are the same, one round per macro step."""
+  prompts = [[1, 2, 3, 4, 5], [9, 8], list(range(10, 31))]
+  reqs = lambda: [Request(p, max_new_tokens=10, confidence=0.5, id=i)
+                  for i, p in enumerate(prompts)]
+  quiet = engine.serve(reqs(), slots=3, mode="hamburger", stream=lambda g, c: None)
+  want = {g.id: g for g in quiet}
+  eager = engine.serve(reqs(), slots=3, mode="hamburger", stream=lambda g, c: True)
+  got = {g.id: g for g in eager}
+  for i in want:
+    assert (got[i].token_ids, got[i].groups) == (want[i].token_ids, want[i].groups)
+  assert eager.stats.rounds == max(g.macro_steps for g in got.values())
+  assert quiet.stats.rounds < eager.stats.rounds

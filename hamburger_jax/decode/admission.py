@@ -8,9 +8,10 @@ thread: checked there (a request over the limits is refused, never truncated), q
 admitted between decode rounds. Each macro step's group reaches its request's `on_tokens` as it
 is produced; `cancel()` frees a request's slot and blocks at the next round.
 
-Rounds run at most `round_steps` macro steps while every slot is busy, ADMIT_ROUND_STEPS while
-one is free (and end early when a slot finishes while requests wait), so that a request arriving
-mid-round waits for at most that many steps before its prefill. A model with a
+A round ends after the macro step during which a request arrived or was cancelled (the decode
+program's stream callback answers, serving.deliver_step), when a slot finishes while requests
+wait, or after `round_steps` steps: an arrival waits for at most one macro step before its
+prefill, and a full batch with nothing arriving makes few host round trips. A model with a
 graft serves both modes at once, one scheduler (and KV pool) per mode, rounds taking turns.
 A preempted request is recomputed from its prompt and gives the same tokens (serving.py), so
 its stream resumes where it was and nothing is sent twice.
@@ -31,12 +32,9 @@ from hamburger_jax.decode.paged_kv import BlockAllocator
 from hamburger_jax.decode.requests import Generation, GenerationError, Request
 from hamburger_jax.decode.serving import Scheduler, ServeStats, pool_error, stream_sink
 
-# Macro steps a round runs before the loop admits what arrived meanwhile, when every slot is
-# busy (an arrival waits for a slot to finish anyway) ...
-DEFAULT_ROUND_STEPS = 8
-# ... and while a slot is free: an arrival is admitted after this many steps at most (short
-# rounds cost a host round trip each, paid only while the batch is not full).
-ADMIT_ROUND_STEPS = 2
+# The most macro steps a round runs: with a graft's two modes, one mode's round waits for the
+# other's. Arrivals and cancellations end a round at the next step anyway (_deliver).
+DEFAULT_ROUND_STEPS = 32
 # Rounds the per-round statistics keep: a server runs for days, its figures describe the
 # recent past.
 STATS_WINDOW = 4096
@@ -288,8 +286,6 @@ class AdmissionLoop:
       self._waiting -= before - len(sched.queue)
     if not sched.live:
       return
-    sched.limit = np.int32(min(self.round_steps, ADMIT_ROUND_STEPS) if sched.free_slots
-                           else self.round_steps)
     self._current = sched
     for request, gen in sched.decode_round(sink):
       self._finish(self._tickets[id(request)], gen)
@@ -299,13 +295,15 @@ class AdmissionLoop:
       self._tickets.pop(id(ticket.request), None)
     ticket.finish(gen)
 
-  def _deliver(self, group: np.ndarray, count: np.ndarray) -> None:
-    """One macro step of the scheduler now decoding (the loop's thread waits on it)."""
+  def _deliver(self, group: np.ndarray, count: np.ndarray) -> bool:
+    """One macro step of the scheduler now decoding (the loop's thread waits on it). True (end
+    the round now) when a request arrived or was cancelled meanwhile."""
     for slot, lv in self._current.live.items():
       n = int(count[slot])
       ticket = self._tickets.get(id(lv.request))
       if n and ticket is not None:
         ticket.deliver(group[slot, :n].tolist(), lv.preemptions)
+    return bool(self._inbox or self._cancels)
 
   def _fail_all(self, error: str) -> None:
     with self._cond:

@@ -172,11 +172,12 @@ class Engine:
                    stochastic: bool, stream: bool, view: int) -> DecodeState:
     """Macro steps until every slot is done, or (with `refill`) a slot finishes so the host can
     give it the next request, or a live slot's blocks are full so the host can add one, or
-    `limit` macro steps have run.
+    `limit` macro steps have run, or (with `stream`) the sink asks for the host.
 
     Attention reads the first `view` blocks of each slot's table (the host picks a view that
     holds every live slot's blocks): its cost follows the live lengths, not the layout's.
-    `sink`: with `stream`, each macro step goes to serving.deliver_step with it."""
+    `sink`: with `stream`, each macro step goes to serving.deliver_step with it, whose answer
+    can end the call after that step (a server with requests waiting to be admitted)."""
     full_table = state.cache.table
     state = state.replace(cache=state.cache.replace(table=full_table[:, :view]))
     model = nnx.merge(self.graphdef, params)
@@ -184,29 +185,32 @@ class Engine:
     n_max = state.groups.shape[1]
     stop_ids = jnp.asarray(self.stop_ids, jnp.int32)
     done_at_start = state.done
-    report = None
-    if stream:
-      report = lambda group, count: jax.experimental.io_callback(
-          serving.deliver_step, None, sink, group, count, ordered=True)
 
     def body(carry):
-      step, state = carry
+      step, state, _ = carry
+      asked = []  # the sink's answer to this step: return to the host after it
+      report = None
+      if stream:
+        report = lambda group, count: asked.append(jax.experimental.io_callback(
+            serving.deliver_step, jax.ShapeDtypeStruct((), jnp.bool_), sink, group, count,
+            ordered=True))
       # Unconditional: a branch around the step would copy the whole KV pool (XLA cannot
       # update a buffer in place through a conditional). When every slot is done this one
       # step is wasted (done slots write only their own unused entries or the trash block),
       # and the loop ends.
-      return step + 1, decode_step.macro_step(
+      state = decode_step.macro_step(
           model, mode, state, stop_ids=stop_ids, stochastic=stochastic, offset=offset,
           variant=self.variant, report=report)
+      return step + 1, state, asked[0] if asked else jnp.bool_(False)
 
     def cond(carry):
-      step, state = carry
+      step, state, host = carry
       finished = jnp.any(state.done & ~done_at_start)
       full = jnp.any(~state.done & (state.cache.length >= state.cache.capacity()))
       return (step < jnp.minimum(n_max, limit)) & ~jnp.all(state.done) & ~(
-          refill & finished) & ~full
+          refill & finished) & ~full & ~host
 
-    _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+    _, state, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), state, jnp.bool_(False)))
     return state.replace(cache=state.cache.replace(table=full_table))
 
   # ------------------------------------------------------------------ programs

@@ -111,9 +111,11 @@ _SINK_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def stream_sink(callback: Callable[[np.ndarray, np.ndarray], None] | None) -> Iterator[int]:
+def stream_sink(callback: Callable[[np.ndarray, np.ndarray], bool | None] | None
+                ) -> Iterator[int]:
   """A sink id for the decode programs' `sink` argument, live for the `with` block: their macro
-  steps go to `callback(group, count)` (numpy arrays). None: id 0, which reports to no one."""
+  steps go to `callback(group, count)` (numpy arrays), which may return True to end the decode
+  call after that step. None: id 0, which reports to no one."""
   if callback is None:
     yield 0
     return
@@ -127,11 +129,13 @@ def stream_sink(callback: Callable[[np.ndarray, np.ndarray], None] | None) -> It
       _SINKS.pop(sink, None)
 
 
-def deliver_step(sink, group, count) -> None:
-  """The decode programs' host callback: one macro step to the sink's callback, if it is live."""
+def deliver_step(sink, group, count) -> np.bool_:
+  """The decode programs' host callback: one macro step to the sink's callback, if it is live.
+  A callback that returns True ends the decode call after this step (the tokens do not change:
+  the host calls again)."""
   callback = _SINKS.get(int(sink))
-  if callback is not None:
-    callback(np.asarray(group), np.asarray(count))
+  asked = callback(np.asarray(group), np.asarray(count)) if callback is not None else None
+  return np.bool_(asked is True)
 
 
 @dataclasses.dataclass
