@@ -8,10 +8,10 @@ thread: checked there (a request over the limits is refused, never truncated), q
 admitted between decode rounds. Each macro step's group reaches its request's `on_tokens` as it
 is produced; `cancel()` frees a request's slot and blocks at the next round.
 
-A round ends after the macro step during which a request arrived or was cancelled (the decode
-program's stream callback answers, serving.deliver_step), when a slot finishes while requests
-wait, or after `round_steps` steps: an arrival waits for at most one macro step before its
-prefill, and a full batch with nothing arriving makes few host round trips. A model with a
+A round ends after the macro step during which a request was cancelled, or arrived while a slot
+is free for it (the decode program's stream callback answers, serving.deliver_step), when a slot
+finishes while requests wait, or after `round_steps` steps: an arrival waits for at most one
+macro step before its prefill when a slot is free, and a full batch makes few host round trips. A model with a
 graft serves both modes at once, one scheduler (and KV pool) per mode, rounds taking turns.
 A preempted request is recomputed from its prompt and gives the same tokens (serving.py), so
 its stream resumes where it was and nothing is sent twice.
@@ -25,7 +25,6 @@ import threading
 import time
 from typing import Callable
 
-import jax
 import numpy as np
 
 from hamburger_jax.decode.paged_kv import BlockAllocator
@@ -156,6 +155,7 @@ class AdmissionLoop:
     self.error: str | None = None
     self._thread: threading.Thread | None = None
     self._current: Scheduler | None = None  # the scheduler whose round is decoding
+    self._scheds: tuple[Scheduler, ...] = ()
 
   # ------------------------------------------------------------------ any thread
 
@@ -238,6 +238,7 @@ class AdmissionLoop:
                            stream=self._deliver, limit=self.round_steps, refill=True,
                            arrival=time.perf_counter(), compile_s=0.0, stochastic=None)
               for m, lay in self.layouts.items()}
+    self._scheds = tuple(scheds.values())
     try:
       with stream_sink(self._deliver) as sink_id:
         sink = self.engine.put(np.int32(sink_id))
@@ -297,13 +298,17 @@ class AdmissionLoop:
 
   def _deliver(self, group: np.ndarray, count: np.ndarray) -> bool:
     """One macro step of the scheduler now decoding (the loop's thread waits on it). True (end
-    the round now) when a request arrived or was cancelled meanwhile."""
+    the round now) when a request was cancelled, or arrived while a slot is free for it: one
+    free at the round's start, or one whose request finished during it (it emits nothing)."""
+    freed = False
     for slot, lv in self._current.live.items():
       n = int(count[slot])
+      freed |= n == 0
       ticket = self._tickets.get(id(lv.request))
       if n and ticket is not None:
         ticket.deliver(group[slot, :n].tolist(), lv.preemptions)
-    return bool(self._inbox or self._cancels)
+    return bool(self._cancels) or (bool(self._inbox) and (
+        freed or any(s.free_slots for s in self._scheds)))
 
   def _fail_all(self, error: str) -> None:
     with self._cond:
