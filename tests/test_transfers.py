@@ -189,16 +189,19 @@ def built(repo) -> Path:
   gguf = _write(repo.parent / "base.gguf", 700 * KIB, 7)
   corpus = _corpus(repo, [300 * KIB, 200 * KIB, 5])
   out = repo / "transfer"
+  export = repo.parent / "export"
+  _write(export / "hamburger.json", 100, 11)
   plan = transfers.build(str(corpus), str(out), pins=("tinypkg==1.0",),
                          cache=str(repo.parent / "cache"), download=False, gguf=str(gguf),
-                         limit_mib=1.5)
+                         limit_mib=1.5, init_from=str(export))
   assert len(plan.folder_bytes) >= 3
   return out
 
 
 def _install(out: Path, there: Path) -> int:
   return transfers.main(["install", "--from", str(out), "--site", str(there / "site"),
-                         "--corpus-out", str(there / "corpus")])
+                         "--corpus-out", str(there / "corpus"), "--graft-out",
+                         str(there / "graft")])
 
 
 def test_install_places_everything_and_skips_it_the_second_time(built, tmp_path, capsys,
@@ -215,6 +218,9 @@ def test_install_places_everything_and_skips_it_the_second_time(built, tmp_path,
   corpus = built.parent / "runs" / "corpus"
   for f in corpus.iterdir():
     assert (there / "corpus" / f.name).read_bytes() == f.read_bytes(), f.name
+  assert (there / "graft" / "hamburger.json").read_bytes() == (
+      built.parent.parent / "export" / "hamburger.json").read_bytes()
+  assert f"graft: 1 written, 0 already there (0.0 MiB) in {there / 'graft'}" in printed
   # assets.smollm2_gguf() finds it with the site on the path, as train.window will.
   probe = "from hamburger_jax import assets; print(assets.smollm2_gguf())"
   res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
@@ -234,6 +240,34 @@ def test_install_places_everything_and_skips_it_the_second_time(built, tmp_path,
 def _gguf_parts(out: Path) -> list[dict]:
   table = json.loads((out / "1" / transfers.MANIFEST).read_text())["files"]
   return table["base/" + transfers.GGUF_FILE]["parts"]
+
+
+def test_a_graft_travels_and_the_training_call_continues_it(repo, tmp_path, capsys):
+  """--init-from: an export's files travel after the corpus, install puts them in --graft-out,
+  and the training call continues that graft."""
+  export = tmp_path / "export"
+  (export / "hamburger.json").parent.mkdir()
+  (export / "hamburger.json").write_text('{"trained_tokens": 5}')
+  _write(export / "graft-00001-of-00001.safetensors", 400 * KIB, 9)
+  code, out = _build(repo, "--init-from", str(export))
+  printed = capsys.readouterr().out
+  assert code == 0, printed
+  last = [line.strip() for line in printed.splitlines() if "train.window" in line][-1]
+  assert last.endswith(f"{transfers.TRAIN_COMMAND} --init-from {transfers.GRAFT_OUT}")
+  assert f"--graft-out {transfers.GRAFT_OUT} " in last
+  there = tmp_path / "there"
+  # (the fake wheels are not real: the graft's files are joined as install joins them)
+  table = json.loads((out / "1" / transfers.MANIFEST).read_text())["files"]
+  assert list(table)[-1].startswith("graft/")
+  for name, entry in table.items():
+    if name.startswith("graft/"):
+      dest = transfers.destination(name, str(there / "site"), str(there / "corpus"),
+                                   str(there / "graft"))
+      transfers.join(str(out), name, entry, dest)
+  for f in export.iterdir():
+    assert (there / "graft" / f.name).read_bytes() == f.read_bytes()
+  code, _ = _build(repo, "--overwrite", "--init-from", str(tmp_path))
+  assert code == 2 and "not a graft export" in capsys.readouterr().err
 
 
 def test_a_damaged_or_missing_part_is_named(built, tmp_path, capsys):

@@ -4,6 +4,7 @@ learning rate that lets a window fix its schedule after compiling."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -19,8 +20,8 @@ from hamburger_jax.window import plan as plan_lib
 from train import window
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ("load", "corpus", "warm-up", "measure", "plan", "boundaries", "train", "export",
-         "evaluate", "decode", "done")
+PARTS = ("load", "corpus", "warm-up", "measure", "plan", "answers", "boundaries", "train",
+         "export", "evaluate", "decode", "done")
 
 
 def _report(out: str) -> str:
@@ -42,6 +43,10 @@ def test_tiny_window_end_to_end_then_continued(tmp_path, capsys):
     summary = json.load(f)
   assert meta["trained_tokens"] == summary["response_tokens"] > 10_000
   assert summary["steps"] > 6  # trained past the measured steps
+  # The base's own answers were made (the tiny rows hold 24-token answers) and trained on.
+  answers = summary["answers"]
+  assert answers["prompts"] > 100 and answers["tokens"] == 24 * answers["prompts"]
+  assert summary["plan"]["answer_tokens"] > 0 and "training re-planned" in _report(first)
   for name in os.listdir(os.path.join(first, "export")):
     assert os.path.getsize(os.path.join(first, "export", name)) <= 16 * 2**20
   # The export is a graft of the tiny run: it loads, and differs from a fresh graft.
@@ -68,14 +73,25 @@ def _graft(model) -> dict:
           for p, v in nnx.to_flat_state(nnx.state(model, GraftParam))}
 
 
+def _planned(out: str, part: str) -> int:
+  return int(re.search(part + r": .*?([\d,]+) (response )?tokens", out).group(1).replace(",", ""))
+
+
 def test_window_plan_of_the_smollm2_config(capsys):
-  assert window.main(["--config", os.path.join(REPO, "configs", "smollm2_135m_window.yaml"),
-                      "--budget-minutes", "8", "--plan"]) == 0
+  argv = ["--config", os.path.join(REPO, "configs", "smollm2_135m_window.yaml"),
+          "--budget-minutes", "8", "--plan"]
+  assert window.main(argv) == 0
   out = capsys.readouterr().out
-  for part in ("warm-up", "measure", "boundaries", "train", "export", "evaluate", "decode"):
+  for part in ("warm-up", "measure", "answers", "boundaries", "train", "export", "evaluate",
+               "decode"):
     assert part in out
-  tokens = int(re.search(r"training: .* ([\d,]+) response tokens", out).group(1).replace(",", ""))
-  assert tokens > 10_000_000  # at the assumed 30% MFU of an H100, 8 minutes hold 10M+
+  trained, answers = _planned(out, "training"), _planned(out, "answers")
+  # At the assumed 30% MFU of an H100 and 50k answer tokens/s, 8 minutes hold 9M+ tokens, half
+  # of them the base's own answers (--answers-share 0.5).
+  assert trained > 9_000_000 and answers == pytest.approx(trained / 2, rel=0.01)
+  assert window.main([*argv, "--answers-share", "0"]) == 0
+  out = capsys.readouterr().out
+  assert "answers:" not in out and _planned(out, "training") > 1.5 * trained
 
 
 def test_plan_fills_the_budget_or_the_data():
@@ -88,6 +104,18 @@ def test_plan_fills_the_budget_or_the_data():
   p = plan_lib.make_plan(100.0, rates, 50_500, reserve=20.0)
   assert p.limited_by == "data" and p.steps == 50
   assert plan_lib.make_plan(10.0, rates, 10**9, reserve=20.0).steps == 0
+  # Half the response tokens the base's own answers, made at 7,000 tokens/s after a compile of
+  # 0.3 x 5 s: a step costs 0.1 s + half its boundary pass + 350 answer tokens (0.05 s).
+  rates = dataclasses.replace(rates, answer_tokens_per_s=7000)
+  p = plan_lib.make_plan(100.0, rates, 10**9, reserve=20.0, answers_share=0.5)
+  assert p.steps == 392 and p.answer_tokens == 392 * 350 and p.boundary_tokens == 392 * 500
+  assert p.answer_s == pytest.approx(1.5 + 392 * 350 / 7000)
+  assert p.answer_s + p.boundary_s + p.train_s <= 80.0 + 1e-9
+  # Made already: only the boundary pass is halved.
+  p = plan_lib.make_plan(100.0, rates, 10**9, reserve=20.0, answers_share=0.5, to_answer=False)
+  assert p.steps == 533 and p.answer_tokens == 0 and p.answer_s == 0
+  with pytest.raises(ValueError, match="answers_share"):
+    plan_lib.make_plan(100.0, rates, 10**9, reserve=20.0, answers_share=1.5)
 
 
 def test_host_fed_learning_rate_is_the_compiled_schedule(tmp_path):

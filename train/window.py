@@ -1,5 +1,6 @@
 """One accelerator window turned into a graft: plan, boundaries, training with the teacher in the
-step, export, evaluation, in a budget of minutes.
+step, on the corpus's responses and the base's own answers made there, export, evaluation, in a
+budget of minutes.
 
   python -m train.window --config configs/smollm2_135m_window.yaml --corpus runs/tokens/smollm2 \\
       --budget-minutes 8.5 --out runs/window
@@ -36,6 +37,10 @@ THRESHOLD = 0.6
 # the synthetic responses' tokens then join a group, so merged entries are trained too.
 TINY_THRESHOLD = 0.004
 TINY_SAMPLES = 3000  # synthetic conversations: ~130k tokens
+# The base's own answers (--answers-share): rows at once, longest prompt and answer; --tiny:
+# sized for its synthetic conversations (prompts of 3-7 tokens, responses of 6-29).
+ANSWER_SIZES = (512, 256, 256)
+TINY_ANSWER_SIZES = (16, 16, 24)
 TINY_OVERRIDES = ("data.tokens=128", "data.entries=128", "data.groups=64", "data.rows=8",
                   "train.warmup_steps=8", "train.log_every=5", "checkpoint.export_dtype=float32")
 
@@ -56,6 +61,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  help="group boundaries: a token joins its group where the base gives it at "
                       f"least this probability (segmentation confident:p; default "
                       f"{THRESHOLD}, --tiny {TINY_THRESHOLD})")
+  p.add_argument("--answers-share", type=float, default=0.5,
+                 help="share of the response tokens trained on that are the base's own greedy "
+                      "answers to corpus prompts, made in the window (0: the corpus's alone; "
+                      "default 0.5)")
+  p.add_argument("--answer-rows", type=int,
+                 help=f"answers made at once (default {ANSWER_SIZES[0]}, --tiny "
+                      f"{TINY_ANSWER_SIZES[0]})")
+  p.add_argument("--answer-tokens", type=int,
+                 help=f"the longest answer (default {ANSWER_SIZES[2]}, --tiny "
+                      f"{TINY_ANSWER_SIZES[2]}); prompts of at most --answer-prompt-tokens")
+  p.add_argument("--answer-prompt-tokens", type=int,
+                 help=f"the longest prompt answered (default {ANSWER_SIZES[1]}, --tiny "
+                      f"{TINY_ANSWER_SIZES[1]})")
   p.add_argument("--no-decode-eval", action="store_true",
                  help="skip timing decode against the base (saves its compiles)")
   p.add_argument("--decode-tokens", type=int, default=64, help="new tokens a row when timing")
@@ -75,6 +93,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.threshold = TINY_THRESHOLD if args.tiny else THRESHOLD
   if not 0 < args.threshold <= 1:
     p.error(f"--threshold must be in (0, 1], got {args.threshold}")
+  if not 0 <= args.answers_share <= 1:
+    p.error(f"--answers-share must be in [0, 1], got {args.answers_share}")
+  sizes = TINY_ANSWER_SIZES if args.tiny else ANSWER_SIZES
+  for name, default in zip(("answer_rows", "answer_prompt_tokens", "answer_tokens"), sizes):
+    if getattr(args, name) is None:
+      setattr(args, name, default)
+    if getattr(args, name) < 1:
+      p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
   if not args.plan:
     if not args.out:
       p.error("--out is required (where the graft and the report go)")
@@ -104,10 +130,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     hcfg = pretrained.abstract_run_model(cfg).cfg
     rates = plan_lib.assumed_rates(cfg, hcfg, args.peak_tflops * 1e12)
     budget = 60 * args.budget_minutes - rates.compile_s
-    p = plan_lib.make_plan(budget, rates, 10**12, plan_lib.reserve_s(True, rates.compile_s))
+    p = plan_lib.make_plan(budget, rates, 10**12, plan_lib.reserve_s(True, rates.compile_s),
+                           args.answers_share)
     print(f"window of {args.budget_minutes:g} minutes, {cfg.model.base}, rows {cfg.data.rows} x "
           f"{cfg.data.row_tokens} tokens; parts: load, corpus, warm-up, measure (compile "
-          f"~{rates.compile_s:.0f} s), plan, boundaries, train, export, evaluate, decode")
+          f"~{rates.compile_s:.0f} s), plan, answers, boundaries, train, export, evaluate, "
+          "decode")
     print("\n".join(p.lines(rates)))
     return 0
   work = args.work or os.path.join(args.out, "work")
@@ -117,7 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     corpus = os.path.join(work, "corpus")
     write_synthetic_corpus(corpus, cfg.model.random.vocab_size, TINY_SAMPLES, seed=args.seed)
   settings = WindowSettings(args.budget_minutes, started, args.threshold,
-                            not args.no_decode_eval, args.decode_tokens, args.seed)
+                            not args.no_decode_eval, args.decode_tokens, args.seed,
+                            args.answers_share, args.answer_rows, args.answer_prompt_tokens,
+                            args.answer_tokens)
   try:
     summary = run_window(cfg, corpus, args.out, work, settings)
   except (ConfigError, CorpusError) as e:

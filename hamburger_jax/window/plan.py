@@ -2,8 +2,10 @@
 
 A window compiles its train step and times a few steps (and its boundary pass) before it
 decides anything; the rest of the budget, less what the export and the evaluation keep, is
-split between the boundary pass over the samples to train on and the training steps, so that
-both end where the budget does. The schedule then ends at the last step (cosine to lr_final).
+split between the base's own answers to corpus prompts (a share of the response tokens trained
+on; hamburger_jax.data.answers), the boundary pass over the corpus samples to train on and the
+training steps, so that all end where the budget does. The schedule then ends at the last step
+(cosine to lr_final).
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ EXPORT_RESERVE_S = 10.0
 TF_EVAL_COMPILES = 1.0
 DECODE_COMPILES = 2.0
 DECODE_RUN_S = 20.0
+# The answers' program (a base forward and a decode loop) compiles in about this share of the
+# train step's compile (the step also holds the graft, its backward pass and the teacher).
+ANSWER_COMPILES = 0.3
 # What --plan assumes before anything is measured: 30% MFU for the train step (a 1B HAMburger
 # step reached 29.8% on an H200), the boundary pass's target rate, a compile like a 1B step's.
 ASSUMED_MFU = 0.30
 ASSUMED_BOUNDARY_TOKENS_PER_S = 500e3
 ASSUMED_COMPILE_S = 60.0
+ASSUMED_ANSWER_TOKENS_PER_S = 50e3  # the answers' target rate at 135M
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,24 +44,32 @@ class Rates:
   boundary_tokens_per_s: float
   compile_s: float  # the train step's compile and first step
   measured: bool = True
+  answer_tokens_per_s: float = ASSUMED_ANSWER_TOKENS_PER_S  # never measured before planning
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
   steps: int  # training steps after the measured ones
-  boundary_tokens: int  # tokens the boundary pass reads (the samples the steps train on)
+  boundary_tokens: int  # tokens the boundary pass reads (the corpus samples the steps train on)
   response_tokens: int  # response tokens the steps train on
   boundary_s: float
   train_s: float
   reserve_s: float
   limited_by: str  # "budget" or "data"
+  answer_tokens: int = 0  # the base's own answers to make (a share of response_tokens)
+  answer_s: float = 0.0  # for them, their program's compile included
 
   def lines(self, rates: Rates, measured_steps: int = 0) -> list[str]:
     how = "measured" if rates.measured else "assumed"
+    answers = []
+    if self.answer_tokens:
+      answers = [f"answers:    {self.answer_tokens:,} tokens of the base's own answers in "
+                 f"~{self.answer_s:.0f} s (assumed {rates.answer_tokens_per_s:,.0f} tokens/s)"]
     return [
         f"rates ({how}): train step {rates.step_s * 1e3:.0f} ms for "
         f"{rates.response_per_step:,.0f} response tokens ({rates.response_per_step / rates.step_s:,.0f}"
         f" tokens/s); boundaries {rates.boundary_tokens_per_s:,.0f} tokens/s",
+        *answers,
         f"boundaries: {self.boundary_tokens:,} tokens in ~{self.boundary_s:.0f} s",
         f"training:   {measured_steps} + {self.steps} steps, {self.response_tokens:,} response "
         f"tokens in ~{self.train_s:.0f} s (limited by the {self.limited_by})",
@@ -68,19 +82,34 @@ def reserve_s(decode_eval: bool, compile_s: float) -> float:
   return EXPORT_RESERVE_S + TF_EVAL_COMPILES * compile_s + decode
 
 
-def make_plan(seconds_left: float, rates: Rates, available_tokens: int,
-              reserve: float) -> Plan:
+def make_plan(seconds_left: float, rates: Rates, available_tokens: int, reserve: float,
+              answers_share: float = 0.0, to_answer: bool = True) -> Plan:
   """Steps and boundary tokens that fit `seconds_left` (after the reserve), at most what
-  `available_tokens` (unmerged, of the training samples not yet used) can fill."""
-  per_step = rates.step_s + rates.tokens_per_step / rates.boundary_tokens_per_s
-  by_time = int(max(seconds_left - reserve, 0.0) / per_step + 1e-9)
-  by_data = int(available_tokens // max(rates.tokens_per_step, 1.0))
+  `available_tokens` (unmerged, of the training samples not yet used) can fill.
+
+  `answers_share`: the share of the trained response tokens that are the base's own answers,
+  which need no boundary pass; `to_answer`: they are still to be made (their program's compile
+  and their tokens at rates.answer_tokens_per_s come out of the same seconds)."""
+  if not 0.0 <= answers_share <= 1.0:
+    raise ValueError(f"answers_share={answers_share} must be in [0, 1]")
+  corpus = 1.0 - answers_share
+  per_step = rates.step_s + corpus * rates.tokens_per_step / rates.boundary_tokens_per_s
+  compile_s = 0.0
+  if answers_share and to_answer:
+    per_step += answers_share * rates.response_per_step / rates.answer_tokens_per_s
+    compile_s = ANSWER_COMPILES * rates.compile_s
+  by_time = int(max(seconds_left - reserve - compile_s, 0.0) / per_step + 1e-9)
+  by_data = int(available_tokens // max(corpus * rates.tokens_per_step, 1.0))
   steps = min(by_time, by_data)
-  tokens = int(steps * rates.tokens_per_step)
+  tokens = int(steps * corpus * rates.tokens_per_step)
+  answer_tokens = int(steps * answers_share * rates.response_per_step) if to_answer else 0
   return Plan(steps=steps, boundary_tokens=tokens,
               response_tokens=int(steps * rates.response_per_step),
               boundary_s=tokens / rates.boundary_tokens_per_s, train_s=steps * rates.step_s,
-              reserve_s=reserve, limited_by="budget" if by_time <= by_data else "data")
+              reserve_s=reserve, limited_by="budget" if by_time <= by_data else "data",
+              answer_tokens=answer_tokens,
+              answer_s=(compile_s + answer_tokens / rates.answer_tokens_per_s)
+              if answer_tokens else 0.0)
 
 
 def step_flops(cfg: RunConfig, hcfg: HamburgerConfig) -> float:

@@ -5,8 +5,11 @@ Within a budget of minutes, in order, each part printing one line as it ends:
   corpus    a token-id corpus (hamburger_jax.data.token_corpus), its sources' response tokens
   warm-up   group boundaries of a first slice of the training samples and of the validation ones
   measure   the train step compiled and timed on that slice (tokens/s, MFU)
-  plan      the steps and boundary tokens the rest of the budget holds (window/plan.py)
-  boundaries the pass over the samples the steps will train on
+  plan      the answers, steps and boundary tokens the rest of the budget holds (window/plan.py)
+  answers   the base's own greedy answers to training prompts, hundreds of rows at once, their
+            groups from the probabilities it chose them with (hamburger_jax.data.answers): a
+            share of the tokens trained on, mixed with the corpus's responses
+  boundaries the pass over the corpus samples the steps will train on
   train     the steps, the teacher in each (hamburger_jax.online_teacher), the learning rate
             fed by the host so the cosine ends at the last step; a line every log_every steps
   export    the graft in files of at most 16 MiB, with the response tokens its lineage saw
@@ -31,6 +34,7 @@ from hamburger_jax import graft_checkpoint, peaks
 from hamburger_jax.benchmarks.timing import time_batches
 from hamburger_jax.decode.engine import Engine
 from hamburger_jax.data import boundaries as boundaries_lib
+from hamburger_jax.data.answers import self_distilled_answers
 from hamburger_jax.data.token_corpus import TokenCorpus, tokenizer_fingerprint
 from hamburger_jax.files import write_json_atomic, write_text_atomic
 from hamburger_jax.run_config import ConfigError, RunConfig
@@ -54,6 +58,12 @@ class WindowSettings:
   decode_eval: bool = True
   decode_tokens: int = 64
   seed: int = 0
+  # The base's own answers: their share of the response tokens trained on (0: the corpus's
+  # alone), rows answered at once, and the longest prompt and answer.
+  answers_share: float = 0.5
+  answer_rows: int = 512
+  answer_prompt_tokens: int = 256
+  answer_tokens: int = 256
 
 
 class Report:
@@ -80,6 +90,11 @@ class Window:
     os.makedirs(out_dir, exist_ok=True)
     os.makedirs(work_dir, exist_ok=True)
     self.deadline = settings.started + 60 * settings.budget_minutes
+    longest = settings.answer_prompt_tokens + settings.answer_tokens
+    if settings.answers_share and longest > cfg.data.row_tokens:
+      raise ConfigError(f"a prompt of {settings.answer_prompt_tokens} tokens and an answer of "
+                        f"{settings.answer_tokens} make a sample longer than a row's "
+                        f"{cfg.data.row_tokens} tokens (data.tokens): ask for shorter ones")
     self.report = Report(os.path.join(out_dir, "report.md"),
                          f"A window of {settings.budget_minutes:g} minutes on "
                          f"{jax.devices()[0].device_kind}", log)
@@ -123,8 +138,8 @@ class Window:
       raise ConfigError(f"the corpus {self.corpus_dir} was tokenised by another tokenizer "
                         f"({c.meta['tokenizer']}): rebuild it with python -m train.token_corpus")
     self.corpus = c
-    self.starts = np.zeros(len(c.tokens), np.uint8)
-    self.samples = Samples(c.tokens, c.samples, c.responses, self.starts)
+    self.corpus_samples = len(c.samples)  # the base's answers are numbered after them
+    self.samples = Samples(c.tokens, c.samples, c.responses, np.zeros(len(c.tokens), np.uint8))
     rng = np.random.default_rng(self.s.seed)
     self.train_ids = rng.permutation(c.sample_ids("train"))
     self.val_ids = c.sample_ids("validation")
@@ -136,10 +151,11 @@ class Window:
   def _boundaries(self, ids: np.ndarray) -> boundaries_lib.BoundaryStats:
     d = self.cfg.data
     rows = max(1, (2 * d.rows * d.entries) // d.row_tokens)  # a pass about two steps' tokens
+    s = self.samples
     _, stats = boundaries_lib.boundary_pass(
-        self.trainer.model.base, self.corpus.tokens, self.corpus.samples,
-        self.corpus.responses, ids, row_len=d.row_tokens, rows_per_pass=rows,
-        max_group=self.cfg.graft.max_group, threshold=self.s.threshold, out=self.starts)
+        self.trainer.model.base, s.tokens, s.samples, s.responses, ids, row_len=d.row_tokens,
+        rows_per_pass=rows, max_group=self.cfg.graft.max_group, threshold=self.s.threshold,
+        out=s.starts)
     return stats
 
   def warm_up(self) -> None:
@@ -195,24 +211,68 @@ class Window:
         f"{np.mean(tokens) / (self.cfg.data.rows * self.cfg.data.row_tokens):.0%} of row tokens "
         "used)"])
 
-  def make_plan(self) -> None:
+  def _plan(self, to_answer: bool) -> plan_lib.Plan:
     left = self.deadline - time.monotonic()
     available = MAX_EPOCHS * int(self.samples.lengths(self.train_ids).sum())
-    self.plan = plan_lib.make_plan(left, self.rates, available,
-                                   plan_lib.reserve_s(self.s.decode_eval, self.rates.compile_s))
+    return plan_lib.make_plan(left, self.rates, available,
+                              plan_lib.reserve_s(self.s.decode_eval, self.rates.compile_s),
+                              self.s.answers_share, to_answer)
+
+  def make_plan(self) -> None:
+    self.plan = self._plan(to_answer=True)
     self.summary["plan"] = dataclasses.asdict(self.plan)
     self.report.part("plan", self.plan.lines(self.rates, self.steps_done))
+
+  def _prompts(self):
+    for i in self.train_ids:
+      yield self.samples.prompt(int(i))
+
+  def answers(self) -> None:
+    """The base's own answers to the first training samples' prompts, for the plan's seconds;
+    then the training ids mix them with corpus samples at the share asked."""
+    s = self.s
+    if not self.plan.answer_tokens:
+      self.report.part("answers", [f"none (answers share {s.answers_share:g})"])
+      return
+    tok = self.trainer.tokenizer
+    answers, st = self_distilled_answers(
+        self.trainer.model.base, self._prompts(), rows=s.answer_rows,
+        prompt_len=s.answer_prompt_tokens, max_new=s.answer_tokens,
+        stop_ids=tok.stop_ids if tok is not None else (), max_group=self.cfg.graft.max_group,
+        threshold=s.threshold, deadline=time.monotonic() + self.plan.answer_s)
+    n0 = len(self.samples.samples)
+    self.samples = self.samples.extended(answers.tokens, answers.samples, answers.responses,
+                                         answers.starts)
+    ids = np.arange(n0, n0 + len(answers.samples))
+    # Corpus samples alongside, as many response tokens as the share leaves them.
+    want = st.tokens * (1 - s.answers_share) / max(s.answers_share, 1e-9)
+    k = int(np.searchsorted(np.cumsum(self.samples.response_lengths(self.train_ids)), want))
+    rng = np.random.default_rng(s.seed + 1)
+    self.train_ids = np.concatenate([rng.permutation(np.concatenate([ids, self.train_ids[:k]])),
+                                     self.train_ids[k:]])
+    self.plan = self._plan(to_answer=False)
+    self.summary.update(answers=dataclasses.asdict(st), answer_tokens_per_s=st.tokens_per_s)
+    self.report.part("answers", [
+        f"{st.prompts:,} answers of at most {s.answer_tokens} tokens to prompts of at most "
+        f"{s.answer_prompt_tokens} ({st.skipped:,} longer skipped), {s.answer_rows} rows at "
+        f"once: {st.tokens:,} tokens, {st.ended:,} ended by a stop token; mean group "
+        f"{st.mean_group:.2f} at confident:{s.threshold}",
+        f"{st.batches} batches: the first (compiling) {st.compile_seconds:.1f} s, then "
+        f"{st.tokens_per_s:,.0f} tokens/s; ended by the {st.stopped_by}",
+        "training re-planned: " + self.plan.lines(self.rates, self.steps_done)[-2].strip()])
 
   def boundaries(self) -> None:
     lengths = np.cumsum(self.samples.lengths(self.train_ids))
     # A little more than planned: packing's lookahead, and rows not quite full.
-    n = int(np.searchsorted(lengths, 1.1 * self.plan.boundary_tokens)) + 1
+    n = int(np.searchsorted(lengths, 1.1 * self.plan.steps * self.rates.tokens_per_step)) + 1
     n = min(n, len(self.train_ids)) if self.plan.steps else 0
     self.epoch_ids = self.train_ids[:n]
-    stats = self._boundaries(self.epoch_ids) if n else boundaries_lib.BoundaryStats()
+    # The base's answers came with their groups.
+    corpus = self.epoch_ids[self.epoch_ids < self.corpus_samples]
+    stats = self._boundaries(corpus) if len(corpus) else boundaries_lib.BoundaryStats()
     self.summary["boundaries_tokens_per_s"] = stats.tokens_per_s
     self.report.part("boundaries", [
-        f"{len(self.epoch_ids):,} samples, {stats.tokens:,} tokens in "
+        f"{len(corpus):,} corpus samples of {len(self.epoch_ids):,}, {stats.tokens:,} tokens in "
         f"{stats.compile_seconds + stats.seconds:.1f} s ({stats.tokens_per_s:,.0f} tokens/s "
         f"after the first pass), mean group {stats.mean_group:.2f}"])
 
@@ -354,8 +414,8 @@ def run_window(cfg: RunConfig, corpus_dir: str, out_dir: str, work_dir: str,
                settings: WindowSettings, log: Callable[[str], None] = print) -> dict[str, Any]:
   """Runs every part of a window (module docstring); returns its summary (summary.json)."""
   w = Window(cfg, corpus_dir, out_dir, work_dir, settings, log)
-  for part in (w.load, w.read_corpus, w.warm_up, w.measure, w.make_plan, w.boundaries, w.train,
-               w.export, w.evaluate):
+  for part in (w.load, w.read_corpus, w.warm_up, w.measure, w.make_plan, w.answers, w.boundaries,
+               w.train, w.export, w.evaluate):
     part()
   if settings.decode_eval:
     if time.monotonic() + plan_lib.DECODE_COMPILES * w.rates.compile_s < w.deadline + 30:

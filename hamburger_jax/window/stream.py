@@ -36,6 +36,29 @@ class Samples:
   def lengths(self, ids: Sequence[int]) -> np.ndarray:
     return self.samples[np.asarray(ids, np.int64), 1]
 
+  def response_lengths(self, ids: Sequence[int]) -> np.ndarray:
+    """Response tokens of each sample `ids`."""
+    per = np.zeros(len(self.samples), np.int64)
+    np.add.at(per, self.responses[:, 0], self.responses[:, 2] - self.responses[:, 1])
+    return per[np.asarray(ids, np.int64)]
+
+  def prompt(self, i: int) -> np.ndarray:
+    """Sample i's tokens before its first response (the history its first answer follows)."""
+    start = int(self.samples[i, 0])
+    if self._first[i] == self._end[i]:
+      return np.zeros(0, np.int32)
+    return np.asarray(self.tokens[start:int(self.responses[self._first[i], 1])], np.int32)
+
+  def extended(self, tokens: np.ndarray, samples: np.ndarray, responses: np.ndarray,
+               starts: np.ndarray) -> "Samples":
+    """These samples followed by more (arrays of the same layout, indices from 0): the new
+    ones are numbered from len(self.samples) on."""
+    n, at = len(self.samples), len(self.tokens)
+    return Samples(np.concatenate([self.tokens, tokens.astype(self.tokens.dtype)]),
+                   np.concatenate([self.samples, samples + [at, 0]]),
+                   np.concatenate([self.responses, responses + [n, at, at]]),
+                   np.concatenate([self.starts, starts.astype(self.starts.dtype)]))
+
 
 def batches(samples: Samples, ids: Sequence[int], cfg: RunConfig,
             left_out: list[TokenSample] | None = None) -> Iterator[dict]:
