@@ -20,7 +20,7 @@ from hamburger_jax.window import plan as plan_lib
 from train import window
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ("load", "corpus", "warm-up", "measure", "plan", "answers", "boundaries", "train",
+PARTS = ("load", "corpus", "warm-up", "measure", "profile", "plan", "answers", "boundaries", "train",
          "export", "evaluate", "decode", "done")
 
 
@@ -47,6 +47,8 @@ def test_tiny_window_end_to_end_then_continued(tmp_path, capsys):
   answers = summary["answers"]
   assert answers["prompts"] > 100 and answers["tokens"] == 24 * answers["prompts"]
   assert summary["plan"]["answer_tokens"] > 0 and "training re-planned" in _report(first)
+  # Two steps traced: the device's time by operation (here the CPU's XLA threads).
+  assert "device time by operation over 2 calls" in text and summary["profile"]["ops_ms"]
   for name in os.listdir(os.path.join(first, "export")):
     assert os.path.getsize(os.path.join(first, "export", name)) <= 16 * 2**20
   # The export is a graft of the tiny run: it loads, and differs from a fresh graft.
@@ -64,6 +66,9 @@ def test_tiny_window_end_to_end_then_continued(tmp_path, capsys):
   assert meta2["trained_tokens"] == meta["trained_tokens"] + meta2["window"]["response_tokens"]
   assert "## decode" not in _report(second)  # --no-decode-eval
   assert "| batch | base tok/s |" in _report(first)  # the first window timed decode
+  # Prompts of one prefill plan, no prefix caching: per mode and batch size one prefill
+  # program and the decode loops of the views (one here).
+  assert int(re.search(r"(\d+) programs compiled", _report(first)).group(1)) <= 2 * 2 * 2
 
 
 def _graft(model) -> dict:

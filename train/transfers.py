@@ -318,7 +318,7 @@ class Plan:
             "The calls, from the repository's root, one right after another (the machine keeps",
             "the folders of earlier calls only while it stays up, about 30 s after a call):",
             f"  before, here: mv {CODE_LEFT_OUT.rstrip('/')} ../checkpoints.aside"
-            "   (the shipped graft must not travel)"]
+            "   (the shipped graft must not travel with every call)"]
     for k, (carry, command) in enumerate(self.calls(), 1):
       out.append(f"  call {k}{' (training)' if k == n else ''}: carry {json.dumps(carry)}")
       out.append(f"    {command}")

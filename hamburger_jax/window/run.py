@@ -5,6 +5,7 @@ Within a budget of minutes, in order, each part printing one line as it ends:
   corpus    a token-id corpus (hamburger_jax.data.token_corpus), its sources' response tokens
   warm-up   group boundaries of a first slice of the training samples and of the validation ones
   measure   the train step compiled and timed on that slice (tokens/s, MFU)
+  profile   two more steps under the profiler: the device's time by operation
   plan      the answers, steps and boundary tokens the rest of the budget holds (window/plan.py)
   answers   the base's own greedy answers to training prompts, hundreds of rows at once, their
             groups from the probabilities it chose them with (hamburger_jax.data.answers): a
@@ -31,6 +32,7 @@ import jax
 import numpy as np
 
 from hamburger_jax import graft_checkpoint, peaks
+from hamburger_jax.benchmarks.op_profile import profile_calls
 from hamburger_jax.benchmarks.timing import time_batches
 from hamburger_jax.decode.engine import Engine
 from hamburger_jax.data import boundaries as boundaries_lib
@@ -44,10 +46,12 @@ from hamburger_jax.window.stream import RESPONSE_TOKENS, Prefetch, Samples, batc
 
 EXPORT_SHARD_MB = 16  # files come back from a GPU machine at 16 MiB at most
 MEASURE_STEPS = 5  # timed after the compiling one
+PROFILE_STEPS = 2  # then traced
+PROFILE_OPS = 15  # the report's table
 MAX_EPOCHS = 2  # a window may read its corpus twice
 VALIDATION_BATCHES = 4
 DECODE_BATCHES = (1, 32)
-DECODE_PROMPT_TOKENS = 192
+DECODE_PROMPT_TOKENS = 128
 
 
 @dataclasses.dataclass
@@ -160,7 +164,8 @@ class Window:
 
   def warm_up(self) -> None:
     d = self.cfg.data
-    need = 3 * (MEASURE_STEPS + 2) * d.rows * d.row_tokens  # the measured steps' tokens, thrice
+    # The compiling, measured and traced steps' tokens, thrice (rows are not packed full).
+    need = 3 * (1 + MEASURE_STEPS + PROFILE_STEPS) * d.rows * d.row_tokens
     lengths = np.cumsum(self.samples.lengths(self.train_ids))
     n = int(np.searchsorted(lengths, need)) + 1
     self.warm_ids, self.train_ids = self.train_ids[:n], self.train_ids[n:]
@@ -184,7 +189,7 @@ class Window:
     return {name: float(f(step)) for name, f in self._schedules[1].items()}
 
   def measure(self) -> None:
-    it = batches(self.samples, self.warm_ids, self.cfg, [])
+    self._warm = it = batches(self.samples, self.warm_ids, self.cfg, [])
     t = time.monotonic()
     first = next(it)
     self.tokens_trained = first.pop(RESPONSE_TOKENS)
@@ -217,6 +222,32 @@ class Window:
     return plan_lib.make_plan(left, self.rates, available,
                               plan_lib.reserve_s(self.s.decode_eval, self.rates.compile_s),
                               self.s.answers_share, to_answer)
+
+  def profile(self) -> None:
+    """Steps (they train) traced by the profiler; a profiler that fails is reported, and the
+    window goes on."""
+    todo = [b for b in (next(self._warm, None) for _ in range(PROFILE_STEPS)) if b is not None]
+    if not todo:
+      self.report.part("profile", ["no warm-up batch left to trace"])
+      return
+    n = len(todo)
+
+    def step():
+      b = todo.pop(0)
+      self.tokens_trained += b.pop(RESPONSE_TOKENS)
+      self.steps_done += 1
+      return self.trainer.step_async([b], self.lr(self.steps_done - 1, self.cfg.train.steps))
+
+    try:
+      prof = profile_calls(step, n, os.path.join(self.work, "profile"))
+    except Exception as e:  # pylint: disable=broad-except
+      self.report.part("profile", [f"the profiler failed ({type(e).__name__}: {e}); "
+                                   "nothing traced"])
+      return
+    self.summary["profile"] = {"where": prof.where, "step_ms": 1e3 * prof.wall_s / n,
+                               "ops_ms": {o.name: 1e3 * o.seconds / n
+                                          for o in prof.ops[:PROFILE_OPS]}}
+    self.report.part("profile", prof.lines(PROFILE_OPS))
 
   def make_plan(self) -> None:
     self.plan = self._plan(to_answer=True)
@@ -376,15 +407,20 @@ class Window:
         *(f"| {k} | {m[k]:.4f} |" for k in keep if k in m)])
 
   def decode(self) -> None:
-    prompts = []
+    # Without prefix caching, and prompts of one prefill plan: the engine compiles one prefill
+    # program and the decode loops per layout (with prompts of every length it compiled a
+    # prefill program per chunk size, and prefix programs: most of this part's minutes).
+    engine = Engine(self.model, self.trainer.tokenizer, stop_ids=(), prefix_cache_tokens=0)
+    by_plan: dict[tuple, list] = {}
     for i in self.val_ids:
       s = self.samples(int(i))
       if s.spans and s.spans[0][0] <= DECODE_PROMPT_TOKENS:
-        prompts.append(s.tokens[:s.spans[0][0]].tolist())
-    if not prompts:
+        ids = s.tokens[:s.spans[0][0]].tolist()
+        by_plan.setdefault(tuple(c for *_, c in engine.prompt_plan(ids)[1]), []).append(ids)
+    if not by_plan:
       self.report.part("decode", ["no held-out prompt is short enough: skipped"])
       return
-    engine = Engine(self.model, self.trainer.tokenizer, stop_ids=())
+    prompts = max(by_plan.values(), key=len)
     n = self.s.decode_tokens
     runs = {"base": {"mode": "base"},
             **{f"c{c}": {"mode": "hamburger", "confidence": c} for c in (0.5, 0.8)}}
@@ -393,6 +429,7 @@ class Window:
              "| batch | base tok/s | c = 0.5 tok/s | vs base | c = 0.8 tok/s | vs base |",
              "|---|---|---|---|---|---|"]
     rows = {}
+    t = time.monotonic()
     for b in DECODE_BATCHES:
       ids = (prompts * (b // len(prompts) + 1))[:b]
       tps = {k: v.tokens_per_s for k, v in time_batches(engine, ids, n, 2, runs).items()}
@@ -401,6 +438,8 @@ class Window:
                    f"{tps['c0.5'] / tps['base']:.2f}x | {tps['c0.8']:,.0f} | "
                    f"{tps['c0.8'] / tps['base']:.2f}x |")
     self.summary["decode"] = rows
+    lines += ["", f"{len(prompts)} distinct prompts of one prefill plan; {engine.compilations} "
+              f"programs compiled; {time.monotonic() - t:.0f} s in all"]
     self.report.part("decode", lines)
 
   def finish(self) -> None:
@@ -414,8 +453,8 @@ def run_window(cfg: RunConfig, corpus_dir: str, out_dir: str, work_dir: str,
                settings: WindowSettings, log: Callable[[str], None] = print) -> dict[str, Any]:
   """Runs every part of a window (module docstring); returns its summary (summary.json)."""
   w = Window(cfg, corpus_dir, out_dir, work_dir, settings, log)
-  for part in (w.load, w.read_corpus, w.warm_up, w.measure, w.make_plan, w.answers, w.boundaries,
-               w.train, w.export, w.evaluate):
+  for part in (w.load, w.read_corpus, w.warm_up, w.measure, w.profile, w.make_plan, w.answers,
+               w.boundaries, w.train, w.export, w.evaluate):
     part()
   if settings.decode_eval:
     if time.monotonic() + plan_lib.DECODE_COMPILES * w.rates.compile_s < w.deadline + 30:
