@@ -42,7 +42,9 @@ class _Server(ServerProcess):
                          timeout=300, **kw)
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: a worker that runs other modules' tests between these would otherwise tear the
+# server down after each and start it again (2 minutes of compiling each time).
+@pytest.fixture(scope="session")
 def started(tmp_path_factory):
   try:
     assets.smollm2_gguf()
@@ -55,7 +57,7 @@ def started(tmp_path_factory):
     server.proc.wait()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(started):
   """infer.generate's answers (run while the server compiles)."""
   args = [a for p in PROMPTS[:3] for a in ("--prompt", p)]
@@ -67,7 +69,7 @@ def reference(started):
   return {(r["prompt"], r["mode"]): r for r in map(json.loads, res.stdout.splitlines())}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(started):
   started.wait_ready()
   return started

@@ -48,6 +48,7 @@ EXPORT_SHARD_MB = 16  # files come back from a GPU machine at 16 MiB at most
 MEASURE_STEPS = 5  # timed after the compiling one
 PROFILE_STEPS = 2  # then traced
 PROFILE_OPS = 15  # the report's table
+ANSWERS_LOG_EVERY = 10  # batches between progress lines
 MAX_EPOCHS = 2  # a window may read its corpus twice
 VALIDATION_BATCHES = 4
 DECODE_BATCHES = (1, 32)
@@ -258,6 +259,11 @@ class Window:
     for i in self.train_ids:
       yield self.samples.prompt(int(i))
 
+  def _answers_progress(self, st) -> None:
+    if st.batches % ANSWERS_LOG_EVERY == 0:
+      self.log(f"answers: {st.batches} batches, {st.prompts:,} answers, {st.tokens:,} tokens, "
+               f"{st.tokens_per_s:,.0f} tokens/s after the first batch")
+
   def answers(self) -> None:
     """The base's own answers to the first training samples' prompts, for the plan's seconds;
     then the training ids mix them with corpus samples at the share asked."""
@@ -270,7 +276,8 @@ class Window:
         self.trainer.model.base, self._prompts(), rows=s.answer_rows,
         prompt_len=s.answer_prompt_tokens, max_new=s.answer_tokens,
         stop_ids=tok.stop_ids if tok is not None else (), max_group=self.cfg.graft.max_group,
-        threshold=s.threshold, deadline=time.monotonic() + self.plan.answer_s)
+        threshold=s.threshold, deadline=time.monotonic() + self.plan.answer_s,
+        progress=self._answers_progress)
     n0 = len(self.samples.samples)
     self.samples = self.samples.extended(answers.tokens, answers.samples, answers.responses,
                                          answers.starts)
