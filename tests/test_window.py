@@ -146,3 +146,35 @@ def test_host_fed_learning_rate_is_the_compiled_schedule(tmp_path):
         want["loss"], rel=1e-5)
   for a, b in zip(jax.tree.leaves(compiled.state.params), jax.tree.leaves(host.state.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_answers_extend_the_samples_and_mix_in_at_their_share():
+  from hamburger_jax.window.stream import Samples, mix  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  # 50 corpus samples: a 4-token prompt, then a response of 10..29 tokens.
+  lengths = rng.integers(10, 30, 50)
+  starts = np.concatenate([[0], np.cumsum(lengths + 4)[:-1]])
+  tokens = rng.integers(0, 100, int((lengths + 4).sum())).astype(np.uint16)
+  corpus = Samples(tokens, np.stack([starts, lengths + 4], 1),
+                   np.stack([np.arange(50), starts + 4, starts + 4 + lengths], 1),
+                   np.zeros(len(tokens), np.uint8))
+  assert corpus.prompt(3).tolist() == tokens[starts[3]:starts[3] + 4].tolist()
+  # 10 answers of 20 tokens to prompts of 4, their groups given.
+  a_tokens = rng.integers(0, 100, 240)
+  a_samples = np.stack([np.arange(10) * 24, np.full(10, 24)], 1)
+  a_resp = np.stack([np.arange(10), np.arange(10) * 24 + 4, np.arange(10) * 24 + 24], 1)
+  a_starts = np.ones(240, np.uint8)
+  both = corpus.extended(a_tokens, a_samples, a_resp, a_starts)
+  assert len(both.samples) == 60
+  s = both(55)
+  assert s.tokens.tolist() == a_tokens[120:144].tolist() and s.spans == ((4, 24),)
+  assert s.group_start.all() and both(3).spans == corpus(3).spans
+  assert both.response_lengths([55, 3]).tolist() == [20, int(lengths[3])]
+  order = mix(np.arange(50, 60), np.arange(50), both, 0.25, np.random.default_rng(1))
+  assert sorted(order.tolist()) == list(range(60))
+  # The shuffled front holds the answers and corpus samples 0..k-1; the rest follow in order.
+  k = min(i for i in range(51) if order[10 + i:].tolist() == list(range(i, 50)))
+  assert sorted(order[:10 + k].tolist()) == [*range(k), *range(50, 60)]
+  # Those corpus samples hold about three times the answers' 200 tokens (k is ambiguous by one
+  # sample when sample k - 1 happens to end the shuffle: two samples of at most 30 tokens).
+  assert 600 - 2 * 30 <= both.response_lengths(range(k)).sum() <= 600

@@ -42,7 +42,7 @@ from hamburger_jax.files import write_json_atomic, write_text_atomic
 from hamburger_jax.run_config import ConfigError, RunConfig
 from hamburger_jax.training.trainer import Trainer, schedules
 from hamburger_jax.window import plan as plan_lib
-from hamburger_jax.window.stream import RESPONSE_TOKENS, Prefetch, Samples, batches
+from hamburger_jax.window.stream import RESPONSE_TOKENS, Prefetch, Samples, batches, mix
 
 EXPORT_SHARD_MB = 16  # files come back from a GPU machine at 16 MiB at most
 MEASURE_STEPS = 5  # timed after the compiling one
@@ -217,12 +217,12 @@ class Window:
         f"{np.mean(tokens) / (self.cfg.data.rows * self.cfg.data.row_tokens):.0%} of row tokens "
         "used)"])
 
-  def _plan(self, to_answer: bool) -> plan_lib.Plan:
+  def _plan(self, to_answer: bool, share: float | None = None) -> plan_lib.Plan:
     left = self.deadline - time.monotonic()
     available = MAX_EPOCHS * int(self.samples.lengths(self.train_ids).sum())
     return plan_lib.make_plan(left, self.rates, available,
                               plan_lib.reserve_s(self.s.decode_eval, self.rates.compile_s),
-                              self.s.answers_share, to_answer)
+                              self.s.answers_share if share is None else share, to_answer)
 
   def profile(self) -> None:
     """Steps (they train) traced by the profiler; a profiler that fails is reported, and the
@@ -281,14 +281,13 @@ class Window:
     n0 = len(self.samples.samples)
     self.samples = self.samples.extended(answers.tokens, answers.samples, answers.responses,
                                          answers.starts)
-    ids = np.arange(n0, n0 + len(answers.samples))
-    # Corpus samples alongside, as many response tokens as the share leaves them.
-    want = st.tokens * (1 - s.answers_share) / max(s.answers_share, 1e-9)
-    k = int(np.searchsorted(np.cumsum(self.samples.response_lengths(self.train_ids)), want))
-    rng = np.random.default_rng(s.seed + 1)
-    self.train_ids = np.concatenate([rng.permutation(np.concatenate([ids, self.train_ids[:k]])),
-                                     self.train_ids[k:]])
-    self.plan = self._plan(to_answer=False)
+    self.train_ids = mix(np.arange(n0, n0 + len(answers.samples)), self.train_ids, self.samples,
+                         s.answers_share, np.random.default_rng(s.seed + 1))
+    # The steps for the time left, the boundary pass reading the corpus samples among them: the
+    # answers made hold their share of the tokens, or less if fewer were made than planned.
+    trained = self._plan(to_answer=False, share=0.0).response_tokens
+    self.plan = self._plan(to_answer=False,
+                           share=min(s.answers_share, st.tokens / max(trained, 1)))
     self.summary.update(answers=dataclasses.asdict(st), answer_tokens_per_s=st.tokens_per_s)
     self.report.part("answers", [
         f"{st.prompts:,} answers of at most {s.answer_tokens} tokens to prompts of at most "

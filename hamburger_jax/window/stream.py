@@ -60,6 +60,18 @@ class Samples:
                    np.concatenate([self.starts, starts.astype(self.starts.dtype)]))
 
 
+def mix(answer_ids: np.ndarray, corpus_ids: np.ndarray, samples: Samples, share: float,
+        rng: np.random.Generator) -> np.ndarray:
+  """The training order: the answers shuffled with the first corpus samples that hold
+  (1 - share) / share of the answers' response tokens, then the other corpus samples in
+  their order."""
+  answered = int(samples.response_lengths(answer_ids).sum())
+  want = answered * (1 - share) / max(share, 1e-9)
+  k = int(np.searchsorted(np.cumsum(samples.response_lengths(corpus_ids)), want))
+  return np.concatenate([rng.permutation(np.concatenate([answer_ids, corpus_ids[:k]])),
+                         corpus_ids[k:]])
+
+
 def batches(samples: Samples, ids: Sequence[int], cfg: RunConfig,
             left_out: list[TokenSample] | None = None) -> Iterator[dict]:
   """Static-shape batches of the samples `ids` in order (the last, partial one too), each with
