@@ -99,6 +99,27 @@ def test_window_plan_of_the_smollm2_config(capsys):
   assert "answers:" not in out and _planned(out, "training") > 1.5 * trained
 
 
+def test_plan_from_an_earlier_window_s_rates(tmp_path, capsys):
+  summary = {"step_s": 0.5, "compile_s": 60.0, "boundaries_tokens_per_s": 100_000.0,
+             "answer_tokens_per_s": 40_000.0,
+             "plan": {"steps": 100, "boundary_tokens": 500_000, "response_tokens": 700_000,
+                      "answer_tokens": 350_000}}
+  rates = plan_lib.measured_rates(summary)
+  # Half the planned tokens were answers: the corpus samples of a step held 10,000 tokens.
+  assert rates.tokens_per_step == 10_000 and rates.response_per_step == 7_000
+  assert rates.answers_measured and rates.answer_tokens_per_s == 40_000
+  path = tmp_path / "summary.json"
+  path.write_text(json.dumps(summary))
+  argv = ["--config", os.path.join(REPO, "configs", "smollm2_135m_window.yaml"),
+          "--budget-minutes", "8", "--plan", "--rates-from", str(path)]
+  assert window.main(argv) == 0
+  out = capsys.readouterr().out
+  assert "rates (measured): train step 500 ms" in out and "(measured 40,000 tokens/s)" in out
+  path.write_text(json.dumps({"step_s": 0.5}))
+  assert window.main(argv) == 2
+  assert "not a window's summary.json" in capsys.readouterr().err
+
+
 def test_plan_fills_the_budget_or_the_data():
   rates = plan_lib.Rates(step_s=0.1, tokens_per_step=1000, response_per_step=700,
                          boundary_tokens_per_s=10_000, compile_s=5)

@@ -19,6 +19,7 @@ report). --work holds what need not come back (the boundaries).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -79,6 +80,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--decode-tokens", type=int, default=64, help="new tokens a row when timing")
   p.add_argument("--plan", action="store_true",
                  help="print the parts and the tokens each would see at assumed rates, and exit")
+  p.add_argument("--rates-from", metavar="SUMMARY",
+                 help="--plan: the rates an earlier window measured (its summary.json) instead "
+                      "of assumed ones")
   p.add_argument("--peak-tflops", type=float, default=989.5,
                  help="--plan: the accelerator's dense bf16 TFLOP/s (default: an H100/H200)")
   p.add_argument("--seed", type=int, default=0)
@@ -127,8 +131,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if args.plan:
-    hcfg = pretrained.abstract_run_model(cfg).cfg
-    rates = plan_lib.assumed_rates(cfg, hcfg, args.peak_tflops * 1e12)
+    if args.rates_from:
+      try:
+        with open(args.rates_from, encoding="utf-8") as f:
+          rates = plan_lib.measured_rates(json.load(f))
+      except (OSError, ValueError) as e:
+        print(f"error: --rates-from {args.rates_from}: {e}", file=sys.stderr)
+        return 2
+    else:
+      hcfg = pretrained.abstract_run_model(cfg).cfg
+      rates = plan_lib.assumed_rates(cfg, hcfg, args.peak_tflops * 1e12)
     budget = 60 * args.budget_minutes - rates.compile_s
     p = plan_lib.make_plan(budget, rates, 10**12, plan_lib.reserve_s(True, rates.compile_s),
                            args.answers_share)

@@ -45,7 +45,8 @@ class Rates:
   boundary_tokens_per_s: float
   compile_s: float  # the train step's compile and first step
   measured: bool = True
-  answer_tokens_per_s: float = ASSUMED_ANSWER_TOKENS_PER_S  # never measured before planning
+  answer_tokens_per_s: float = ASSUMED_ANSWER_TOKENS_PER_S
+  answers_measured: bool = False  # by an earlier window (a window plans before it answers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,8 @@ class Plan:
     answers = []
     if self.answer_tokens:
       answers = [f"answers:    {self.answer_tokens:,} tokens of the base's own answers in "
-                 f"~{self.answer_s:.0f} s (assumed {rates.answer_tokens_per_s:,.0f} tokens/s)"]
+                 f"~{self.answer_s:.0f} s ({'measured' if rates.answers_measured else 'assumed'} "
+                 f"{rates.answer_tokens_per_s:,.0f} tokens/s)"]
     return [
         f"rates ({how}): train step {rates.step_s * 1e3:.0f} ms for "
         f"{rates.response_per_step:,.0f} response tokens ({rates.response_per_step / rates.step_s:,.0f}"
@@ -120,6 +122,27 @@ def step_flops(cfg: RunConfig, hcfg: HamburgerConfig) -> float:
   student = roofline.train_step_flops(hcfg, d.rows, d.entries, d.groups, cfg.train.trainable,
                                       cfg.train.ce_chunk).model
   return student + roofline.base_forward_flops(hcfg.base, d.rows, d.row_tokens)
+
+
+def measured_rates(summary: dict) -> Rates:
+  """The rates an earlier window measured, from its summary.json (the answers' rate where it made
+  answers, else the assumed one)."""
+  try:
+    plan = summary["plan"]
+    steps = max(int(plan["steps"]), 1)
+    corpus = 1.0 - float(plan.get("answer_tokens", 0)) / max(float(plan["response_tokens"]), 1.0)
+    answers = summary.get("answer_tokens_per_s")
+    return Rates(step_s=float(summary["step_s"]),
+                 tokens_per_step=float(plan["boundary_tokens"]) / steps / max(corpus, 1e-9),
+                 response_per_step=float(plan["response_tokens"]) / steps,
+                 boundary_tokens_per_s=float(summary["boundaries_tokens_per_s"]),
+                 compile_s=float(summary["compile_s"]),
+                 answer_tokens_per_s=float(answers) if answers and answers == answers
+                 else ASSUMED_ANSWER_TOKENS_PER_S,
+                 answers_measured=bool(answers and answers == answers))
+  except (KeyError, TypeError, ValueError) as e:
+    raise ValueError(f"not a window's summary.json (it lacks {e}): give the summary.json of a "
+                     "window that trained") from None
 
 
 def assumed_rates(cfg: RunConfig, hcfg: HamburgerConfig, peak_flops: float,
