@@ -4,8 +4,10 @@ shipped graft, driven by the official `openai` client (and raw HTTP for malforme
 Greedy answers, streamed or not, are `infer.generate`'s; 32 concurrent clients with mixed
 settings are each answered once, with their own id, and the greedy ones as when alone; clients
 that go away free their slots; bad input gets a clear 4xx while serving goes on; SIGTERM lets
-the requests in flight end and the process exit. The tests share one server, so they run as
-one xdist group, in this order (the last one stops it)."""
+the requests in flight end and the process exit. The tests share one server, so they run in
+one process, in this order (the last one stops it): the README's `--dist loadfile` keeps a
+file's tests on one pytest-xdist worker (its `loadgroup` does not group under pytest 9, whose
+node ids it can no longer suffix)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from hamburger_jax.benchmarks.server_load import ServerProcess
 
 openai = pytest.importorskip("openai")
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("server")]
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 LIMITS = ["--slots", "8", "--max-prompt-tokens", "96", "--max-tokens", "32", "--max-queue", "64"]
@@ -42,9 +44,7 @@ class _Server(ServerProcess):
                          timeout=300, **kw)
 
 
-# Session-scoped: a worker that runs other modules' tests between these would otherwise tear the
-# server down after each and start it again (2 minutes of compiling each time).
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def started(tmp_path_factory):
   try:
     assets.smollm2_gguf()
@@ -57,7 +57,7 @@ def started(tmp_path_factory):
     server.proc.wait()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def reference(started):
   """infer.generate's answers (run while the server compiles)."""
   args = [a for p in PROMPTS[:3] for a in ("--prompt", p)]
@@ -69,7 +69,7 @@ def reference(started):
   return {(r["prompt"], r["mode"]): r for r in map(json.loads, res.stdout.splitlines())}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(started):
   started.wait_ready()
   return started
