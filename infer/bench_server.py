@@ -10,28 +10,18 @@ import numpy as np
 
 from hamburger_jax import cli
 from hamburger_jax.benchmarks.prompts import serve_workload
+from hamburger_jax.benchmarks.serving import run_serve
 
 
 def _in_process(engine, workload, mode: str, slots: int, confidence: float) -> dict:
-  """serve() over the workload, all arriving at t = 0 (programs compiled before the clock)."""
-  import time  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.decode.requests import Request  # pylint: disable=import-outside-toplevel
-  layout = engine.layout(mode, slots, max(n for _, n in workload),
-                         max(len(ids) for ids, _ in workload))
-  engine.compile_programs(layout, [ids for ids, _ in workload], stochastic=False)
-  t = time.perf_counter()
-  gens = list(engine.serve([Request(ids, max_new_tokens=n, confidence=confidence, id=i)
-                            for i, (ids, n) in enumerate(workload)], slots=slots, mode=mode))
-  wall = time.perf_counter() - t
-  gens.sort(key=lambda g: g.id)  # they come as they finish
-  lat = np.asarray([g.latency_s for g in gens])
-  tokens = sum(g.new_tokens for g in gens)
-  return {"gens": gens, "requests": len(gens), "answered": sum(not g.error for g in gens),
-          "failed": sum(bool(g.error) for g in gens), "duplicated": 0, "wall_s": wall,
-          "requests_per_s": len(gens) / wall, "tok_s": tokens / wall,
-          "ttft_p50": float("nan"), "ttft_p99": float("nan"),
-          "latency_p50": float(np.percentile(lat, 50)),
-          "latency_p99": float(np.percentile(lat, 99)),
+  """serve() over the workload, all arriving at t = 0 (programs compiled before the clock), in
+  the HTTP side's figures (it reports no first-token time)."""
+  r = run_serve(engine, workload, mode, slots, confidence)
+  gens = r["gens"]
+  return {"gens": gens, "requests": len(gens), "answered": len(gens), "failed": 0,
+          "duplicated": 0, "wall_s": r["wall"], "requests_per_s": len(gens) / r["wall"],
+          "tok_s": r["tok_s"], "ttft_p50": float("nan"), "ttft_p99": float("nan"),
+          "latency_p50": r["p50"], "latency_p99": r["p99"],
           "prefill_p50": float(np.median([g.prefill_s for g in gens]))}
 
 

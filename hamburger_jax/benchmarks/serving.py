@@ -14,7 +14,8 @@ def run_serve(engine, workload, mode: str, slots: int, confidence: float,
               kv_blocks: int | None = None, round_steps: int | None = None,
               max_group: int | None = None) -> dict[str, float]:
   """Serves the workload once (programs compiled beforehand, not timed); every request arrives
-  at t = 0, so latency = queueing + prefill + decode."""
+  at t = 0, so latency = queueing + prefill + decode. "gens": the Generations, in workload
+  order."""
   reqs = lambda: [Request(ids, max_new_tokens=n, confidence=confidence, id=i,
                           max_group=max_group) for i, (ids, n) in enumerate(workload)]
   lengths = [len(ids) for ids, _ in workload]
@@ -31,7 +32,8 @@ def run_serve(engine, workload, mode: str, slots: int, confidence: float,
   lat = np.asarray([g.latency_s for g in out])
   stats = run.stats
   return {"tok_s": tokens / wall, "p50": float(np.percentile(lat, 50)),
-          "p95": float(np.percentile(lat, 95)), "k": pooled_tokens_per_step(out),
+          "p95": float(np.percentile(lat, 95)), "p99": float(np.percentile(lat, 99)),
+          "gens": sorted(out, key=lambda g: g.id), "k": pooled_tokens_per_step(out),
           "in_flight": stats.mean_in_flight, "queued_in_flight": stats.in_flight_while_queued,
           "peak_blocks": max(stats.blocks_used),
           "preemptions": stats.preemptions, "wall": wall, "compile": compile_s,
