@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hamburger_jax.decode.sampling import greedy
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.model.llama import dtype_of
 from hamburger_jax.segmentation import confident_starts
@@ -32,7 +33,7 @@ from hamburger_jax.segmentation import confident_starts
 
 def _choose(logits_bv: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Greedy tokens [B] and the probability the distribution gives each [B] (float32)."""
-  tok = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+  tok = greedy(logits_bv)
   best = jnp.take_along_axis(logits_bv, tok[:, None], axis=-1)[:, 0]
   return tok, jnp.exp(best - jax.nn.logsumexp(logits_bv, axis=-1))
 

@@ -419,9 +419,8 @@ class Window:
     engine = Engine(self.model, self.trainer.tokenizer, stop_ids=(), prefix_cache_tokens=0)
     by_plan: dict[tuple, list] = {}
     for i in self.val_ids:
-      s = self.samples(int(i))
-      if s.spans and s.spans[0][0] <= DECODE_PROMPT_TOKENS:
-        ids = s.tokens[:s.spans[0][0]].tolist()
+      ids = self.samples.prompt(int(i)).tolist()
+      if 0 < len(ids) <= DECODE_PROMPT_TOKENS:
         by_plan.setdefault(tuple(c for *_, c in engine.prompt_plan(ids)[1]), []).append(ids)
     if not by_plan:
       self.report.part("decode", ["no held-out prompt is short enough: skipped"])
