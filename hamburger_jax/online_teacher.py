@@ -2,7 +2,7 @@
 inside the same jitted step, instead of read from disk (hamburger_jax.data.teacher_pass).
 
 The batch carries each row's samples twice: as HAMburger reads them (entries, groups, windows:
-hamburger_jax.data.online_batch) and unmerged (`tokens`, `token_segment`), with
+hamburger_jax.data.tokens.online_batch) and unmerged (`tokens`, `token_segment`), with
 `teacher_index` [B, G, K]: the unmerged position whose output predicts each window token (for
 token 0, the group's predicting position). The base runs once over the unmerged rows, exactly
 (no merged-entry adapters), under stop_gradient; its top-k next-token log-probs and its F
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from hamburger_jax.losses import chunked_topk
+from hamburger_jax.model.attention import PackedMask
 from hamburger_jax.model.hamburger import Hamburger
-from hamburger_jax.model.llama import causal_segment_mask
 from hamburger_jax.segmentation import segment_positions
 
 # The batch fields the teacher reads ([B, L], [B, L], [B, G, K]).
@@ -34,7 +34,7 @@ def teacher_signals(model: Hamburger, batch: Mapping[str, jax.Array], top_k: int
   base = model.base
   tokens, seg = batch["tokens"], batch["token_segment"]
   b, t = tokens.shape
-  out = base.forward(base.embed(tokens), segment_positions(seg), causal_segment_mask(seg),
+  out = base.forward(base.embed(tokens), segment_positions(seg), PackedMask(seg),
                      collect=model.feature_layers[:-1])
   feats = jnp.stack([*out.collected, out.hidden], axis=-2)  # [B, L, F, D]
   d = out.hidden.shape[-1]

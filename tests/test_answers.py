@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from hamburger_jax import precision, segmentation
-from hamburger_jax.data.answers import self_distilled_answers
-from hamburger_jax.data.boundaries import boundary_pass
+from hamburger_jax.data.tokens.answers import self_distilled_answers
+from hamburger_jax.data.tokens.boundaries import boundary_pass
 from hamburger_jax.decode.engine import Engine
 from hamburger_jax.testing import DECODE_CFG, tiny_decode_model
 

@@ -9,7 +9,7 @@ from flax import nnx
 
 from hamburger_jax import precision, segmentation
 from hamburger_jax.config import LlamaConfig
-from hamburger_jax.data.boundaries import boundary_pass, pair_rows
+from hamburger_jax.data.tokens.boundaries import boundary_pass, pair_rows
 from hamburger_jax.model.llama import Llama
 
 CFG = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

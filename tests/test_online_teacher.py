@@ -12,7 +12,7 @@ import pytest
 
 from hamburger_jax import layout, precision, segmentation
 from hamburger_jax.data import teacher_pass
-from hamburger_jax.data.online_batch import TokenSample, layout_row, pack_batch, pack_rows
+from hamburger_jax.data.tokens.online_batch import TokenSample, layout_row, pack_batch, pack_rows
 from hamburger_jax.distillation import distill_loss, micro_distill_loss
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.online_teacher import with_teacher

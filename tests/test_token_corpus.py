@@ -1,4 +1,4 @@
-"""The token-id corpus (hamburger_jax/data/token_corpus.py) on a small ShareGPT file of its own:
+"""The token-id corpus (hamburger_jax/data/tokens/) on a small ShareGPT file of its own:
 the format's invariants, samples and prompts equal to what the chat template and the engine
 write, held-out exclusion, the split, load() errors, and the command line."""
 
@@ -13,7 +13,8 @@ import pytest
 
 from hamburger_jax import assets
 from hamburger_jax.data import sources
-from hamburger_jax.data import token_corpus as tc
+from hamburger_jax.data.tokens import build, render
+from hamburger_jax.data.tokens import corpus as tc
 from hamburger_jax.evaluation import tasks
 from train import token_corpus as cli
 
@@ -124,7 +125,7 @@ def sharegpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, tasks.Share
 def _build(tok, sharegpt, out: str, **kwargs) -> dict:
   path, heldout = sharegpt
   kwargs = {"max_len": MAX_LEN, "sharegpt_path": path, "heldout_task": heldout, **kwargs}
-  return tc.build_corpus(out, tok, kwargs.pop("sources", ["sharegpt"]), **kwargs)
+  return build.build_corpus(out, tok, kwargs.pop("sources", ["sharegpt"]), **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +136,7 @@ def corpus_dir(tok, sharegpt, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _messages(record: dict) -> list[dict[str, str]]:
-  return tc.sharegpt_messages(record)
+  return sources.sharegpt_messages(record)
 
 
 def _candidates(tok, sharegpt) -> tuple[dict, dict]:
@@ -286,7 +287,7 @@ def test_split_is_per_conversation_and_deterministic(tok, sharegpt, corpus_dir,
   samples, _ = _candidates(tok, sharegpt)
   records = [_origin(c.sample(i)[0], samples)[0] for i in range(len(c.samples))]
   for rid, split in zip(records, c.split.tolist()):
-    assert split == tc.is_validation(f"sharegpt\0{rid}", 3, 0.3)
+    assert split == build.is_validation(f"sharegpt\0{rid}", 3, 0.3)
   assert set(c.split.tolist()) == {0, 1}  # both splits present at 0.3
   train, val = c.sample_ids("train"), c.sample_ids("validation")
   assert len(train) + len(val) == len(c.samples) and not set(train) & set(val)
@@ -312,11 +313,11 @@ def test_without_mt_bench_the_meta_says_so(tok, sharegpt, monkeypatch, tmp_path)
   meta = _build(tok, sharegpt, str(tmp_path / "tokens"))
   assert "not installed" in meta["excluded"]["mt_bench_questions"]
   assert meta["excluded"]["heldout_text"] == 1  # the held-out prompt only
-  assert "MT-Bench not checked" in tc.summary(meta)
+  assert "MT-Bench not checked" in build.summary(meta)
 
 
 def test_batch_rendering_equals_apply_chat_template(tok) -> None:
-  r = tc.Renderer(tok)
+  r = render.Renderer(tok)
   convs = [
       [{"role": "user", "content": "Hi there!"}, {"role": "assistant", "content": "Hello."}],
       [{"role": "user", "content": "Say <|im_end|> please"},
@@ -379,7 +380,7 @@ def test_load_refuses_missing_and_partial_corpora(corpus_dir, tmp_path) -> None:
 def test_reasoning_gym_source(tok, tmp_path) -> None:
   pytest.importorskip("reasoning_gym")
   out = str(tmp_path / "gsm")
-  meta = tc.build_corpus(out, tok, ["gsm_symbolic:5", "gcd:3"], max_len=512)
+  meta = build.build_corpus(out, tok, ["gsm_symbolic:5", "gcd:3"], max_len=512)
   assert meta["sources"] == ["gsm_symbolic", "gcd"]
   assert meta["per_source"]["gsm_symbolic"]["conversations"] == 5
   # gcd's question space is small: training draws that repeat an evaluation question are left out.

@@ -149,7 +149,7 @@ def test_host_fed_learning_rate_is_the_compiled_schedule(tmp_path):
   of one with the schedule compiled in (AdamW's update times lr is AdamW at lr), on a window's
   batches (the teacher in the step)."""
   from hamburger_jax.data.synthetic import write_synthetic_corpus  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.data.token_corpus import TokenCorpus  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.data.tokens.corpus import TokenCorpus  # pylint: disable=import-outside-toplevel
   from hamburger_jax.window.stream import RESPONSE_TOKENS, Samples, batches  # pylint: disable=import-outside-toplevel
   cfg = load_run_config(window.TINY_CONFIG, [*window.WINDOW_OVERRIDES, *window.TINY_OVERRIDES,
                                              "train.steps=5", "train.warmup_steps=2"])

@@ -7,7 +7,7 @@ Sources (--mix, comma-separated): sharegpt (the whole file, multi-turn, minus th
 evaluation records and any conversation asking a held-out or MT-Bench prompt), and NAME:N for N
 training problems of a reasoning-gym task the evaluation uses (gsm_symbolic, basic_arithmetic,
 chain_sum, letter_counting, gcd, lcm; seeds below the evaluation's). The format is described in
-hamburger_jax/data/token_corpus.py; a trainer reads it with TokenCorpus.load.
+hamburger_jax/data/tokens/corpus.py; a trainer reads it with TokenCorpus.load.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import sys
 import time
 
 from hamburger_jax.assets import AssetError
-from hamburger_jax.data import sources, token_corpus
+from hamburger_jax.data import heldout, sources
+from hamburger_jax.data.tokens import build, corpus
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -26,7 +27,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", required=True, help="output directory (written whole, atomically)")
   p.add_argument("--mix", default="sharegpt",
-                 help=f"comma-separated sources, of: {', '.join(token_corpus.SOURCES)} "
+                 help=f"comma-separated sources, of: {', '.join(heldout.SOURCES)} "
                  "(default: sharegpt)")
   p.add_argument("--max-len", type=int, default=1024,
                  help="tokens per sample at most; longer conversations are cut at turn pairs "
@@ -46,12 +47,12 @@ def main(argv: list[str] | None = None) -> int:
   mix = [part for part in args.mix.split(",") if part.strip()]
   try:
     # Cheap checks first: a typo should not cost a tokenizer load.
-    names = [name for name, _ in token_corpus.parse_sources(mix)]
-    token_corpus.check_output(args.out, args.overwrite)
+    names = [name for name, _ in heldout.parse_sources(mix)]
+    build.check_output(args.out, args.overwrite)
     if args.max_len < 1 or (args.max_tokens is not None and args.max_tokens < 1):
-      raise token_corpus.CorpusError("--max-len and --max-tokens must be positive")
+      raise corpus.CorpusError("--max-len and --max-tokens must be positive")
     if not 0.0 <= args.validation_fraction < 1.0:
-      raise token_corpus.CorpusError(
+      raise corpus.CorpusError(
           f"--validation-fraction {args.validation_fraction} must be in [0, 1)")
     if "sharegpt" in names:
       sources.sharegpt_path()  # AssetError with the install command when missing
@@ -60,13 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     from hamburger_jax.tokenizer import load_default_tokenizer  # pylint: disable=C0415
     tokenizer = load_default_tokenizer()
     start = time.perf_counter()
-    meta = token_corpus.build_corpus(
+    meta = build.build_corpus(
         args.out, tokenizer, mix, max_len=args.max_len, max_tokens=args.max_tokens,
         validation_fraction=args.validation_fraction, seed=args.seed, overwrite=args.overwrite,
         progress=lambda line: print(line, file=sys.stderr, flush=True))
-  except (token_corpus.CorpusError, AssetError) as e:
+  except (corpus.CorpusError, AssetError) as e:
     return _fail(e)
-  print(token_corpus.summary(meta))
+  print(build.summary(meta))
   print(f"wrote {os.path.abspath(args.out)} in {time.perf_counter() - start:.1f} s")
   return 0
 

@@ -26,7 +26,7 @@ import time
 from typing import Sequence
 
 from hamburger_jax.config import ConfigError
-from hamburger_jax.data.token_corpus import CorpusError
+from hamburger_jax.data.tokens.corpus import CorpusError
 
 TINY_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "configs", "tiny.yaml")

@@ -93,6 +93,32 @@ def sharegpt_conversations(path: str | None = None) -> Iterator[Conversation]:
                            f"{record.get('id', '?')}:{t}")
 
 
+_ROLES = {"human": "user", "gpt": "assistant"}
+
+
+def sharegpt_messages(record: Any) -> list[dict[str, str]]:
+  """A ShareGPT record's chat: human -> user, gpt -> assistant, texts stripped; cut at the first
+  turn of another role, out of user/assistant alternation, or empty, and after its last assistant
+  turn. [] when no user turn answered by the assistant remains.
+
+  Leading assistant turns are skipped: the package splits long chats into records, and a later
+  part opens mid-conversation with the assistant's answer to a question it does not hold (a
+  third of the records, that would otherwise be lost whole)."""
+  turns = record.get("conversations") if isinstance(record, dict) else None
+  turns = list(turns) if isinstance(turns, list) else []
+  while turns and isinstance(turns[0], dict) and turns[0].get("from") == "gpt":
+    turns.pop(0)
+  messages: list[dict[str, str]] = []
+  for turn in turns:
+    role = _ROLES.get(turn.get("from")) if isinstance(turn, dict) else None
+    text = turn.get("value") if role is not None else None
+    text = text.strip() if isinstance(text, str) else ""
+    if not text or role != ("user" if len(messages) % 2 == 0 else "assistant"):
+      break
+    messages.append({"role": role, "content": text})
+  return messages[:len(messages) // 2 * 2]
+
+
 # ----------------------------------------------------------------------------- gsm_symbolic
 
 

@@ -42,9 +42,9 @@ def build_synthetic_dataset(out_dir: str, vocab: int, max_group: int, n_train: i
 
 def write_synthetic_corpus(out_dir: str, vocab: int, n: int = 256, seed: int = 0,
                            validation: float = 0.1) -> dict:
-  """A token corpus (hamburger_jax.data.token_corpus) of `synthetic_samples`, two of them a
+  """A token corpus (hamburger_jax.data.tokens.corpus) of `synthetic_samples`, two of them a
   conversation (two responses a sample): what the tiny window trains on without a tokenizer."""
-  from hamburger_jax.data import token_corpus  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.data.tokens import corpus as token_corpus  # pylint: disable=C0415
   pieces, samples, responses = [], [], []
   start = 0
   parts = synthetic_samples(2 * n, vocab, 4, seed, prompt_len=(3, 8), response_len=(6, 30))

@@ -8,7 +8,8 @@ from typing import Sequence
 
 import numpy as np
 
-from hamburger_jax.data import pipeline, sources, token_corpus
+from hamburger_jax.data import pipeline, sources
+from hamburger_jax.data.tokens import corpus as corpuslib
 
 
 def prompt_key(ids: Sequence[int], tokenizer) -> str:
@@ -21,8 +22,8 @@ def training_prompt_keys(path: str, tokenizer) -> list[str]:
   """Prompt keys of a training set: a token corpus (train.token_corpus), a tfds directory (split
   "train") or a JSONL file; ValueError for text prompts that a model without tokenizer cannot
   compare."""
-  if os.path.isfile(os.path.join(path, token_corpus.META_FILE)):
-    return corpus_prompt_keys(token_corpus.TokenCorpus.load(path), tokenizer)
+  if os.path.isfile(os.path.join(path, corpuslib.META_FILE)):
+    return corpus_prompt_keys(corpuslib.TokenCorpus.load(path), tokenizer)
   if os.path.isdir(path):
     split = pipeline.open_split(path, "train")
     return [prompt_key(np.asarray(r["input_ids"])[:int(r["prompt_len"])], tokenizer)
@@ -39,7 +40,7 @@ def training_prompt_keys(path: str, tokenizer) -> list[str]:
   return keys
 
 
-def corpus_prompt_keys(corpus: "token_corpus.TokenCorpus", tokenizer) -> list[str]:
+def corpus_prompt_keys(corpus: "corpuslib.TokenCorpus", tokenizer) -> list[str]:
   """Keys of a token corpus's training prompts that a single-turn evaluation prompt can equal:
   the tokens before each training sample's first response (a sample opens with the system line
   and a user turn; the prompts of its later responses hold earlier turns too)."""

@@ -3,9 +3,9 @@
 A window compiles its train step and times a few steps (and its boundary pass) before it
 decides anything; the rest of the budget, less what the export and the evaluation keep, is
 split between the base's own answers to corpus prompts (a share of the response tokens trained
-on; hamburger_jax.data.answers), the boundary pass over the corpus samples to train on and the
-training steps, so that all end where the budget does. The schedule then ends at the last step
-(cosine to lr_final).
+on; hamburger_jax.data.tokens.answers), the boundary pass over the corpus samples to train on
+and the training steps, so that all end where the budget does. The schedule then ends at the
+last step (cosine to lr_final).
 """
 
 from __future__ import annotations
@@ -79,10 +79,11 @@ class Plan:
         f"kept for export and evaluation: {self.reserve_s:.0f} s"]
 
 
-def reserve_s(decode_eval: bool, compile_s: float) -> float:
-  """Seconds the parts after training keep, given the train step's compile time."""
+def reserve_s(decode_eval: bool, compile_s: float, judge_s: float = 0.0) -> float:
+  """Seconds the parts after training keep, given the train step's compile time and what the
+  judge of the init graft took (the trained graft's judge reuses its programs: it takes less)."""
   decode = DECODE_COMPILES * compile_s + DECODE_RUN_S if decode_eval else 0.0
-  return EXPORT_RESERVE_S + TF_EVAL_COMPILES * compile_s + decode
+  return EXPORT_RESERVE_S + TF_EVAL_COMPILES * compile_s + decode + judge_s
 
 
 def make_plan(seconds_left: float, rates: Rates, available_tokens: int, reserve: float,

@@ -2,13 +2,13 @@
 
 Within a budget of minutes, in order, each part printing one line as it ends:
   load      the run's model (base + a fresh graft, or --init-from an earlier window's export)
-  corpus    a token-id corpus (hamburger_jax.data.token_corpus), its sources' response tokens
+  corpus    a token-id corpus (hamburger_jax.data.tokens.corpus), its sources' response tokens
   warm-up   group boundaries of a first slice of the training samples and of the validation ones
   measure   the train step compiled and timed on that slice (tokens/s, MFU)
   profile   two more steps under the profiler: the device's time by operation
   plan      the answers, steps and boundary tokens the rest of the budget holds (window/plan.py)
   answers   the base's own greedy answers to training prompts, hundreds of rows at once, their
-            groups from the probabilities it chose them with (hamburger_jax.data.answers): a
+            groups from the probabilities it chose them with (hamburger_jax.data.tokens.answers): a
             share of the tokens trained on, mixed with the corpus's responses
   boundaries the pass over the corpus samples the steps will train on
   train     the steps, the teacher in each (hamburger_jax.online_teacher), the learning rate
@@ -35,9 +35,9 @@ from hamburger_jax import graft_checkpoint, peaks
 from hamburger_jax.benchmarks.op_profile import profile_calls
 from hamburger_jax.benchmarks.timing import time_batches
 from hamburger_jax.decode.engine import Engine
-from hamburger_jax.data import boundaries as boundaries_lib
-from hamburger_jax.data.answers import self_distilled_answers
-from hamburger_jax.data.token_corpus import TokenCorpus, tokenizer_fingerprint
+from hamburger_jax.data.tokens import boundaries as boundaries_lib
+from hamburger_jax.data.tokens.answers import self_distilled_answers
+from hamburger_jax.data.tokens.corpus import TokenCorpus, tokenizer_fingerprint
 from hamburger_jax.files import write_json_atomic, write_text_atomic
 from hamburger_jax.run_config import ConfigError, RunConfig
 from hamburger_jax.training.trainer import Trainer, schedules

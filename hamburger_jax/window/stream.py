@@ -1,6 +1,6 @@
-"""A window's training batches: token-id samples of a corpus (hamburger_jax.data.token_corpus)
-with their group starts (hamburger_jax.data.boundaries), packed (hamburger_jax.data.online_batch)
-on a host thread while the accelerator runs the previous steps."""
+"""A window's training batches: token-id samples of a corpus (hamburger_jax.data.tokens.corpus)
+with their group starts (hamburger_jax.data.tokens.boundaries), packed
+(hamburger_jax.data.tokens.online_batch) on a host thread while the accelerator runs the previous steps."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from hamburger_jax.data.online_batch import TokenSample, pack_batch, pack_rows
+from hamburger_jax.data.tokens.online_batch import TokenSample, pack_batch, pack_rows
 from hamburger_jax.run_config import RunConfig
 
 RESPONSE_TOKENS = "response_tokens"  # a batch's count of trained tokens (host side only)

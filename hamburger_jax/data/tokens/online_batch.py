@@ -1,7 +1,7 @@
 """Packed batches of token-id samples for the teacher in the step (hamburger_jax.online_teacher).
 
 A sample is a token sequence with its assistant responses marked (spans) and each response
-token's group start (the boundaries of hamburger_jax.data.boundaries): a multi-turn
+token's group start (the boundaries of hamburger_jax.data.tokens.boundaries): a multi-turn
 conversation is one sample, every response of it smashed into groups, every other token (the
 template, the user's turns) one unmerged entry. Laid out as docs/SPEC.md 1.2 and 2.2 generalised
 to several responses: an entry's RoPE position is its last token's, and a group is predicted by

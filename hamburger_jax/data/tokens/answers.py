@@ -104,7 +104,7 @@ class AnswerStats:
 
 @dataclasses.dataclass
 class Answers:
-  """Samples of prompt + answer in a token corpus's layout (hamburger_jax.data.token_corpus):
+  """Samples of prompt + answer in a token corpus's layout (hamburger_jax.data.tokens.corpus):
   tokens [N], samples [S, 2] (start, length), responses [S, 3] (sample, start, end), and the
   group starts [N] uint8 of the answers (segmentation confident:p on the answering
   probabilities)."""
