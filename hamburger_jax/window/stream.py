@@ -1,6 +1,7 @@
 """A window's training batches: token-id samples of a corpus (hamburger_jax.data.tokens.corpus)
 with their group starts (hamburger_jax.data.tokens.boundaries), packed
-(hamburger_jax.data.tokens.online_batch) on a host thread while the accelerator runs the previous steps."""
+(hamburger_jax.data.tokens.online_batch) on a host thread while the accelerator runs the
+previous steps."""
 
 from __future__ import annotations
 
