@@ -21,6 +21,10 @@ DEFAULT_PREFIX_CACHE_TOKENS = 2048
 
 # How a scanned decoder stack may rematerialise (model/llama.py: DecoderStack.remat).
 REMAT = ("none", "layers")
+# The kernel of packed rows' attention in the train step (model/attention.py): "xla" the dense
+# masked softmax, "cudnn" cuDNN's fused kernel over the rows' segments (a GPU, bf16/fp16), "auto"
+# cudnn where it applies and passes its check against xla, else xla.
+ATTENTION = ("auto", "xla", "cudnn")
 # float32 matmul precisions (hamburger_jax/precision.py states the policy).
 PRECISIONS = ("default", "highest")
 

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 
 from hamburger_jax import layout
 from hamburger_jax.losses import bce_with_logits, chunked_token_stats
+from hamburger_jax.model.attention import PackedMask
 from hamburger_jax.model.hamburger import Hamburger, continues
-from hamburger_jax.model.llama import causal_segment_mask
 from hamburger_jax.run_config import DistillConfig
 
 
@@ -162,7 +162,7 @@ def distill_loss(model: Hamburger, batch: Mapping[str, jax.Array], cfg: DistillC
   b = ids.shape[0]
   merged = size >= 2
   x = model.smash(ids, size)
-  feats, _ = model.base_features(x, batch["positions"], causal_segment_mask(batch["segment_ids"]),
+  feats, _ = model.base_features(x, batch["positions"], PackedMask(batch["segment_ids"]),
                                  merged_bt=merged)
   rows = jnp.arange(b)[:, None]
   feats = feats[rows, batch["pred_index"]]  # [B, G, F, D]

@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from hamburger_jax import layout
+from hamburger_jax.model.attention import PackedMask
 from hamburger_jax.model.hamburger import Hamburger
-from hamburger_jax.model.llama import Llama, causal_segment_mask
+from hamburger_jax.model.llama import Llama
 
 STOP_WEIGHT = 0.5
 
@@ -119,7 +120,7 @@ def hamburger_loss(model: Hamburger, batch: Mapping[str, jax.Array],
   ids, size = batch["input_ids"], batch["input_size"]
   b, _, k = ids.shape
   x = model.smash(ids, size)
-  mask = causal_segment_mask(batch["segment_ids"])
+  mask = PackedMask(batch["segment_ids"])
   feats, _ = model.base_features(x, batch["positions"], mask, merged_bt=size >= 2)  # [B,M,F,D]
   feats = feats[jnp.arange(b)[:, None], batch["pred_index"]]  # [B, G, F, D]
   g, f, d = feats.shape[1:]
@@ -156,7 +157,7 @@ def sft_loss(model: Llama, batch: Mapping[str, jax.Array],
   """
   tokens = batch["tokens"]
   out = model.forward(model.embed(tokens), batch["positions"],
-                      causal_segment_mask(batch["segment_ids"]))
+                      PackedMask(batch["segment_ids"]))
   b, t, d = out.hidden.shape
   targets = jnp.roll(tokens, -1, axis=1)
   ce, _ = chunked_cross_entropy(out.hidden.reshape(-1, d), model.head_dv(), targets.reshape(-1),

@@ -7,7 +7,7 @@ import os
 from typing import Any, Mapping
 
 from hamburger_jax import files
-from hamburger_jax.config import (DEFAULT_CONFIDENCE, PRECISIONS, REMAT, ConfigError,
+from hamburger_jax.config import (ATTENTION, DEFAULT_CONFIDENCE, PRECISIONS, REMAT, ConfigError,
                                   GraftConfig, LlamaConfig, apply_overrides, from_dict, load_yaml,
                                   to_dict)
 
@@ -28,10 +28,13 @@ class ModelConfig:
   random: LlamaConfig | None = None  # the base's config when base == "random" (tests)
   dtype: str = "float32"  # compute dtype (bf16 matmuls are slower than fp32 on CPU)
   param_dtype: str = "float32"
+  attention: str = "auto"  # packed rows' attention kernel in the train step (config.ATTENTION)
 
   def __post_init__(self):
     if self.base == "random" and self.random is None:
       raise ConfigError("model.base is 'random' but model.random (a LlamaConfig) is not given")
+    if self.attention not in ATTENTION:
+      raise ConfigError(f"model.attention={self.attention!r}: use one of {', '.join(ATTENTION)}")
 
 
 @dataclasses.dataclass(frozen=True)

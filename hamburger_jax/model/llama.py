@@ -11,7 +11,7 @@ from flax import nnx
 
 from hamburger_jax import sharding
 from hamburger_jax.config import REMAT, LlamaConfig
-from hamburger_jax.model.attention import attend
+from hamburger_jax.model.attention import PackedMask, attend, attend_packed, causal_segment_mask
 from hamburger_jax.model.rope import apply_rope, inverse_frequencies
 
 Initializer = Callable[..., jax.Array]
@@ -36,6 +36,8 @@ def dtype_of(name: str):
 # `merged_bt` of a forward where every entry is a merged group: the adapters act everywhere, as
 # one set of kernels (Linear: the kernel with its adapter folded in), not per row.
 ALL_MERGED = "all"
+# An uncached forward's mask: dense [B, T, T] bool, or packed rows' segments.
+Mask = jax.Array | PackedMask
 KV = tuple[jax.Array, jax.Array]  # keys, values of new entries, every layer: [L, B, T, Hkv, Dh]
 
 
@@ -123,6 +125,7 @@ class Attention(nnx.Module):
     self.fused = cfg.fused_projections
     self.rope_cfg = cfg  # static; frequencies are recomputed at trace time (an array here
     # would become module state)
+    self.kernel = "xla"  # packed rows' attention (attention.attend_packed): set_attention
 
   def project(self, x_btd: jax.Array, merged_bt=None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [B, T, H, Dh] (fused: [B, T, G, Hkv, Dh]), k and v [B, T, Hkv, Dh], before RoPE."""
@@ -138,7 +141,7 @@ class Attention(nnx.Module):
             self.k_proj(x_btd, merged_bt).reshape(b, t, hkv, dh),
             self.v_proj(x_btd, merged_bt).reshape(b, t, hkv, dh))
 
-  def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array | None,
+  def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: Mask | None,
                cache=None, slots_bt: jax.Array | None = None, layer: int = 0,
                merged_bt=None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Attention output [B, T, D] and the inputs' keys and values [B, T, Hkv, Dh]. Without a
@@ -149,7 +152,9 @@ class Attention(nnx.Module):
     inv_freq = inverse_frequencies(self.rope_cfg)
     q = apply_rope(q, positions_bt, inv_freq)
     k = apply_rope(k, positions_bt, inv_freq)
-    if cache is None:
+    if cache is None and isinstance(mask_bts, PackedMask):
+      out = attend_packed(q, k, v, mask_bts.segment_ids_bt, self.kernel)
+    elif cache is None:
       out = attend(q, k, v, mask_bts)
     else:  # the cache owns how its entries are read (a dense row, or a paged pool's blocks)
       out = cache.attend_new(layer, q, k, v, slots_bt)
@@ -217,7 +222,7 @@ class DecoderStack(nnx.Module):
     self.scan = False
     self.remat = "none"
 
-  def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array | None,
+  def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: Mask | None,
                cache=None, slots_bt: jax.Array | None = None, collect: Sequence[int] = (),
                merged_bt=None) -> tuple[jax.Array, list[jax.Array], KV | None]:
     """Returns the last residual stream, the residual outputs of layers `collect`, and with a
@@ -263,6 +268,16 @@ def set_layer_execution(model: nnx.Module, scan: bool, remat: str = "none") -> N
       node.scan, node.remat = scan, remat
 
 
+def set_attention(model: nnx.Module, kernel: str) -> None:
+  """The kernel every attention layer of `model` runs packed rows (a PackedMask) with, "xla"
+  or "cudnn" (attention.choose_attention picks it), in place; part of the model's graph."""
+  if kernel not in ("xla", "cudnn"):
+    raise ValueError(f"attention kernel {kernel!r}: use xla or cudnn")
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, Attention):
+      node.kernel = kernel
+
+
 @dataclasses.dataclass
 class BaseOutput:
   hidden: jax.Array  # [B, T, D] final-normed last layer
@@ -299,7 +314,7 @@ class Llama(nnx.Module):
     return jnp.einsum("...d,dv->...v", h.astype(dt), self.head_dv().astype(dt),
                       preferred_element_type=jnp.float32)
 
-  def forward(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array | None = None,
+  def forward(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: Mask | None = None,
               cache=None, slots_bt: jax.Array | None = None, collect: Sequence[int] = (),
               merged_bt=None, write: bool = True) -> BaseOutput:
     """Without a cache: inputs attending among themselves under `mask_bts`. With one: inputs at
@@ -323,16 +338,6 @@ class Llama(nnx.Module):
       segment_ids_bt = jnp.ones((b, t), jnp.int32)
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(t), (b, t))
-    out = self.forward(self.embed(ids_bt), positions_bt, causal_segment_mask(segment_ids_bt),
+    out = self.forward(self.embed(ids_bt), positions_bt, PackedMask(segment_ids_bt),
                        merged_bt=merged_bt)
     return self.logits(out.hidden)
-
-
-def causal_segment_mask(segment_ids_bt: jax.Array) -> jax.Array:
-  """[B, T, T] block-diagonal causal mask for packed rows; segment id 0 is padding."""
-  t = segment_ids_bt.shape[1]
-  causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-  same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
-  # Padding rows attend to themselves so their softmax stays finite (their outputs are unused).
-  pad_self = (segment_ids_bt[:, :, None] == 0) & jnp.eye(t, dtype=bool)
-  return (causal & same & (segment_ids_bt[:, :, None] > 0)) | pad_self

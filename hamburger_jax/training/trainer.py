@@ -9,6 +9,7 @@ compiled for a device mesh that is not attached: a TPU pod's topology (hamburger
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Iterator
 
 import flax.struct
@@ -26,7 +27,8 @@ from hamburger_jax.distillation import acceptance_metrics, distill_loss, micro_d
 from hamburger_jax.evaluation import teacher_forced
 from hamburger_jax.losses import hamburger_loss
 from hamburger_jax.model.hamburger import Hamburger
-from hamburger_jax.model.llama import GraftParam, set_layer_execution
+from hamburger_jax.model.attention import choose_attention
+from hamburger_jax.model.llama import GraftParam, set_attention, set_layer_execution
 from hamburger_jax.online_teacher import ONLINE_FIELDS, with_teacher
 from hamburger_jax.run_config import DEFAULT_TEACHER_TOP_K, RunConfig
 
@@ -147,6 +149,13 @@ class Trainer:
     else:
       self.model, self.tokenizer = pretrained.build_run_model(cfg)
     set_layer_execution(self.model, cfg.train.scan_layers, cfg.train.remat)
+    # The packed rows' attention kernel; attention_note: why cuDNN's was asked for and not used.
+    self.attention, self.attention_note = choose_attention(
+        cfg.model.attention, self.model.cfg.base, check=not abstract)
+    set_attention(self.model, self.attention)
+    if self.attention_note:
+      warnings.warn(f"model.attention={cfg.model.attention}: cuDNN's kernel not used "
+                    f"({self.attention_note}); XLA's runs", stacklevel=2)
     # "graft" holds the trained grafted params, "base" the rest (trained only with "all").
     self.graphdef, graft, base = nnx.split(self.model, TRAINED[cfg.train.trainable], nnx.Param)
     self.trains_base = cfg.train.trainable == "all"
