@@ -41,6 +41,28 @@ def add_model_flags(p: argparse.ArgumentParser, *, checkpoint_help: str | None =
                    "group keeps the full vocabulary (default: the full vocabulary throughout)")
 
 
+def add_micro_rule_flag(p: argparse.ArgumentParser, several: bool = False) -> None:
+  """--micro-rule: when a batch's next micro step runs (decode/micro_rule.py); with `several`,
+  a comma-separated list (parse with parse_micro_rules)."""
+  from hamburger_jax.decode.micro_rule import DEFAULT_MICRO_RULE  # pylint: disable=C0415
+  p.add_argument("--micro-rule", default=DEFAULT_MICRO_RULE,
+                 help=("comma-separated " if several else "") + "off | auto | a cost ratio r: "
+                 "a batch's next micro step runs while the rows that go on pay for it (at least "
+                 "r x the rows decoding; r = micro step / base step at the batch, auto: timed "
+                 "once); off: every micro step a row goes on for (tokens do not depend on the "
+                 f"batch mates; default {DEFAULT_MICRO_RULE})")
+
+
+def parse_micro_rules(spec: str) -> list:
+  """A comma list of micro rules (decode/micro_rule.py), deduplicated in order; ValueError (a
+  GenerationError) says what is wrong."""
+  from hamburger_jax.decode import micro_rule  # pylint: disable=import-outside-toplevel
+  rules = [micro_rule.parse(x.strip()) for x in spec.split(",") if x.strip()]
+  if not rules:
+    raise ValueError(f"--micro-rule {spec!r}: give off, auto or a ratio, e.g. off,auto")
+  return list(dict.fromkeys(rules))
+
+
 def add_confidence_flag(p: argparse.ArgumentParser, default: float = DEFAULT_CONFIDENCE,
                         help_: str = "") -> None:
   """--confidence: one level (a decode's); add_confidences_flag takes a list."""

@@ -175,46 +175,91 @@ def reference_hamburger(model, prompt: list[int], max_new: int, confidence: floa
   `pad`: the fixed length of its (jitted) uncached forwards; `max_group`: a cap on the tokens
   of one macro step (None: K); `micro_ids`: the tokens micro steps 1..K-1 may choose (the best
   of the full head's logits among them; None: any)."""
+  row = _reference_row(model, prompt)
+  while not row["done"]:
+    group = _reference_group(model, row, max_new, confidence, stop, pad, max_group, micro_ids)
+    _reference_emit(model, row, group, max_new, stop)
+  return row["tokens"], row["groups"]
+
+
+def reference_hamburger_batch(model, prompts: list[list[int]], max_new: list[int],
+                              confidences: list[float], stop: int, r: float,
+                              pad: int = 64) -> list[tuple[list[int], list[int]]]:
+  """HAMburger decoding of rows in lockstep with the batch-aware micro loop at cost ratio `r`
+  (decode/step.py: pays, the same r at every micro batch), as plain Python: each macro step,
+  every live row's group by the per-row rule (reference_hamburger's), then micro step i + 1
+  runs only while n_go >= min(r, 1) * n_live rows go on (n_go: the rows whose group has more
+  than i + 1 tokens), so each group is cut to 1 + the micro steps run. (tokens, groups) a
+  row."""
+  rows = [_reference_row(model, p) for p in prompts]
+  while not all(row["done"] for row in rows):
+    live = [i for i, row in enumerate(rows) if not row["done"]]
+    groups = {i: _reference_group(model, rows[i], max_new[i], confidences[i], stop, pad)
+              for i in live}
+    length = 1
+    while any(len(g) > length for g in groups.values()):
+      n_go = sum(len(g) > length for g in groups.values())
+      if n_go < min(r, 1.0) * len(live):
+        break
+      length += 1
+    for i in live:
+      _reference_emit(model, rows[i], groups[i][:length], max_new[i], stop)
+  return [(row["tokens"], row["groups"]) for row in rows]
+
+
+def _reference_row(model, prompt: list[int]) -> dict:
+  """A row of the reference loops: its base inputs, their positions and merged flags (the
+  prompt's are unmerged entries), its tokens and groups."""
+  return {"prompt": prompt, "inputs": list(model.base.embed(jnp.asarray(prompt))),
+          "positions": list(range(len(prompt))), "merged": [False] * len(prompt),
+          "tokens": [], "groups": [], "done": False}
+
+
+def _reference_group(model, row: dict, max_new: int, confidence: float, stop: int, pad: int,
+                     max_group: int | None = None, micro_ids: list[int] | None = None
+                     ) -> list[int]:
+  """The group the row's next macro step emits by the per-row rule."""
   k, f = model.max_group, model.num_features
   cap = max_group or k
-  offset = model.cfg.graft.position_offset
-  inputs = list(model.base.embed(jnp.asarray(prompt)))  # unmerged prompt entries
-  positions = list(range(len(prompt)))
-  merged = [False] * len(prompt)  # base adapters act on merged entries only
-  tokens, groups = [], []
-  while len(tokens) < max_new:
-    n = len(inputs)
-    x = jnp.zeros((1, pad, model.cfg.base.hidden_size)).at[0, :n].set(jnp.stack(inputs))
-    pos = jnp.zeros((1, pad), jnp.int32).at[0, :n].set(jnp.asarray(positions))
-    gate = jnp.zeros((1, pad), bool).at[0, :n].set(jnp.asarray(merged))
-    feats = _reference_features(model, x, pos, gate)[0, n - 1]  # [F, D], predicting position
-    group = []
-    for i in range(k):
-      if i == 0:  # the skip connection
-        logits, stop_logit = model.logits(feats[-1]), model.stop_logits(feats[-1])
-      else:
-        seq = jnp.concatenate([feats, model.base.embed(jnp.asarray(group))])
-        padded = jnp.zeros((1, f + k - 1, model.cfg.base.hidden_size)).at[0, :len(seq)].set(seq)
-        logits, stop_logit = _reference_micro(model, padded)
-        logits, stop_logit = logits[0, len(seq) - 1], stop_logit[0, len(seq) - 1]
-      if i and micro_ids is not None:
-        tok = int(micro_ids[int(jnp.argmax(logits[jnp.asarray(micro_ids)]))])
-      else:
-        tok = int(jnp.argmax(logits))
-      group.append(tok)
-      p_continue = float(jax.nn.sigmoid(-stop_logit))
-      if (tok == stop or len(tokens) + len(group) >= max_new or confidence >= 1.0
-          or p_continue < confidence or len(group) >= cap):
-        break
-    tokens += group
-    groups.append(len(group))
-    if tokens[-1] == stop or len(tokens) >= max_new:
+  n = len(row["inputs"])
+  x = jnp.zeros((1, pad, model.cfg.base.hidden_size)).at[0, :n].set(jnp.stack(row["inputs"]))
+  pos = jnp.zeros((1, pad), jnp.int32).at[0, :n].set(jnp.asarray(row["positions"]))
+  gate = jnp.zeros((1, pad), bool).at[0, :n].set(jnp.asarray(row["merged"]))
+  feats = _reference_features(model, x, pos, gate)[0, n - 1]  # [F, D], predicting position
+  group: list[int] = []
+  for i in range(k):
+    if i == 0:  # the skip connection
+      logits, stop_logit = model.logits(feats[-1]), model.stop_logits(feats[-1])
+    else:
+      seq = jnp.concatenate([feats, model.base.embed(jnp.asarray(group))])
+      padded = jnp.zeros((1, f + k - 1, model.cfg.base.hidden_size)).at[0, :len(seq)].set(seq)
+      logits, stop_logit = _reference_micro(model, padded)
+      logits, stop_logit = logits[0, len(seq) - 1], stop_logit[0, len(seq) - 1]
+    if i and micro_ids is not None:
+      tok = int(micro_ids[int(jnp.argmax(logits[jnp.asarray(micro_ids)]))])
+    else:
+      tok = int(jnp.argmax(logits))
+    group.append(tok)
+    p_continue = float(jax.nn.sigmoid(-stop_logit))
+    if (tok == stop or len(row["tokens"]) + len(group) >= max_new or confidence >= 1.0
+        or p_continue < confidence or len(group) >= cap):
       break
-    ids = jnp.zeros((k,), jnp.int32).at[:len(group)].set(jnp.asarray(group))
-    inputs.append(model.smash(ids[None], jnp.asarray([len(group)]))[0])
-    positions.append(len(prompt) - 1 + len(tokens) + offset)
-    merged.append(len(group) >= 2)
-  return tokens, groups
+  return group
+
+
+def _reference_emit(model, row: dict, group: list[int], max_new: int, stop: int) -> None:
+  """The row emits `group`; unless it is done, the group becomes its next base input."""
+  k = model.max_group
+  row["tokens"] += group
+  row["groups"].append(len(group))
+  if row["tokens"][-1] == stop or len(row["tokens"]) >= max_new:
+    row["done"] = True
+    return
+  ids = jnp.zeros((k,), jnp.int32).at[:len(group)].set(jnp.asarray(group))
+  row["inputs"].append(model.smash(ids[None], jnp.asarray([len(group)]))[0])
+  row["positions"].append(len(row["prompt"]) - 1 + len(row["tokens"])
+                          + model.cfg.graft.position_offset)
+  row["merged"].append(len(group) >= 2)
 
 
 def markdown_tables(text: str) -> list[list[dict[str, str]]]:

@@ -2,6 +2,8 @@
 
   python -m infer.bench                      # our base decode vs transformers' generate
   python -m infer.bench --mode hamburger     # HAMburger vs base in our engine (+ ceiling)
+  python -m infer.bench --mode hamburger --micro-rule off,auto
+                                             # ... with and without the batch-aware micro loop
   python -m infer.bench --mode serve         # continuous batching: base vs HAMburger, slots, pool
   python -m infer.bench --mode server        # infer.server under concurrent streaming clients
                                              # vs serve() in process, the same requests
@@ -60,6 +62,7 @@ def main(argv=None) -> int:
                  help="skip compiling the timed programs for a TPU v5e chip (their fusions; "
                  "the lowered dots are always counted)")
   cli.add_confidence_flag(p)
+  cli.add_micro_rule_flag(p, several=True)
   p.add_argument("--max-group", type=int, default=None,
                  help="hamburger / serve: cap HAMburger's groups at this many tokens (1..K)")
   p.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], default=None,
@@ -99,7 +102,8 @@ def main(argv=None) -> int:
     p.error("--slots, --requests and --clients must be >= 1")
   try:
     check_settings(args.new_tokens, args.confidence, args.max_group)
-  except GenerationError as e:
+    args.micro_rule = cli.parse_micro_rules(args.micro_rule)
+  except (GenerationError, ValueError) as e:
     p.error(str(e))
   from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
   cache.enable_compilation_cache()

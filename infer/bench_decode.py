@@ -10,7 +10,10 @@ from hamburger_jax import cli
 from hamburger_jax.benchmarks import widths
 from hamburger_jax.benchmarks.prompts import PROMPTS, chat_ids
 from hamburger_jax.benchmarks.report import bytes_bound_lines, group_cap, launch_lines
-from hamburger_jax.benchmarks.timing import lockstep_cost, step_costs, time_batches, timed
+from hamburger_jax.benchmarks.timing import (lockstep_cost, micro_steps_per_step, step_costs,
+                                             time_batches, timed)
+from hamburger_jax.decode.shapes import generate_slots
+from hamburger_jax.decode.step import micro_sizes
 
 
 def time_transformers(ref, tok, ids, args) -> tuple[float, float, list[list[int]]]:
@@ -105,7 +108,6 @@ def bench_hamburger(args) -> None:
   from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
 
-
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
   model, tok = cli.load_model("both", checkpoint, args.base, untrained_ok=True)
   label = checkpoint or ("UNTRAINED graft (random weights; use --confidence 0 to force K-token "
@@ -115,6 +117,7 @@ def bench_hamburger(args) -> None:
   if args.micro_vocab is not None:
     engines["reduced"] = Engine(with_micro_vocab(model, checkpoint, args.micro_vocab), tok,
                                 stop_ids=(), matmul_precision=args.precision)
+  rules = args.micro_rule
   print(f"HAMburger on {pretrained.describe('base', None, args.base)}: {label}")
   print(f"greedy, {args.new_tokens} new tokens/row (EOS ignored), confidence {args.confidence}"
         f"{group_cap(args.max_group)}; r = micro step / base step, measured at each batch size "
@@ -122,33 +125,49 @@ def bench_hamburger(args) -> None:
   print(f"engine layout: {'fused' if engine.fused else 'separate'} projections, "
         f"{engine.dtype}; adapter cost = a base step reading a merged entry (the adapters "
         "folded into the kernels) vs an unmerged one; micro vocab = the ids micro steps choose "
-        "among (full: the whole vocabulary); same tokens = rows whose tokens equal the full "
-        "vocabulary's; tok/s = tokens all rows generated / the time the batch decoded (the "
-        "prefills apart)")
-  print("\n| batch | micro vocab | base tok/s | HAMburger tok/s | ratio | tokens/step k | "
-        "KV entries/token | r | adapter cost | ceiling | of ceiling | same tokens | "
-        "prefill s (base, ham) | compile s (base, ham) |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "among (full: the whole vocabulary); micro rule = when a batch's next micro step runs "
+        "(decode/micro_rule.py; off: whenever a row goes on); micro steps/step = micro steps a "
+        "macro step ran (its largest group's); same tokens = rows whose tokens equal the full "
+        f"vocabulary's with micro rule {rules[0]}; tok/s = tokens all rows generated / the time "
+        "the batch decoded (the prefills apart); every setting of a batch is timed in the same "
+        "rounds as its base")
+  print("\n| batch | micro vocab | micro rule | base tok/s | HAMburger tok/s | ratio | "
+        "tokens/step k | micro steps/step | KV entries/token | r | adapter cost | ceiling | "
+        "of ceiling | same tokens | prefill s (base, ham) | compile s (base, ham) |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   ham = {"mode": "hamburger", "confidence": args.confidence, "max_group": args.max_group}
+  measured = []
   for b in args.batches:
     ids = chat_ids(tok, (PROMPTS * (b // len(PROMPTS) + 1))[:b])
-    runs = {"base": {"mode": "base"}, **{name: ham for name in engines}}
-    out = time_batches(engine, ids, args.new_tokens, args.repeats, runs, engines)
+    settings = {f"{name} {rule}": eng.with_micro_rule(rule) for name, eng in engines.items()
+                for rule in rules}
+    out = time_batches(engine, ids, args.new_tokens, args.repeats,
+                       {"base": {"mode": "base"}, **{name: ham for name in settings}}, settings)
     base = out["base"]
-    full_tokens = [g.token_ids for g in out["full"].gens]
+    first = [g.token_ids for g in out[f"full {rules[0]}"].gens]
     for name, eng in engines.items():
-      t = out[name]
       cost = step_costs(eng.runner, args.repeats, b)
       r = cost["micro"] / cost["base"]
-      k = t.tokens / sum(g.macro_steps for g in t.gens)
-      ceiling = args.new_tokens / lockstep_cost(t.gens, r)
-      ratio = t.tokens_per_s / base.tokens_per_s
-      same = sum(g.token_ids == f for g, f in zip(t.gens, full_tokens))
       vocab = "full" if name == "full" else str(args.micro_vocab)
-      print(f"| {b} | {vocab} | {base.tokens_per_s:.1f} | {t.tokens_per_s:.1f} | {ratio:.2f}x | "
-            f"{k:.2f} | {1 / k:.2f} | {r:.3f} | {cost['merged'] / cost['base'] - 1:+.1%} | "
-            f"{ceiling:.2f}x | {ratio / ceiling:.0%} | {same}/{b} | "
-            f"{base.prefill_s:.2f}, {t.prefill_s:.2f} | {base.compile_s:.0f}, {t.compile_s:.0f} |")
+      for rule in rules:
+        t = out[f"{name} {rule}"]
+        k = t.tokens / sum(g.macro_steps for g in t.gens)
+        ceiling = args.new_tokens / lockstep_cost(t.gens, r)
+        ratio = t.tokens_per_s / base.tokens_per_s
+        same = sum(g.token_ids == f for g, f in zip(t.gens, first))
+        print(f"| {b} | {vocab} | {rule} | {base.tokens_per_s:.1f} | {t.tokens_per_s:.1f} | "
+              f"{ratio:.2f}x | {k:.2f} | {micro_steps_per_step(t.gens):.2f} | {1 / k:.2f} | "
+              f"{r:.3f} | {cost['merged'] / cost['base'] - 1:+.1%} | {ceiling:.2f}x | "
+              f"{ratio / ceiling:.0%} | {same}/{b} | {base.prefill_s:.2f}, {t.prefill_s:.2f} | "
+              f"{base.compile_s:.0f}, {t.compile_s:.0f} |")
+        if rule == "auto":
+          slots = generate_slots(b)
+          costs = settings[f"{name} {rule}"].micro_costs(eng.layout("hamburger", slots, 1, 1))
+          measured.append(f"- batch {b}, {vocab} micro vocab: " + ", ".join(
+              f"{m} rows {c:.3f}" for m, c in zip(micro_sizes(slots), costs)))
+  if measured:
+    print("\nmicro rule auto, r measured by micro batch (a micro step of that many rows / a "
+          "base step of the batch's slots):\n" + "\n".join(measured))
   rows = {"full": None}
   if args.micro_vocab is not None:
     rows[str(args.micro_vocab)] = int(engines["reduced"].model.micro_ids.shape[0])

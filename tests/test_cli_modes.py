@@ -68,10 +68,15 @@ def test_bench_hamburger_against_its_base(tiny, capsys, tmp_path):
   micro_vocab.save(ckpt, np.arange(64, 0, -1), 16, ["test"])  # ids 0..15
   out = _bench(capsys, "--mode", "hamburger", "--base", tiny["base"], "--checkpoint", ckpt,
                "--batches", "1,2", "--new-tokens", "4", "--confidence", "0", "--micro-vocab",
-               "16")
+               "16", "--micro-rule", "off,auto")
   rows = _tables(out)[0]
-  assert len(rows) == 4 and all("4.00" in r.values() for r in rows)  # forced groups of K = 4
-  assert [r["micro vocab"] for r in rows] == ["full", "16"] * 2
+  assert len(rows) == 8 and all("4.00" in r.values() for r in rows)  # forced groups of K = 4
+  assert [r["micro vocab"] for r in rows] == ["full", "full", "16", "16"] * 2
+  assert [r["micro rule"] for r in rows] == ["off", "auto"] * 4
+  # every row goes on: the rule cuts nothing, so 3 micro steps a macro step and the same tokens
+  assert all(r["micro steps/step"] == "3.00" for r in rows)
+  assert [r["same tokens"] for r in rows[:2]] == ["1/1"] * 2
+  assert re.search(r"batch 2, full micro vocab: 1 rows \d\.\d{3}, 2 rows \d\.\d{3}", out)
   launches = _first_column(_tables(out)[1])
   assert launches[:3] == ["base step", "merged step", "micro step"]
   # r where bytes bound a step: the micro step's weights (1 layer, stop head, LM head) over the

@@ -71,18 +71,21 @@ def time_batches(engine, ids, n_new: int, repeats: int, runs: dict[str, dict],
         best[name] = t
   return best
 
-def step_costs(runner, repeats: int, batch: int = 1) -> dict[str, float]:
+def step_costs(runner, repeats: int, batch: int = 1,
+               names: Sequence[str] = tuple(launches.UNIT_STEPS)) -> dict[str, float]:
   """Seconds of one decode step at this batch size (decode/launches.py's unit steps, in the
   decoding layout `runner`, each with its LM head): "base" (an unmerged input: the exact
   base), "merged" (a merged input: the adapters folded into the kernels; equal to "base"
   without adapters) and "micro" (one micro step, with the model's micro-step head: the full
   one, or its reduced vocabulary). Each runs in widths.step_loop (steps in one jitted loop, its
   token fed back: no host dispatch between them, which would weigh most on the small micro
-  step). r = micro / base is docs/SPEC.md 6's cost ratio in the ceiling k / (1 + (k - 1) r)."""
+  step). r = micro / base is docs/SPEC.md 6's cost ratio in the ceiling k / (1 + (k - 1) r).
+  `names`: which of them to time (default all)."""
 
   graphdef, params = nnx.split(runner)
   out = {}
-  for name, fn in launches.UNIT_STEPS.items():
+  for name in names:
+    fn = launches.UNIT_STEPS[name]
     x, cache = launches.unit_args(runner, name, batch, widths.KV_ENTRIES)
     loop = widths.step_loop(graphdef, fn)
     state = {"cache": jax.tree.map(jnp.copy, cache)}  # each loop donates its own copy
@@ -124,7 +127,19 @@ def lockstep_cost(gens, r: float) -> float:
   """Cost of a batch's decode in base-step units. Rows advance in lockstep: macro step j costs one
   base step plus r per micro step, and it runs micro steps until its largest group is complete.
   At batch 1 this is steps * (1 + (k - 1) r), docs/SPEC.md 6's ceiling k / (1 + (k - 1) r)."""
+  return sum(1 + r * (m - 1) for m in largest_groups(gens))
+
+
+def largest_groups(gens) -> list[int]:
+  """The largest group of each macro step of a batch decoded together (generate: every row
+  starts at the same step): the micro steps that step ran, plus one."""
   steps = max(g.macro_steps for g in gens)
-  largest = [max((g.groups[j] for g in gens if j < len(g.groups)), default=1)
-             for j in range(steps)]
-  return sum(1 + r * (m - 1) for m in largest)
+  return [max((g.groups[j] for g in gens if j < len(g.groups)), default=1)
+          for j in range(steps)]
+
+
+def micro_steps_per_step(gens) -> float:
+  """Micro steps a batch's macro step ran, on average (the lockstep: as many as its largest
+  group needs), to set against the tokens each row emitted per macro step."""
+  largest = largest_groups(gens)
+  return sum(m - 1 for m in largest) / len(largest)

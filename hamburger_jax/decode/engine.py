@@ -13,6 +13,7 @@ serving with one slot per prompt.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import time
 from typing import Any, Callable, Iterable, Sequence
@@ -26,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hamburger_jax import precision, sharding
 from hamburger_jax.config import DEFAULT_CONFIDENCE, DEFAULT_PREFIX_CACHE_TOKENS
-from hamburger_jax.decode import serving, shapes
+from hamburger_jax.decode import micro_rule as micro_rules, serving, shapes
 from hamburger_jax.decode.prefix_cache import CachedPrefix, PrefixCache, cacheable_prefix
 from hamburger_jax.decode.requests import Generation, GenerationError, Request
 from hamburger_jax.decode.runner import decode_runner
@@ -76,12 +77,14 @@ class Engine:
                prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
                turn_end_ids: Sequence[int] | None = None, fused: bool | None = None,
                dtype: str | None = None, variant: StepVariant = StepVariant(),
-               matmul_precision: str = precision.DEFAULT_PRECISION):
+               matmul_precision: str = precision.DEFAULT_PRECISION,
+               micro_rule: str | float = micro_rules.DEFAULT_MICRO_RULE):
     """`fused`, `dtype`: the decoding layout (model/decode_layout.py; None: the backend's
     default, precision.decode_defaults). `variant`: what each macro step computes
     (decode/step.py; the default is HAMburger as specified). `matmul_precision`: of float32
     matmuls (hamburger_jax/precision.py: "highest" for the same greedy tokens on any
-    backend)."""
+    backend). `micro_rule`: when a batch's next micro step runs (decode/micro_rule.py: "off",
+    "auto" or a cost ratio; with "off", a row's tokens do not depend on its batch mates)."""
     self.tokenizer = tokenizer
     platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
     defaults = precision.decode_defaults(platform)
@@ -89,6 +92,9 @@ class Engine:
     self.dtype = defaults["dtype"] if dtype is None else dtype
     self.variant = variant
     self.precision = precision.check(matmul_precision)
+    self.micro_rule = micro_rules.parse(micro_rule)
+    # DecodeState.micro_cost by (rule, slots): "auto" measures once per slot count.
+    self._micro_costs: dict[tuple, np.ndarray] = {}
     self.max_seq_len = max_seq_len or base_of(model).cfg.max_position_embeddings
     if stop_ids is None:
       stop_ids = tokenizer.stop_ids if tokenizer is not None else ()
@@ -113,12 +119,37 @@ class Engine:
 
   # ------------------------------------------------------------------ traced pieces
 
-  def init_state(self, layout: Layout) -> DecodeState:
-    """A decode state of `layout`'s shapes with every slot empty (done) and every block-table
-    entry the trash block, placed by `put`: what `prefill` and the decode programs take."""
+  def _empty_state(self, layout: Layout) -> DecodeState:
     k = self.runner.max_group if layout.mode == "hamburger" else 1
     f = self.runner.num_features if layout.mode == "hamburger" else 1
-    return self.put(shapes.empty_state(layout, self.base_cfg, k, f))
+    return shapes.empty_state(layout, self.base_cfg, k, f)
+
+  def init_state(self, layout: Layout) -> DecodeState:
+    """A decode state of `layout`'s shapes with every slot empty (done) and every block-table
+    entry the trash block, placed by `put`: what `prefill` and the decode programs take. Its
+    micro steps' cost ratios are the engine's micro_rule's (`micro_costs`)."""
+    state = self._empty_state(layout)
+    return self.put(state.replace(micro_cost=self.micro_costs(layout)))
+
+  def micro_costs(self, layout: Layout) -> np.ndarray:
+    """DecodeState.micro_cost under the engine's micro_rule at `layout`'s slots: r at each
+    micro batch size (decode/step.py: pays); 0 in base mode, which has no micro steps. "auto"
+    times the steps the first time a slot count asks (decode/micro_rule.py: measure)."""
+    if layout.mode != "hamburger":
+      return micro_rules.costs("off", layout.slots)
+    key = (self.micro_rule, layout.slots)
+    if key not in self._micro_costs:
+      self._micro_costs[key] = micro_rules.costs(
+          self.micro_rule, layout.slots, lambda: micro_rules.measure(self.runner, layout.slots))
+    return self._micro_costs[key]
+
+  def with_micro_rule(self, rule: str | float) -> "Engine":
+    """This engine deciding micro steps by `rule` (decode/micro_rule.py): its weights,
+    compiled programs, measured costs and prefix cache shared (the rule is a runtime operand
+    of the same programs)."""
+    other = copy.copy(self)
+    other.micro_rule = micro_rules.parse(rule)
+    return other
 
   def put(self, tree):
     """Host values onto the engine's devices: replicated over the mesh, if there is one (the
@@ -128,7 +159,7 @@ class Engine:
     return jax.device_put(tree, NamedSharding(self.mesh, P()))
 
   def _abstract_state(self, layout: Layout):
-    state = jax.eval_shape(lambda: self.init_state(layout))
+    state = jax.eval_shape(lambda: self._empty_state(layout))
     if self.mesh is None:
       return state
     rep = NamedSharding(self.mesh, P())

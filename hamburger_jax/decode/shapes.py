@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from hamburger_jax.config import LlamaConfig
 from hamburger_jax.decode.paged_kv import PagedKVCache, blocks_for
 from hamburger_jax.decode.requests import GenerationError
-from hamburger_jax.decode.step import DecodeState
+from hamburger_jax.decode.step import DecodeState, micro_sizes
 
 # Prompts are prefilled in chunks, each padded to one of these sizes (one program per size).
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -121,7 +121,9 @@ def decode_state(cache, cfg: LlamaConfig, *, slots: int, max_new: int, max_group
   """The decode state over `cache` (paged, or a dense KVCache: one row per slot) with every one
   of `slots` slots empty (done): N = `max_new` tokens and K = `max_group` per slot, F =
   `num_features` features of the base's width and dtype (`cfg`). The one place a state is
-  built: a caller that needs live slots (step_program.py) replaces the fields it fills."""
+  built: a caller that needs live slots (step_program.py) replaces the fields it fills. The
+  micro steps' cost ratios are 0: every micro step a row goes on for runs (decode/step.py:
+  pays; Engine.init_state sets the engine's)."""
   b, n, k = slots, max_new, max_group
   zeros = lambda *s, dt=jnp.int32: jnp.zeros(s, dt)
   return DecodeState(
@@ -131,4 +133,5 @@ def decode_state(cache, cfg: LlamaConfig, *, slots: int, max_new: int, max_group
       confidence=jnp.ones((b,), jnp.float32), max_group=jnp.full((b,), k, jnp.int32),
       temperature=zeros(b, dt=jnp.float32),
       top_k=zeros(b), top_p=jnp.ones((b,), jnp.float32),
-      key=jax.random.split(jax.random.key(0), b))
+      key=jax.random.split(jax.random.key(0), b),
+      micro_cost=jnp.zeros((len(micro_sizes(b)),), jnp.float32))

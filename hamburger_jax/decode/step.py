@@ -5,7 +5,8 @@ decode benches and the standalone step program (step_program.py) all run this co
 
 Where launches go (a small model's step on a GPU is bound by how many kernels it runs):
 - the micro steps are unrolled (K is static): each takes its token and, but for the last, its
-  stop head's decision inside; the next runs only if a row goes on (nested conditionals);
+  stop head's decision inside; the next runs only if enough rows go on to pay for it (nested
+  conditionals; `pays`: the batch-aware micro loop);
 - the base forward reads its cache without writing it and returns the new keys and values,
   which are written for every layer at once after it: so the forward can sit in a branch (a
   branch that wrote the pool would copy it) that picks the adapters' form per step: plain
@@ -54,6 +55,9 @@ class DecodeState:
   top_k: jax.Array  # [B] 0 = off
   top_p: jax.Array  # [B] 1 = off
   key: jax.Array  # [B] the slot's request key; token keys fold in the step and micro index
+  # [len(micro_sizes(B))] r = micro step / base step at each micro batch (`pays`); all 0: off.
+  # A runtime operand: each value, measured or given, runs the same compiled program.
+  micro_cost: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +120,28 @@ def micro_batch_sizes(slots: int) -> tuple[int, ...]:
   return tuple(sorted({n for n in (1, slots // MICRO_BATCH_DIVISOR) if 1 <= n < slots}))
 
 
+def micro_sizes(slots: int) -> tuple[int, ...]:
+  """The row counts a macro step's micro steps may run at: the micro batches and every slot
+  (DecodeState.micro_cost holds one cost ratio for each)."""
+  return (*micro_batch_sizes(slots), slots)
+
+
+def pays(n_go: jax.Array, n_live: jax.Array, r: jax.Array) -> jax.Array:
+  """Whether the next micro step pays for itself: `n_go` rows would emit a token in it, out of
+  `n_live` rows still decoding, at a cost of r base steps (r = micro step / base step at the
+  batch, both timed at the same slots).
+
+  The next micro step costs r T (T: one base step of the batch) and yields n_go tokens: r T /
+  n_go a token. Not running it, each of those rows ends its group there and emits that token
+  in a later macro step, whose base step yields one token for each live row: T / n_live a
+  token. So it runs while n_go >= r n_live. (A macro step yields k >= 1 tokens a row, so T /
+  n_live overstates what a token costs there: the rule errs toward running micro steps.) r is
+  taken at most 1, so that one row going on, alone in the batch, always goes on: batch 1 is the
+  paper's rule unchanged. r = 0 (off): every micro step a row goes on for runs, as without the
+  rule."""
+  return n_go.astype(jnp.float32) >= jnp.minimum(r, 1.0) * n_live.astype(jnp.float32)
+
+
 def micro_branch(n_continuing: jax.Array, slots: int) -> jax.Array:
   """Which micro batch a macro step runs: 0 none (no row continues), i the i-th of
   micro_batch_sizes(slots) (the smallest that holds the continuing rows), last every slot."""
@@ -124,10 +150,11 @@ def micro_branch(n_continuing: jax.Array, slots: int) -> jax.Array:
 
 
 def _micro_steps(model: Hamburger, rs: DecodeState, tokens, count, cont, *, stop_ids,
-                 stochastic: bool, forced: bool):
-  """Micro steps 1..K-1 for the rows of `rs` (the state's per-row fields, no cache): unrolled,
-  each emitting t_i where `cont`; step i + 1 runs only if a row goes on (always if
-  `forced`)."""
+                 stochastic: bool, forced: bool, n_live: jax.Array, r: jax.Array):
+  """Micro steps 1..K-1 for the rows of `rs` (the state's per-row fields, no cache, no
+  micro_cost): unrolled, each emitting t_i where `cont`; step i + 1 runs only if the rows that
+  go on pay for it (`pays`, at cost ratio `r`, `n_live` rows decoding), always if `forced`. A
+  step that does not run ends every group there."""
   k = model.max_group
   base = model.base
   left = rs.max_new - rs.n_tokens
@@ -143,10 +170,11 @@ def _micro_steps(model: Hamburger, rs: DecodeState, tokens, count, cont, *, stop
              & (left > i + 1) & (rs.max_group > i + 1))
     x = base.embed(ti[:, None])
     rest = lambda ops: step(i + 1, *ops)
-    ops = (x, cache, tokens, count, go_on)
     if forced:
-      return rest(ops)
-    return jax.lax.cond(jnp.any(go_on), rest, lambda o: (o[2], o[3]), ops)
+      return rest((x, cache, tokens, count, go_on))
+    go_on = go_on & pays(jnp.sum(go_on), n_live, r)
+    return jax.lax.cond(jnp.any(go_on), rest, lambda o: (o[2], o[3]),
+                        (x, cache, tokens, count, go_on))
 
   # Micro step 1 reads the F features and e(t0) in one pass (one read of the weights).
   x = jnp.concatenate([rs.features, base.embed(tokens[:, :1])], axis=1)
@@ -172,13 +200,15 @@ def propose(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids
           & ~jnp.isin(t0, stop_ids) & (remaining > 1) & (state.max_group > 1))
   if variant.proposal == "stop_only":  # the decision computed and kept, never acted on
     return tokens, count + (cont & (count > 9)).astype(count.dtype)
-  rows_state = state.replace(cache=None)  # the per-row fields (never the KV pool)
-  micro = lambda rs, *ops: _micro_steps(model, rs, *ops, stop_ids=stop_ids,
-                                        stochastic=stochastic, forced=variant.forced)
+  rows_state = state.replace(cache=None, micro_cost=None)  # the per-row fields
+  n_live = jnp.sum(~state.done)
+  micro = lambda rs, *ops, r: _micro_steps(model, rs, *ops, stop_ids=stop_ids,
+                                           stochastic=stochastic, forced=variant.forced,
+                                           n_live=n_live, r=r)
   if variant.forced:
-    return micro(rows_state, tokens, count, cont)
+    return micro(rows_state, tokens, count, cont, r=jnp.float32(0))
 
-  def compact(size: int):
+  def compact(size: int, r: jax.Array):
     def run(operands):
       """Only the rows that continue, gathered into a micro batch of `size` rows: a micro
       step's LM head then reads `size` rows, not every slot (padding rows emit nothing)."""
@@ -186,16 +216,22 @@ def propose(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids
       idx = jnp.nonzero(cont, size=size, fill_value=b)[0]  # b: a padding row
       take = lambda x: x[jnp.minimum(idx, b - 1)]
       sub_tokens, sub_count = micro(jax.tree.map(take, rows_state), take(tokens), take(count),
-                                    idx < b)
+                                    idx < b, r=r)
       return (tokens.at[idx].set(sub_tokens, mode="drop"),
               count.at[idx].set(sub_count, mode="drop"))
     return run
 
   # Rows whose stop head fired after token 0 need no micro decoder work at all; when few rows
-  # go on, the smallest micro batch that holds them runs the micro steps.
-  return jax.lax.switch(micro_branch(jnp.sum(cont), b),
-                        [lambda o: o[:2], *(compact(n) for n in micro_batch_sizes(b)),
-                         lambda o: micro(rows_state, *o)],
+  # go on, the smallest micro batch that holds them runs the micro steps, at that batch's cost
+  # ratio; when too few go on to pay for micro step 1, every group ends at token 0.
+  n_cont = jnp.sum(cont)
+  branch = micro_branch(n_cont, b)
+  costs = state.micro_cost
+  branch = jnp.where(pays(n_cont, n_live, costs[jnp.maximum(branch - 1, 0)]), branch, 0)
+  sizes = micro_batch_sizes(b)
+  return jax.lax.switch(branch,
+                        [lambda o: o[:2], *(compact(n, costs[j]) for j, n in enumerate(sizes)),
+                         lambda o: micro(rows_state, *o, r=costs[len(sizes)])],
                         (tokens, count, cont))
 
 

@@ -1,0 +1,60 @@
+"""The batch-aware micro loop's setting: when a batch's next micro step runs (decode/step.py:
+`pays`). A macro step of many rows runs micro step i + 1 while enough rows go on to pay for
+it, judged by r = micro step / base step at that batch: its cost ratio at each micro batch
+size a macro step may run its micro steps at (step.micro_sizes).
+
+  "off"   r = 0: every micro step a row goes on for runs (the rule of docs/method.md section
+          3 alone; tokens do not depend on the batch mates);
+  "auto"  r measured: each micro batch's micro step and the batch's base step timed once, in
+          jitted loops of the decoding layout (benchmarks/timing.py: step_costs), per engine
+          and slot count;
+  a number r >= 0: the same ratio at every micro batch (r >= 1 cuts nothing a lone row does,
+          as `pays` takes r at most 1).
+
+The ratios are a runtime operand of the decode program (DecodeState.micro_cost), so every
+setting runs the same compiled program.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hamburger_jax.decode.requests import GenerationError
+from hamburger_jax.decode.step import micro_sizes
+
+MICRO_RULES = ("off", "auto")
+DEFAULT_MICRO_RULE = "off"
+# Rounds of each probe loop (the fastest kept): the probe runs once per engine and slot count.
+PROBE_REPEATS = 3
+
+
+def parse(rule: str | float) -> str | float:
+  """"off", "auto" or a ratio r >= 0 (a number, or its text); GenerationError says what to give
+  otherwise."""
+  if isinstance(rule, str) and rule in MICRO_RULES:
+    return rule
+  try:
+    r = float(rule)
+  except (TypeError, ValueError):
+    r = float("nan")
+  if not np.isfinite(r) or r < 0 or isinstance(rule, bool):
+    raise GenerationError(f"micro_rule={rule!r}: give off, auto, or a cost ratio r >= 0 (a "
+                          "micro step's time / a base step's at the batch, e.g. 0.2)")
+  return r
+
+
+def measure(runner, slots: int, repeats: int = PROBE_REPEATS) -> np.ndarray:
+  """r at each of micro_sizes(slots): one micro step of that many rows / one base step of
+  `slots` rows (`runner`: a HAMburger in the decoding layout)."""
+  from hamburger_jax.benchmarks.timing import step_costs  # pylint: disable=C0415
+  base = step_costs(runner, repeats, slots, names=("base",))["base"]
+  return np.asarray([step_costs(runner, repeats, m, names=("micro",))["micro"] / base
+                     for m in micro_sizes(slots)], np.float32)
+
+
+def costs(rule: str | float, slots: int, measured=lambda: None) -> np.ndarray:
+  """DecodeState.micro_cost for `rule` (parsed) at `slots` slots; "auto" calls `measured()`."""
+  if rule == "auto":
+    return np.asarray(measured(), np.float32)
+  r = 0.0 if rule == "off" else float(rule)
+  return np.full((len(micro_sizes(slots)),), r, np.float32)
