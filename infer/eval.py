@@ -66,6 +66,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--config", default=None,
                  help="build the model of this run config (e.g. configs/tiny.yaml) instead")
   p.add_argument("--batch", type=int, default=8, help="prompts decoded together")
+  cli.add_micro_rule_flag(p)
   p.add_argument("--data", default=None, help="tfds dataset directory for the nll task")
   p.add_argument("--split", default="validation", help="split of --data for nll")
   p.add_argument("--train-data", default=None,
@@ -80,6 +81,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   try:
     args.confidence = parse_confidences(args.confidence)
     args.tasks = parse_tasks(args.tasks) if args.tasks is not None else None
+    from hamburger_jax.decode import micro_rule
+    args.micro_rule = micro_rule.parse(args.micro_rule)
   except ValueError as e:
     p.error(str(e))
   # Checked here rather than by cli.check_decode_flags, which takes one confidence; the same
@@ -140,8 +143,9 @@ def settings(args, argv: Sequence[str]) -> EvalSettings:
   return EvalSettings(
       confidences=tuple(args.confidence), tasks=tuple(args.tasks) if args.tasks else None,
       limit=args.limit, batch=args.batch, max_new_tokens=args.max_new_tokens,
-      max_group=args.max_group, data=args.data, split=args.split, train_data=args.train_data,
-      out=args.out, plots=not args.no_plots, unsafe_exec=args.unsafe_exec,
+      max_group=args.max_group, micro_rule=args.micro_rule, data=args.data, split=args.split,
+      train_data=args.train_data, out=args.out, plots=not args.no_plots,
+      unsafe_exec=args.unsafe_exec,
       command=" ".join(shlex.quote(a) for a in ["python", "-m", "infer.eval", *argv]))
 
 

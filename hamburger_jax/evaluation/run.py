@@ -48,6 +48,7 @@ class EvalSettings:
   batch: int = 8
   max_new_tokens: int | None = None  # None: MAX_NEW_TOKENS per task
   max_group: int | None = None
+  micro_rule: str | float = "off"  # when a batch's next micro step runs (decode/micro_rule.py)
   data: str | None = None  # a tfds dataset, for nll
   split: str = "validation"
   train_data: str | None = None  # prompts that must not be evaluation prompts
@@ -137,7 +138,7 @@ def evaluate(model, tok, model_info: dict[str, Any], s: EvalSettings,
   if s.max_group is not None and s.max_group > model.max_group:
     raise EvalError(f"--max-group={s.max_group} exceeds the model's largest group "
                     f"(graft.max_group={model.max_group}): give 1..{model.max_group}")
-  engine = Engine(model, tok)
+  engine = Engine(model, tok, micro_rule=s.micro_rule)
   tasks = {name: SyntheticTask(model.cfg.base.vocab_size, model.max_group) if name == "synthetic"
            else eval_tasks.get_task(name) for name in names if name != "nll"}
   examples = {name: task_examples(task, s.limit, tok) for name, task in tasks.items()}
