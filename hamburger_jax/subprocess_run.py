@@ -57,11 +57,12 @@ class Capped:
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-  """Kills the process group `proc` leads (started with start_new_session), if still there."""
+  """Kills the process group `proc` leads (started with start_new_session), if still there.
+  Does not reap `proc`: a caller that does not leave `with Popen` waits for it."""
   try:
     os.killpg(proc.pid, signal.SIGKILL)
-  except ProcessLookupError:
-    pass
+  except (ProcessLookupError, PermissionError):
+    pass  # already gone (a group whose processes changed user id is not ours to signal either)
 
 
 def run_capped(cmd: Sequence[str], seconds: float | None,

@@ -19,6 +19,7 @@ import tempfile
 import time
 
 from hamburger_jax.evaluation import sandbox, sandbox_codec
+from hamburger_jax.subprocess_run import kill_group
 
 # Frames between the checker and the program are at most this large.
 MAX_FRAME_BYTES = 16 * 2**20
@@ -168,7 +169,8 @@ def run_checked(
       checker.wait(timeout=timeout_s + sandbox.GRACE_S)
     except subprocess.TimeoutExpired:
       pass
-    sandbox.kill_group(checker)
+    kill_group(checker)
+    checker.wait()
     status, note, output = sandbox.finish_program(run, timeout_s=timeout_s, memory_mb=memory_mb,
                                                   max_file_mb=max_file_mb,
                                                   max_output_chars=max_output_chars)

@@ -40,6 +40,8 @@ import sys
 import tempfile
 import time
 
+from hamburger_jax.subprocess_run import kill_group
+
 # The user ids programs run as when the caller is root: one per run, above any account's.
 # RLIMIT_NPROC counts every process of a real user id on the host, so runs sharing one (or
 # sharing "nobody" with the host's daemons) would spend each other's process limits: a fork bomb
@@ -85,145 +87,9 @@ class SandboxResult:
   elapsed_s: float = 0.0
 
 
-# ---------------------------------------------------------------------------------------------
-# The trusted init: first process of the new namespaces. It makes the filesystem read-only, mounts
-# the private /tmp and the masks, sets the limits, starts the program with no capabilities, keeps
-# the wall clock and reports on its own pipe (which the program does not inherit). Run with
-# `python -I -S -B -c _INIT CONFIG_JSON`, the program's source on stdin.
-_INIT = r"""
-import ctypes, json, os, re, resource, select, signal, subprocess, sys, time
-cfg = json.loads(sys.argv[1])
-status = os.fdopen(cfg["status_fd"], "w")
-def report(**kw):
-  status.write(json.dumps(kw) + "\n")
-  status.flush()
-# Default dispositions (inherited by the program): as PID 1 of its namespace, the init then gets
-# no signal from the program at all (the kernel drops them), and Python's SIGINT handler is gone.
-signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE = 1024, 2048, 4096, 16384, 1 << 18
-MS_RELATIME = 1 << 21
-# statvfs f_flag bits -> the mount flags a remount must keep (locked flags may not be dropped).
-_KEEP = ((2, MS_NOSUID), (4, MS_NODEV), (8, MS_NOEXEC), (1024, MS_NOATIME), (2048, MS_NODIRATIME),
-         (4096, MS_RELATIME))
-_libc = ctypes.CDLL(None, use_errno=True)
-
-def mount(src, target, fstype, flags, data=None):
-  enc = lambda s: None if s is None else os.fsencode(s)
-  if _libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
-    err = ctypes.get_errno()
-    raise OSError(err, f"mount {target}: {os.strerror(err)}")
-
-def make_readonly(path):
-  flags = os.statvfs(path).f_flag
-  if not flags & 1:
-    keep = sum(ms for st, ms in _KEEP if flags & st)
-    # MS_BIND: change this mount's flag only, never the superblock (shared with the host).
-    mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
-
-def mountpoints():
-  with open("/proc/self/mountinfo", "rb") as f:
-    lines = f.read().splitlines()
-  unescape = lambda m: bytes([int(m.group(1), 8)])
-  return [os.fsdecode(re.sub(rb"\\([0-7]{3})", unescape, line.split()[4])) for line in lines]
-
-def under(path, root):
-  return path == root or path.startswith(root.rstrip("/") + "/")
-
-def setup(code):
-  if os.getpid() != 1 or os.readlink("/proc/self/ns/mnt") == cfg["host_mnt_ns"]:
-    raise RuntimeError("not in fresh PID and mount namespaces")
-  mount(None, "/", None, MS_REC | MS_PRIVATE)
-  # Directories to show again under a mask (the interpreter), opened before anything covers them.
-  keeps = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in cfg["keep"]}
-  for mp in mountpoints():
-    try:
-      make_readonly(mp)
-    except (FileNotFoundError, PermissionError):
-      pass  # a mount point covered by another mount, or closed to us: unreachable from here
-  for path, private in cfg["covers"]:
-    owner = cfg["uid"] if private else 0
-    mode = "700" if private else "755"
-    mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV,
-          f"size={cfg['tmp_mb'] if private else 1}m,mode={mode},uid={owner},gid={owner}")
-    for keep, fd in keeps.items():
-      if under(keep, path):
-        os.makedirs(keep, exist_ok=True)
-        mount(f"/proc/self/fd/{fd}", keep, None, MS_BIND | MS_REC)
-        for mp in mountpoints():
-          if under(mp, keep):
-            make_readonly(mp)
-    if private:
-      program = os.path.join(path, "main.py")
-      with open(program, "wb") as f:
-        f.write(code)
-      os.chown(program, cfg["uid"], cfg["uid"])
-    else:
-      make_readonly(path)
-  for fd in keeps.values():
-    os.close(fd)
-  for mp in mountpoints():
-    try:
-      flags = os.statvfs(mp).f_flag
-    except OSError:
-      continue
-    if not flags & 1 and mp != cfg["workdir"]:
-      raise RuntimeError(f"{mp} is still writable")
-
-def limit(kind, soft, hard=None):
-  hard = soft if hard is None else hard
-  _, cap = resource.getrlimit(kind)
-  if cap != resource.RLIM_INFINITY:
-    soft, hard = min(soft, cap), min(hard, cap)
-  resource.setrlimit(kind, (soft, hard))
-
-try:
-  code = sys.stdin.buffer.read()
-  devnull = os.open("/dev/null", os.O_RDONLY)
-  os.dup2(devnull, 0)
-  if cfg["isolate"]:
-    setup(code)
-  else:
-    with open(os.path.join(cfg["workdir"], "main.py"), "wb") as f:
-      f.write(code)
-  os.chdir(cfg["workdir"])
-  limit(resource.RLIMIT_AS, cfg["memory_bytes"])
-  # SIGXCPU at the soft limit, SIGKILL one second later if the program ignores it.
-  limit(resource.RLIMIT_CPU, cfg["cpu_s"], cfg["cpu_s"] + 1)
-  limit(resource.RLIMIT_FSIZE, cfg["fsize_bytes"])
-  limit(resource.RLIMIT_CORE, 0)
-  limit(resource.RLIMIT_NOFILE, 256)
-  limit(resource.RLIMIT_NPROC, cfg["max_processes"])
-  proc = subprocess.Popen(cfg["argv"], env=cfg["env"], stdin=subprocess.DEVNULL,
-                          pass_fds=cfg["pass_fds"], close_fds=True)
-except BaseException as e:
-  report(event="setup_error", message=f"{type(e).__name__}: {e}")
-  os._exit(70)
-for fd in cfg["pass_fds"]:
-  os.close(fd)
-report(event="started")
-deadline = time.monotonic() + cfg["timeout_s"]
-try:
-  pidfd = os.pidfd_open(proc.pid)
-except (AttributeError, OSError):
-  pidfd = None
-while proc.poll() is None:
-  left = deadline - time.monotonic()
-  if left <= 0:
-    report(event="timeout")
-    if not cfg["isolate"]:
-      os.killpg(0, signal.SIGKILL)  # our group (setsid): the program and the children it kept
-    os._exit(0)  # as PID 1: the kernel kills everything left in the namespace
-  if pidfd is not None:
-    select.select([pidfd], [], [], left)
-  else:
-    time.sleep(min(left, 0.02))
-report(event="exit", returncode=proc.returncode)
-if not cfg["isolate"]:
-  os.killpg(0, signal.SIGKILL)
-os._exit(0)
-"""
+# The trusted init, first process of the new namespaces (sandbox_child.py: filesystem, limits,
+# wall clock, reports), run by path with the base interpreter and no site-packages.
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
 
 # The program's bootstrap, inside the sandbox: the head, a runner's source, then the tail, which
 # calls the runner's run() and turns a MemoryError under the address-space limit into its own exit
@@ -299,15 +165,6 @@ def read_tail(path: str, max_chars: int) -> str:
   return text
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-  """Kills the process group `proc` leads (started with start_new_session) and reaps `proc`."""
-  try:
-    os.killpg(proc.pid, signal.SIGKILL)
-  except (ProcessLookupError, PermissionError):
-    pass  # already gone
-  proc.wait()
-
-
 @dataclasses.dataclass
 class SandboxRun:
   """One program started in the sandbox (or unsafely)."""
@@ -351,7 +208,7 @@ def start_program(code: str, root: str, *, timeout_s: float, memory_mb: int, max
       "cpu_s": int(timeout_s) + 2, "fsize_bytes": max_file_mb * 2**20,
       "max_processes": max_processes, "timeout_s": timeout_s, "argv": argv, "env": env,
       "pass_fds": list(pass_fds)}
-  cmd = [python, "-I", "-S", "-B", "-c", _INIT, json.dumps(init_cfg)]
+  cmd = [python, "-I", "-S", "-B", CHILD, json.dumps(init_cfg)]
   if isolate:
     namespaces = ["--mount", "--pid", "--net", "--ipc", "--uts", "--fork", "--kill-child",
                   "--mount-proc"]
@@ -382,6 +239,7 @@ def _wait(run: SandboxRun, timeout_s: float) -> tuple[dict, bool]:
   except subprocess.TimeoutExpired:
     killed = True
   kill_group(run.proc)
+  run.proc.wait()
   with os.fdopen(run.status_r, "rb") as f:
     lines = f.read().decode("utf-8", errors="replace").splitlines()
   events = {}
