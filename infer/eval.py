@@ -54,7 +54,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  help=f"comma-separated, from: {','.join(ALL_TASKS)} (default: the text tasks, "
                  "or synthetic for a model without tokenizer; plus nll when --data is given)")
   # A comma list, where the other CLIs take one number: not cli.add_decode_flags' --confidence.
-  cli.add_confidences_flag(p)
+  cli.add_confidences_flag(p, default=None, help_=(
+      "comma-separated confidence levels in [0, 1] (docs/SPEC.md 3; default 0.6,0.7,0.8,0.9, "
+      "with --suite 0.5,0.7,0.8)"))
   cli.add_decode_flags(p, max_new_tokens=None, confidence=False, sampling=False,
                        max_new_help="new tokens per answer (default: per task, " +
                        ", ".join(f"{k} {v}" for k, v in MAX_NEW_TOKENS.items()) + ")")
@@ -72,15 +74,46 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--train-data", default=None,
                  help="training data (a token corpus, a tfds directory or JSONL): check that no "
                       "eval prompt is in it")
+  p.add_argument("--write-suite", metavar="DIR",
+                 help="write the free-generation suite (the four number tasks, --suite-examples "
+                      "each, and 128 held-out chat prompts, as token ids with their checkers and "
+                      "the base's greedy answers) to DIR/suite.json, and exit; train.window "
+                      "--suite judges with it")
+  p.add_argument("--suite-examples", type=int, default=None,
+                 help="--write-suite: examples of each number task (default 200)")
+  p.add_argument("--suite", metavar="DIR",
+                 help="judge on a suite instead of --tasks: the graft (--checkpoint) and any "
+                      "--against grafts, greedy, at --confidence (default 0.5,0.7,0.8)")
+  p.add_argument("--against", action="append", default=[], metavar="CHECKPOINT",
+                 help="--suite: another graft judged on the same suite and base answers; each is "
+                      "compared with --checkpoint at c = 0.8 (paired interval)")
   p.add_argument("--out", default="runs/eval", help="output directory")
   p.add_argument("--no-plots", action="store_true")
   p.add_argument("--unsafe-exec", action="store_true",
                  help="humaneval: run model-written code as a plain subprocess when no OS sandbox "
                  "(namespaces through util-linux's unshare) is available; only for trusted code")
   args = p.parse_args(argv)
+  suite_mode = args.write_suite or args.suite
+  if args.write_suite and args.suite:
+    p.error("give --write-suite DIR (write a suite) or --suite DIR (judge on one), not both")
+  if args.against and not args.suite:
+    p.error("--against needs --suite DIR: it compares grafts on one suite")
+  if suite_mode and args.tasks is not None:
+    p.error("--tasks does not apply to a suite (its items are fixed when it is written)")
+  if args.suite_examples is not None and args.suite_examples < 1:
+    p.error(f"--suite-examples={args.suite_examples} must be a positive integer")
+  if args.suite and not os.path.isfile(os.path.join(args.suite, "suite.json")):
+    p.error(f"--suite {args.suite} holds no suite.json: write one with --write-suite DIR")
+  for path in args.against:
+    if not os.path.isfile(os.path.join(path, "hamburger.json")):
+      p.error(f"--against {path} is not a graft checkpoint (no hamburger.json there)")
+  if suite_mode:
+    args.tasks = "none"  # no humaneval sandbox check below
+  if args.confidence is None:
+    args.confidence = "0.5,0.7,0.8" if args.suite else "0.6,0.7,0.8,0.9"
   try:
     args.confidence = parse_confidences(args.confidence)
-    args.tasks = parse_tasks(args.tasks) if args.tasks is not None else None
+    args.tasks = parse_tasks(args.tasks) if args.tasks not in (None, "none") else args.tasks
     from hamburger_jax.decode import micro_rule
     args.micro_rule = micro_rule.parse(args.micro_rule)
   except ValueError as e:
@@ -111,7 +144,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.error(f"--data {args.data} does not exist")
   if args.train_data is not None and not os.path.exists(args.train_data):
     p.error(f"--train-data {args.train_data} does not exist")
-  if (args.tasks is None or "humaneval" in args.tasks) and not args.unsafe_exec:
+  if args.tasks == "none":
+    args.tasks = None
+  elif (args.tasks is None or "humaneval" in args.tasks) and not args.unsafe_exec:
     from hamburger_jax.evaluation import sandbox
     isolated, reason = sandbox.isolation_status()
     if not isolated:
@@ -163,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   from hamburger_jax.evaluation.run import EvalError, evaluate
   from hamburger_jax.evaluation.sandbox import SandboxUnavailable
   cache.enable_compilation_cache()
+  if args.write_suite or args.suite:
+    return run_suite(args, argv)
   try:
     model, tok, info = model_to_evaluate(args)
     results = evaluate(model, tok, {**info, "micro_vocab": args.micro_vocab},
@@ -174,6 +211,45 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(markdown(results))
   print(f"wrote {args.out}/results.json, results.md, generations.jsonl" +
         ("" if args.no_plots else " and the plots"), file=sys.stderr)
+  return 0
+
+
+def run_suite(args, argv: Sequence[str]) -> int:
+  """--write-suite DIR, or the grafts judged on --suite DIR (results in --out)."""
+  from hamburger_jax import files
+  from hamburger_jax.assets import AssetError
+  from hamburger_jax.data.sources import SourceError
+  from hamburger_jax.decode.engine import Engine, GenerationError
+  from hamburger_jax.evaluation import suite as suite_lib
+  from hamburger_jax.evaluation import suite_judge
+  log = lambda line: print(line, file=sys.stderr)
+  try:
+    model, tok, info = model_to_evaluate(args)
+    if args.write_suite:
+      command = " ".join(shlex.quote(a) for a in ["python", "-m", "infer.eval", *argv])
+      s = suite_lib.build(Engine(model, tok), task_examples=args.suite_examples or
+                          suite_lib.TASK_EXAMPLES, batch=args.batch, command=command, log=log)
+      print(f"wrote {suite_lib.save(s, args.write_suite)}: {len(s.items)} items "
+            f"({', '.join(s.tasks)})")
+      return 0
+    from hamburger_jax.data.tokens.corpus import tokenizer_fingerprint
+    suite = suite_lib.load(args.suite, model.cfg.base.vocab_size,
+                           tokenizer_fingerprint(tok) if tok is not None else None)
+    models = {info.get("checkpoint") or "graft": model}
+    for path in args.against:
+      other, _ = cli.load_model("both", path, args.base, config=args.config,
+                                micro_vocab=args.micro_vocab)
+      models[path] = other
+    out = suite_judge.judge_grafts(models, tok, suite, args.confidence, args.batch, log=log)
+  except (suite_lib.SuiteError, AssetError, SourceError, GenerationError, FileNotFoundError,
+          cli.ModelLoadError, files.StorageError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  files.makedirs(args.out)
+  files.write_json_atomic(files.join(args.out, "suite-results.json"),
+                          {k: v for k, v in out.items() if k != "lines"}, indent=2)
+  files.write_text_atomic(files.join(args.out, "suite-results.md"), "\n".join(out["lines"]))
+  print("\n".join(out["lines"]))
   return 0
 
 

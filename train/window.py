@@ -1,19 +1,22 @@
-"""One accelerator window turned into a graft: plan, boundaries, training with the teacher in the
-step, on the corpus's responses and the base's own answers made there, export, evaluation, in a
-budget of minutes.
+"""One accelerator window turned into a graft: the init judged by free generation, the base's
+own answers made there, training with the teacher in the step, each trained graft judged on the
+same suite, the best exported, in a budget of minutes.
 
+  python -m infer.eval --write-suite runs/suite                  # once, on any machine
   python -m train.window --config configs/smollm2_135m_window.yaml --corpus runs/tokens/smollm2 \\
-      --budget-minutes 8.5 --out runs/window
+      --suite runs/suite --budget-minutes 8.5 --out runs/window
   python -m train.window --tiny --budget-minutes 2 --out runs/tiny-window     # a CPU rehearsal
   python -m train.window --config configs/smollm2_135m_window.yaml --budget-minutes 8 --plan
 
 The corpus is token ids (python -m train.token_corpus). The window compiles its train step and
-times a few steps before it plans: the steps and the boundary pass then fill the budget, less
-what the export and the evaluation keep (hamburger_jax/window/). --init-from continues from an
-earlier window's export (its hamburger.json records the response tokens its lineage trained
-on, so windows add up). Output in --out: report.md (rewritten after every part), metrics.jsonl,
-summary.json and export/ (the graft in files of at most 16 MiB, each with its sha256 in the
-report). --work holds what need not come back (the boundaries).
+times a few steps before it plans: the answers, the steps and the boundary pass then fill the
+budget, less what the judge, the export and the evaluation keep (hamburger_jax/window/).
+--init-from continues from an earlier window's export (its hamburger.json records the response
+tokens its lineage trained on, so windows add up); --answers-in trains on an earlier window's
+answers too, so windows add data. Output in --out: report.md (rewritten after every part),
+metrics.jsonl, summary.json, answers/ (the answers made, in files of at most 16 MiB) and export/
+(the graft in files of at most 16 MiB, each with its sha256 in the report, and the judge's
+verdict: proposed to ship or not). --work holds what need not come back (the boundaries).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import time
 from typing import Sequence
 
 from hamburger_jax.config import ConfigError
+from hamburger_jax.data.tokens.answer_files import AnswerFilesError
 from hamburger_jax.data.tokens.corpus import CorpusError
+from hamburger_jax.evaluation.suite import SuiteError
 
 TINY_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "configs", "tiny.yaml")
@@ -42,6 +47,8 @@ TINY_SAMPLES = 3000  # synthetic conversations: ~130k tokens
 # sized for its synthetic conversations (prompts of 3-7 tokens, responses of 6-29).
 ANSWER_SIZES = (512, 256, 256)
 TINY_ANSWER_SIZES = (16, 16, 24)
+ANSWERS_SHARE = 0.8  # the base's own answers: the data a graft generates best from
+TINY_SUITE_EXAMPLES = 8  # synthetic suite items of each checker (--tiny)
 TINY_OVERRIDES = ("data.tokens=128", "data.entries=128", "data.groups=64", "data.rows=8",
                   "train.warmup_steps=8", "train.log_every=5", "checkpoint.export_dtype=float32")
 
@@ -62,10 +69,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  help="group boundaries: a token joins its group where the base gives it at "
                       f"least this probability (segmentation confident:p; default "
                       f"{THRESHOLD}, --tiny {TINY_THRESHOLD})")
-  p.add_argument("--answers-share", type=float, default=0.5,
+  p.add_argument("--answers-share", type=float, default=ANSWERS_SHARE,
                  help="share of the response tokens trained on that are the base's own greedy "
                       "answers to corpus prompts, made in the window (0: the corpus's alone; "
-                      "default 0.5)")
+                      f"default {ANSWERS_SHARE})")
+  p.add_argument("--answers-in", action="append", default=[], metavar="DIR",
+                 help="an earlier window's answers/ directory: trained on beside the answers "
+                      "made here, whose prompts are not answered again (repeatable)")
+  p.add_argument("--suite", metavar="DIR",
+                 help="the free-generation suite (python -m infer.eval --write-suite DIR) that "
+                      "judges the init graft and the trained ones, and picks the export "
+                      "(--tiny: a synthetic one is written in --work)")
+  p.add_argument("--judge-batch", type=int, default=64, help="rows decoded at once by the judge")
+  p.add_argument("--arms", metavar="SPEC",
+                 help="recipes sharing the training minutes, each from the same init on the "
+                      "same data and judged by the suite: 'NAME[:KEY=VALUE[,KEY=VALUE]];...', "
+                      "e.g. 'frozen;all:train.trainable=all' (2-3 arms; an arm without "
+                      "overrides is the config as it is)")
   p.add_argument("--answer-rows", type=int,
                  help=f"answers made at once (default {ANSWER_SIZES[0]}, --tiny "
                       f"{TINY_ANSWER_SIZES[0]})")
@@ -75,8 +95,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--answer-prompt-tokens", type=int,
                  help=f"the longest prompt answered (default {ANSWER_SIZES[1]}, --tiny "
                       f"{TINY_ANSWER_SIZES[1]})")
-  p.add_argument("--no-decode-eval", action="store_true",
-                 help="skip timing decode against the base (saves its compiles)")
+  p.add_argument("--decode-eval", action="store_true",
+                 help="also time decode against the base at batch 1 and 32 (its compiles cost "
+                      "minutes a window could train)")
   p.add_argument("--decode-tokens", type=int, default=64, help="new tokens a row when timing")
   p.add_argument("--plan", action="store_true",
                  help="print the parts and the tokens each would see at assumed rates, and exit")
@@ -112,7 +133,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
       p.error("--corpus is required: build one with python -m train.token_corpus --out DIR")
   if args.init_from and not os.path.isfile(os.path.join(args.init_from, "hamburger.json")):
     p.error(f"--init-from {args.init_from} is not a graft export (no hamburger.json there)")
+  for d in args.answers_in:
+    if not os.path.isfile(os.path.join(d, "answers.json")):
+      p.error(f"--answers-in {d} holds no answers.json: give the answers/ directory of an "
+              "earlier window's --out")
+  if args.suite and not os.path.isfile(os.path.join(args.suite, "suite.json")):
+    p.error(f"--suite {args.suite} holds no suite.json: write one with python -m infer.eval "
+            "--write-suite DIR")
+  if args.judge_batch < 1:
+    p.error(f"--judge-batch must be >= 1, got {args.judge_batch}")
+  try:
+    args.arms = parse_arms(args.arms) if args.arms else ()
+  except ValueError as e:
+    p.error(str(e))
   return args
+
+
+def parse_arms(spec: str):
+  """'NAME[:KEY=VALUE[,KEY=VALUE]];...' -> window.state.Arm tuples (2-3 distinct names)."""
+  from hamburger_jax.window.state import Arm  # pylint: disable=import-outside-toplevel
+  arms = []
+  for part in (x.strip() for x in spec.split(";") if x.strip()):
+    name, _, rest = part.partition(":")
+    overrides = tuple(o.strip() for o in rest.split(",") if o.strip())
+    bad = [o for o in overrides if "=" not in o]
+    if not name.strip().isidentifier() or bad:
+      raise ValueError(f"--arms: {part!r} is not NAME[:KEY=VALUE[,KEY=VALUE]] (e.g. "
+                       "'all:train.trainable=all')")
+    arms.append(Arm(name.strip(), overrides))
+  if not 2 <= len(arms) <= 3 or len({a.name for a in arms}) != len(arms):
+    raise ValueError(f"--arms needs 2 or 3 arms with distinct names, got {spec!r}")
+  return tuple(arms)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -142,12 +193,12 @@ def main(argv: Sequence[str] | None = None) -> int:
       hcfg = pretrained.abstract_run_model(cfg).cfg
       rates = plan_lib.assumed_rates(cfg, hcfg, args.peak_tflops * 1e12)
     budget = 60 * args.budget_minutes - rates.compile_s
-    p = plan_lib.make_plan(budget, rates, 10**12, plan_lib.reserve_s(True, rates.compile_s),
+    p = plan_lib.make_plan(budget, rates, 10**12, plan_lib.reserve_s(False, rates.compile_s),
                            args.answers_share)
     print(f"window of {args.budget_minutes:g} minutes, {cfg.model.base}, rows {cfg.data.rows} x "
           f"{cfg.data.row_tokens} tokens; parts: load, corpus, warm-up, measure (compile "
-          f"~{rates.compile_s:.0f} s), plan, answers, boundaries, train, export, evaluate, "
-          "decode")
+          f"~{rates.compile_s:.0f} s), plan, answers, boundaries, train, judge, export, "
+          "evaluate (decode with --decode-eval)")
     print("\n".join(p.lines(rates)))
     return 0
   work = args.work or os.path.join(args.out, "work")
@@ -156,18 +207,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hamburger_jax.data.synthetic import write_synthetic_corpus  # pylint: disable=import-outside-toplevel
     corpus = os.path.join(work, "corpus")
     write_synthetic_corpus(corpus, cfg.model.random.vocab_size, TINY_SAMPLES, seed=args.seed)
-  settings = WindowSettings(args.budget_minutes, started, args.threshold,
-                            not args.no_decode_eval, args.decode_tokens, args.seed,
-                            args.answers_share, args.answer_rows, args.answer_prompt_tokens,
-                            args.answer_tokens)
+  suite = args.suite
+  if args.tiny and not suite:
+    suite = os.path.join(work, "suite")
+    write_tiny_suite(suite)
+  settings = WindowSettings(args.budget_minutes, started, args.threshold, args.decode_eval,
+                            args.decode_tokens, args.seed, args.answers_share, args.answer_rows,
+                            args.answer_prompt_tokens, args.answer_tokens,
+                            tuple(args.answers_in), suite, args.judge_batch, args.arms)
+  config_for = lambda extra: load_run_config(TINY_CONFIG if args.tiny else args.config,
+                                             [*overrides, *extra], shared_only=True)
   try:
-    summary = run_window(cfg, corpus, args.out, work, settings)
-  except (ConfigError, CorpusError) as e:
+    summary = run_window(cfg, corpus, args.out, work, settings, config_for=config_for)
+  except (ConfigError, CorpusError, SuiteError, AnswerFilesError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(f"graft: {summary['export']} ({summary['trained_tokens']:,} response tokens in its "
-        f"lineage); report: {os.path.join(args.out, 'report.md')}")
+        f"lineage; proposed to ship: {'yes' if summary.get('ship') else 'no'}); report: "
+        f"{os.path.join(args.out, 'report.md')}")
   return 0
+
+
+def write_tiny_suite(directory: str) -> None:
+  """A synthetic suite for the tiny config's random model (no tokenizer): the rehearsal's judge."""
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.evaluation import suite  # pylint: disable=import-outside-toplevel
+  model, tok = pretrained.load_run(TINY_CONFIG)
+  suite.save(suite.build(Engine(model, tok), task_examples=TINY_SUITE_EXAMPLES,
+                         batch=TINY_SUITE_EXAMPLES), directory)
 
 
 if __name__ == "__main__":

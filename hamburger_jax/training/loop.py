@@ -9,7 +9,6 @@ it is reloaded from its source, which the saved config names.
 from __future__ import annotations
 
 import dataclasses
-import json
 import signal
 import time
 from typing import Any, Callable
@@ -25,7 +24,8 @@ from hamburger_jax.data import pipeline
 from hamburger_jax.decode.requests import pooled_tokens_per_step
 from hamburger_jax.evaluation.agreement import token_agreement
 from hamburger_jax.model.hamburger import Hamburger
-from hamburger_jax.run_config import RunConfig, TrainConfig
+from hamburger_jax.run_config import RunConfig, TrainConfig, checkpoints_dir
+from hamburger_jax.training.metrics_log import MetricsLog, read_metrics  # noqa: F401  (loop's API)
 from hamburger_jax.training.trainer import Trainer
 
 # Config sections that must match to resume from a checkpoint (the rest may change between runs).
@@ -103,67 +103,6 @@ def check_resumable(saved: dict, cfg: RunConfig, where: str) -> None:
       raise ConfigError(
           f"checkpoint in {where} is from another model config: {k} is {then.get(k)!r} there "
           f"but {now.get(k)!r} now; use a new checkpoint.dir or the original config")
-
-
-class MetricsLog:
-  """metrics.jsonl + TensorBoard event files (written by process 0 only).
-
-  On a bucket an object cannot be appended to: metrics.jsonl and the event file are uploaded
-  whole, at most every UPLOAD_S seconds (an object takes about one write a second), at each
-  checkpoint save (`flush`) and at the end; a killed run loses at most the lines since its last
-  save, which the resumed run logs again."""
-  UPLOAD_S = 5.0
-
-  def __init__(self, directory: str, enabled: bool):
-    self.enabled = enabled
-    self.path = files.join(directory, "metrics.jsonl")
-    self.remote = files.is_remote(directory)
-    self.text, self.pending, self.uploaded = "", False, time.monotonic()
-    self.tb = None
-    if enabled:
-      files.makedirs(directory)
-      if self.remote and files.exists(self.path):
-        self.text = files.read_text(self.path)  # a resumed run's log goes on after it
-      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-      self.tb = SummaryWriter(files.join(directory, "tb"))
-
-  def write(self, step: int, metrics: dict[str, float]) -> None:
-    if not self.enabled:
-      return
-    line = json.dumps({"step": step, "time": time.time(), **metrics}) + "\n"
-    for k, v in metrics.items():
-      self.tb.add_scalar(k, v, step)
-    if self.remote:
-      self.text, self.pending = self.text + line, True
-      if time.monotonic() - self.uploaded >= self.UPLOAD_S:
-        self.flush()
-      return
-    with open(self.path, "a") as f:
-      f.write(line)
-    self.tb.flush()
-
-  def flush(self) -> None:
-    """Uploads what a bucket's log has not yet received (locally every line is written at once)."""
-    if self.enabled and self.pending:
-      files.write_text_atomic(self.path, self.text)
-      self.tb.flush()
-      self.pending, self.uploaded = False, time.monotonic()
-
-  def close(self) -> None:
-    if self.tb is not None:
-      self.flush()
-      self.tb.close()
-
-
-def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-  path = files.join(run_dir, "metrics.jsonl")
-  if not files.exists(path):
-    raise FileNotFoundError(f"{path} does not exist: pass the checkpoint.dir of a train.main run")
-  rows = [json.loads(line) for line in files.read_text(path).splitlines() if line.strip()]
-  # A resumed run re-logs the steps after its last checkpoint: the later record wins.
-  by_step = {r["step"]: r for r in rows}
-  return [by_step[s] for s in sorted(by_step)]
-
 
 
 @dataclasses.dataclass
@@ -276,7 +215,7 @@ def export_step(cfg: RunConfig, step: int, log: Callable[[str], None] = print) -
   """Exports the checkpoint saved at `step` (e.g. the one the generation check liked best, before
   the run's end) without training; returns the export directory."""
   check_outputs(cfg)
-  ckpt_dir = files.join(cfg.checkpoint.dir, "checkpoints")
+  ckpt_dir = checkpoints_dir(cfg.checkpoint.dir)
   if not files.isdir(ckpt_dir):
     raise FileNotFoundError(f"{ckpt_dir} does not exist: no run saved checkpoints in "
                             f"checkpoint.dir={cfg.checkpoint.dir}")
@@ -333,7 +272,7 @@ def _open(cfg: RunConfig, log: Callable[[str], None]) -> tuple[Trainer, ocp.Chec
   trainer = Trainer(cfg)
   check_data(cfg, meta, trainer.model)
   d = cfg.data
-  ckpt_dir = files.join(cfg.checkpoint.dir, "checkpoints")
+  ckpt_dir = checkpoints_dir(cfg.checkpoint.dir)
   mngr = checkpoint_manager(ckpt_dir, cfg)
   iterator = pipeline.make_train_iterator(
       d.dir, "train", batch_rows=trainer.local_rows, entries=d.entries, groups=d.groups,
@@ -463,3 +402,54 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
   export_dir = export_graft(trainer, cfg, final, log) if final >= t.steps else None
   mngr.close()
   return RunResult(final - start, final, last, export_dir, bool(interrupted))
+
+
+@dataclasses.dataclass
+class HostedSteps:
+  """What `hosted_steps` did: steps and response tokens after it, why it ended, its seconds."""
+  steps: int
+  tokens: int
+  ended: str
+  seconds: float
+
+
+def hosted_steps(trainer: Trainer, batches, lr: Callable[[int, int], dict[str, float]], *,
+                 first: int, total: int, tokens: int, stop_at: float, metrics_log: MetricsLog,
+                 log_every: int, flops: float, peak,
+                 log: Callable[[str], None] = print) -> HostedSteps:
+  """Train steps `first`..`total` - 1 over `batches` ((batch, response tokens) pairs) with the
+  learning rate fed by the host (`lr(step, total)`, a schedule fixed after measuring, as a
+  budgeted window does), until the batches, `total` or the clock (`stop_at`, time.monotonic())
+  end; dispatched ahead, synchronised only to log every `log_every` steps."""
+  from hamburger_jax import peaks  # pylint: disable=import-outside-toplevel
+  ended, done = "the plan's last step", first
+  t0 = time.monotonic()
+  mark = (t0, tokens, first)
+  for step in range(first, total):
+    if time.monotonic() > stop_at:
+      ended = "the clock (the budget's reserve reached)"
+      break
+    item = next(batches, None)
+    if item is None:
+      ended = "the data"
+      break
+    batch, response = item
+    tokens += response
+    metrics = trainer.step_async([batch], lr(step, total))
+    done = step + 1
+    if done % log_every == 0 or done == total:
+      m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      now = time.monotonic()
+      dt = now - mark[0]
+      m.update(response_tokens=tokens, tokens_per_s=(tokens - mark[1]) / dt,
+               mfu=peaks.mfu(flops, dt / (done - mark[2]), peak))
+      mark = (now, tokens, done)
+      metrics_log.write(done, m)
+      log(f"step {done}/{total}  loss {m['loss']:.3f}  kl {m.get('kl', float('nan')):.3f}  "
+          f"agree merged {m.get('agree_merged', float('nan')):.3f}  tokens/step c0.5 "
+          f"{m.get('tf_tokens_per_step_c50', float('nan')):.2f} c0.8 "
+          f"{m.get('tf_tokens_per_step_c80', float('nan')):.2f}  {m['tokens_per_s']:,.0f} "
+          f"tokens/s  MFU {m['mfu']:.1%}")
+  jax.block_until_ready(trainer.state.step)
+  metrics_log.flush()
+  return HostedSteps(done, tokens, ended, time.monotonic() - t0)

@@ -1,0 +1,129 @@
+"""The base's answers made in one window, kept as files for the next: token ids with their group
+starts, in files of at most 16 MiB (what comes back from an accelerator machine per file).
+
+Each file `answers-NNNNN.npz` holds whole samples in a token corpus's layout (data/tokens/
+answers.Answers): `tokens` (uint16 when the vocabulary fits, else uint32), `samples` [S, 2],
+`responses` [S, 3], `starts` (bit-packed group starts), and `prompts` [S]: the corpus samples
+whose prompts were answered, so a later window answers other prompts. `answers.json` names the
+files, the tokenizer and the vocabulary. A window given such a directory (--answers-in) trains on
+them beside the answers it makes: windows add data, not only steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+from hamburger_jax.data.tokens.answers import Answers
+
+INDEX = "answers.json"
+FORMAT = "hamburger-answers/1"
+MAX_FILE_MB = 16.0
+NPZ_OVERHEAD = 4096  # bytes of zip entries and array headers in a file (six arrays)
+
+
+class AnswerFilesError(ValueError):
+  """Answer files that cannot be read or do not fit; the message says what to do."""
+
+
+def _id_dtype(vocab_size: int):
+  return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+
+def _bytes_per_token(vocab_size: int) -> float:
+  # the id, its bit-packed start, and a sample's rows spread over its tokens (a few bytes)
+  return np.dtype(_id_dtype(vocab_size)).itemsize + 1 / 8
+
+
+def save(answers: Answers, prompts: Sequence[int], directory: str, *, vocab_size: int,
+         tokenizer: str | None, max_file_mb: float = MAX_FILE_MB) -> list[str]:
+  """Writes `answers` (and the corpus sample ids of their prompts, one per sample) in files of at
+  most `max_file_mb` MiB; returns the paths written (the index last)."""
+  n = len(answers.samples)
+  if len(prompts) != n:
+    raise ValueError(f"{len(prompts)} prompt ids for {n} answers: give one per answer")
+  os.makedirs(directory, exist_ok=True)
+  budget = int(max_file_mb * 2**20) - NPZ_OVERHEAD
+  if budget <= 0:
+    raise ValueError(f"max_file_mb={max_file_mb} leaves no room past a file's headers")
+  lengths = answers.samples[:, 1]
+  cost = lengths * _bytes_per_token(vocab_size) + 48  # + a sample's rows and prompt (6 int64)
+  paths, first = [], 0
+  while first < n:
+    last = first + max(1, int(np.searchsorted(np.cumsum(cost[first:]), budget, side="right")))
+    paths.append(_write_part(answers, prompts, first, min(last, n), directory, len(paths),
+                             vocab_size))
+    first = last
+  index = {"format": FORMAT, "vocab_size": vocab_size, "tokenizer": tokenizer,
+           "files": [os.path.basename(p) for p in paths], "samples": n,
+           "tokens": int(lengths.sum()),
+           "response_tokens": int((answers.responses[:, 2] - answers.responses[:, 1]).sum())}
+  path = os.path.join(directory, INDEX)
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump(index, f, indent=1)
+  os.replace(path + ".tmp", path)
+  return [*paths, path]
+
+
+def _write_part(a: Answers, prompts: Sequence[int], first: int, last: int, directory: str,
+                k: int, vocab_size: int) -> str:
+  t0, t1 = int(a.samples[first, 0]), int(a.samples[last - 1].sum())
+  path = os.path.join(directory, f"answers-{k + 1:05d}.npz")
+  np.savez(path + ".tmp.npz",
+           tokens=a.tokens[t0:t1].astype(_id_dtype(vocab_size)),
+           samples=a.samples[first:last] - [t0, 0],
+           responses=a.responses[first:last] - [first, t0, t0],
+           starts=np.packbits(a.starts[t0:t1].astype(bool)), n_tokens=np.int64(t1 - t0),
+           prompts=np.asarray(prompts[first:last], np.int64))
+  os.replace(path + ".tmp.npz", path)
+  return path
+
+
+def load(directories: Sequence[str], *, vocab_size: int, tokenizer: str | None
+         ) -> tuple[Answers, np.ndarray]:
+  """The answers of every directory, concatenated (samples numbered from 0), and the corpus
+  sample ids of their prompts."""
+  parts, prompts = [], []
+  for d in directories:
+    path = os.path.join(d, INDEX)
+    try:
+      with open(path, encoding="utf-8") as f:
+        index = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+      raise AnswerFilesError(f"{path} cannot be read ({e}): give the answers/ directory a window "
+                             "wrote") from None
+    if index.get("format") != FORMAT:
+      raise AnswerFilesError(f"{path} is not an index of answer files ({FORMAT})")
+    if index["vocab_size"] != vocab_size or (tokenizer and index["tokenizer"] not in
+                                             (None, tokenizer)):
+      raise AnswerFilesError(f"the answers in {d} were made with another base or tokenizer "
+                             f"(vocabulary {index['vocab_size']}, tokenizer "
+                             f"{index['tokenizer']}): leave them out")
+    for name in index["files"]:
+      with np.load(os.path.join(d, name)) as z:
+        n = int(z["n_tokens"])
+        parts.append(Answers(z["tokens"].astype(np.int32), z["samples"], z["responses"],
+                             np.unpackbits(z["starts"])[:n].astype(np.uint8)))
+        prompts.append(z["prompts"])
+  return concatenate(parts), (np.concatenate(prompts) if prompts else np.zeros(0, np.int64))
+
+
+def concatenate(parts: Sequence[Answers]) -> Answers:
+  """Answers one after another, samples and tokens renumbered."""
+  tokens, samples, responses, starts = [], [], [], []
+  at = n = 0
+  for a in parts:
+    tokens.append(a.tokens)
+    starts.append(a.starts)
+    samples.append(a.samples + [at, 0])
+    responses.append(a.responses + [n, at, at])
+    at += len(a.tokens)
+    n += len(a.samples)
+  if not parts:
+    return Answers(np.zeros(0, np.int32), np.zeros((0, 2), np.int64), np.zeros((0, 3), np.int64),
+                   np.zeros(0, np.uint8))
+  return Answers(np.concatenate(tokens), np.concatenate(samples), np.concatenate(responses),
+                 np.concatenate(starts))

@@ -1,0 +1,252 @@
+"""Judging grafts by free generation on a suite (evaluation/suite.py): greedy answers of the base
+and of HAMburger at each confidence, scored by the items' checkers, and a verdict between grafts.
+
+Per confidence c a judgement reports: each task's score with its paired difference to the base
+(95% paired bootstrap), the KV compression (tokens per macro step), chat ROUGE-L against the
+base's answers, and the share of accepted micro tokens that are the base's: of the tokens a micro
+step emitted (index >= 1 in their group), those the base itself would choose after the same
+prefix (its greedy token, from one teacher-forced forward over the answer).
+
+Between grafts judged on the same suite (a window's init and its trained graft), `merit` ranks
+and `loses_to` guards:
+  merit     mean over the confidences of KV compression x quality, quality the mean of the
+            number tasks' pooled score relative to the base's and of chat ROUGE-L: how many
+            base-quality tokens a KV entry holds
+  loses_to  at the guard confidence (0.8) the pooled number-task score is below the other
+            graft's beyond the paired interval (the interval's upper end < 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hamburger_jax.decode.requests import pooled_tokens_per_step
+from hamburger_jax.evaluation.statistics import bootstrap_ci, paired_bootstrap_ci
+from hamburger_jax.evaluation.suite import Suite, SuiteItem, score
+
+CONFIDENCES = (0.5, 0.7, 0.8)
+GUARD_CONFIDENCE = 0.8
+
+
+def decode_items(engine, items: Sequence[SuiteItem], *, mode: str, confidence: float,
+                 batch: int) -> list:
+  """Greedy generations of `items` in order, `batch` rows at a time per new-token budget (one
+  layout per budget: the engine compiles few programs)."""
+  out: list = [None] * len(items)
+  by_budget: dict[int, list[int]] = {}
+  for i, it in enumerate(items):
+    by_budget.setdefault(it.max_new, []).append(i)
+  for max_new, idx in sorted(by_budget.items()):
+    size = min(batch, len(idx))
+    for s in range(0, len(idx), size):
+      chunk = idx[s:s + size]
+      # A short last batch repeats its last prompt, so it reuses the full batches' programs.
+      rows = [list(items[i].prompt) for i in chunk] + \
+          [list(items[chunk[-1]].prompt)] * (size - len(chunk))
+      gens = engine.generate(rows, max_new_tokens=max_new, mode=mode, confidence=confidence)
+      for i, g in zip(chunk, gens):
+        out[i] = g
+  return out
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _base_argmax(graphdef, state, ids_bt: jax.Array, segments_bt: jax.Array) -> jax.Array:
+  return jnp.argmax(nnx.merge(graphdef, state)(ids_bt, segments_bt), axis=-1)
+
+
+def base_choices(base, rows: Sequence[Sequence[int]], batch: int = 8) -> list[np.ndarray]:
+  """The base's greedy token after every prefix of each row: out[r][j] follows rows[r][:j + 1]
+  (rows padded to a power of two: few programs)."""
+  graphdef, state = nnx.split(base)
+  out = []
+  longest = max(len(r) for r in rows)
+  width = 1 << max(int(np.ceil(np.log2(max(longest, 1)))), 4)
+  for s in range(0, len(rows), batch):
+    chunk = rows[s:s + batch]
+    ids = np.zeros((batch, width), np.int32)
+    seg = np.zeros((batch, width), np.int32)
+    for r, row in enumerate(chunk):
+      ids[r, :len(row)], seg[r, :len(row)] = row, 1
+    choice = np.asarray(_base_argmax(graphdef, state, ids, seg))
+    out += [choice[r, :len(row)] for r, row in enumerate(chunk)]
+  return out
+
+
+def micro_base_share(base, items: Sequence[SuiteItem], gens: Sequence, batch: int = 8
+                     ) -> tuple[int, int]:
+  """(micro tokens the base would choose too, micro tokens) over the generations."""
+  rows = [list(it.prompt) + list(g.token_ids) for it, g in zip(items, gens)]
+  same = total = 0
+  for it, g, choice in zip(items, gens, base_choices(base, rows, batch)):
+    p, j = len(it.prompt), 0
+    for size in g.groups:
+      for k in range(1, size):  # token j + k of the answer, emitted by micro step k
+        total += 1
+        same += int(choice[p + j + k - 1] == g.token_ids[j + k])
+      j += size
+  return same, total
+
+
+@dataclasses.dataclass
+class Judgement:
+  """One graft's free generation on a suite: summary numbers and per-item scores."""
+  name: str
+  by_c: dict[float, dict[str, Any]]
+  scores: dict[float, list[float]]  # per item, suite order
+  tasks: list[str]
+
+  def merit(self) -> float:
+    return float(np.mean([v["merit"] for v in self.by_c.values()]))
+
+
+@dataclasses.dataclass
+class BaseRun:
+  """The base's greedy answers to a suite, decoded once per judge (its dtype, its device)."""
+  gens: list
+  scores: list[float]
+  same_as_suite: float  # share of answers equal to the suite's stored base answers
+
+
+def run_base(engine, suite: Suite, batch: int) -> BaseRun:
+  gens = decode_items(engine, suite.items, mode="base", confidence=1.0, batch=batch)
+  decode = _decoder(engine)
+  scores = [score(it, g.token_ids, g.token_ids, decode) for it, g in zip(suite.items, gens)]
+  same = float(np.mean([tuple(g.token_ids) == it.base for it, g in zip(suite.items, gens)]))
+  return BaseRun(gens, scores, same)
+
+
+def _decoder(engine) -> Callable[[Sequence[int]], str] | None:
+  tok = engine.tokenizer
+  return None if tok is None else (lambda ids: tok.decode(list(ids), skip_special_tokens=True))
+
+
+def judge(engine, suite: Suite, base: BaseRun, name: str,
+          confidences: Sequence[float] = CONFIDENCES, batch: int = 32,
+          micro_share: bool = True, log: Callable[[str], None] = lambda line: None
+          ) -> Judgement:
+  """Free generation of `engine`'s graft on the suite at each confidence, against `base`."""
+  decode = _decoder(engine)
+  items = suite.items
+  by_c, scores = {}, {}
+  for c in confidences:
+    gens = decode_items(engine, items, mode="hamburger", confidence=c, batch=batch)
+    s = [score(it, g.token_ids, b.token_ids, decode)
+         for it, g, b in zip(items, gens, base.gens)]
+    scores[c] = s
+    by_c[c] = _summary(suite, gens, s, base)
+    if micro_share:
+      same, total = micro_base_share(engine.model.base, items, gens)
+      by_c[c].update(micro_tokens=total, micro_base_share=same / total if total else float("nan"))
+    log(f"{name} c={c:g}: " + summary_line(by_c[c]))
+  return Judgement(name, by_c, scores, suite.tasks)
+
+
+def _summary(suite: Suite, gens: Sequence, s: Sequence[float], base: BaseRun) -> dict[str, Any]:
+  out: dict[str, Any] = {"tasks": {}, "kv_compression": pooled_tokens_per_step(gens)}
+  number = [i for i, it in enumerate(suite.items) if it.checker != "rouge"]
+  chat = suite.of_checker("rouge")
+  for task in suite.tasks:
+    idx = [i for i, it in enumerate(suite.items) if it.task == task]
+    ham, ref = [s[i] for i in idx], [base.scores[i] for i in idx]
+    out["tasks"][task] = {
+        "n": len(idx), "checker": suite.items[idx[0]].checker, "score": float(np.mean(ham)),
+        "ci95": list(bootstrap_ci(ham)), "base": float(np.mean(ref)),
+        "delta": float(np.mean(ham) - np.mean(ref)),
+        "delta_ci95": list(paired_bootstrap_ci(ham, ref)),
+        "kv_compression": pooled_tokens_per_step([gens[i] for i in idx])}
+  quality = []
+  if number:
+    ham, ref = [s[i] for i in number], [base.scores[i] for i in number]
+    out["number"] = {"score": float(np.mean(ham)), "base": float(np.mean(ref)),
+                     "delta": float(np.mean(ham) - np.mean(ref)),
+                     "delta_ci95": list(paired_bootstrap_ci(ham, ref))}
+    # relative to the base; where the base scores nothing (a random model), 1 + the difference
+    quality.append(float(np.mean(ham)) / float(np.mean(ref)) if np.mean(ref) > 0
+                   else 1.0 + float(np.mean(ham) - np.mean(ref)))
+  if chat:
+    out["chat_rouge_l"] = float(np.mean([s[i] for i in chat]))
+    quality.append(out["chat_rouge_l"])
+  out["quality"] = float(np.mean(quality))
+  out["merit"] = out["kv_compression"] * out["quality"]
+  return out
+
+
+def summary_line(v: dict[str, Any]) -> str:
+  parts = [f"{v['kv_compression']:.2f}x KV"]
+  if "number" in v:
+    lo, hi = v["number"]["delta_ci95"]
+    parts.append(f"tasks {v['number']['score']:.3f} (base {v['number']['base']:.3f}, "
+                 f"{v['number']['delta']:+.3f} [{lo:+.3f}, {hi:+.3f}])")
+  if "chat_rouge_l" in v:
+    parts.append(f"chat ROUGE-L {v['chat_rouge_l']:.3f}")
+  if "micro_base_share" in v:
+    parts.append(f"micro tokens the base's {v['micro_base_share']:.1%} of {v['micro_tokens']:,}")
+  return "; ".join(parts) + f"; merit {v['merit']:.3f}"
+
+
+def loses_to(a: Judgement, b: Judgement, suite: Suite, c: float = GUARD_CONFIDENCE
+             ) -> tuple[bool, float, tuple[float, float]]:
+  """Whether `a` loses to `b` at confidence c on the pooled number tasks beyond the paired
+  interval: (loses, delta, interval)."""
+  idx = [i for i, it in enumerate(suite.items) if it.checker != "rouge"] or \
+      list(range(len(suite.items)))
+  x, y = [a.scores[c][i] for i in idx], [b.scores[c][i] for i in idx]
+  lo, hi = paired_bootstrap_ci(x, y)
+  return hi < 0, float(np.mean(x) - np.mean(y)), (lo, hi)
+
+
+def table(judgements: Sequence[Judgement]) -> list[str]:
+  """Markdown rows: each graft at each confidence, each task's score and delta."""
+  tasks = judgements[0].tasks
+  lines = ["| graft | c | KV | " + " | ".join(tasks) + " | micro tokens the base's | merit |",
+           "|---|---|---|" + "---|" * len(tasks) + "---|---|"]
+  for j in judgements:
+    for c, v in j.by_c.items():
+      cells = []
+      for t in tasks:
+        r = v["tasks"][t]
+        cells.append(f"{r['score']:.3f} ({r['delta']:+.3f}, base {r['base']:.3f})")
+      share = v.get("micro_base_share")
+      lines.append(f"| {j.name} | {c:g} | {v['kv_compression']:.2f}x | " + " | ".join(cells) +
+                   f" | {'-' if share is None else f'{share:.1%}'} | {v['merit']:.3f} |")
+  return lines
+
+
+def judge_grafts(models: dict[str, Any], tokenizer, suite: Suite,
+                 confidences: Sequence[float] = CONFIDENCES, batch: int = 32,
+                 micro_share: bool = True, log: Callable[[str], None] = lambda line: None
+                 ) -> dict[str, Any]:
+  """Each graft of `models` (name -> Hamburger on the same base, the first the reference) judged
+  on the suite against the base, decoded once; with two or more, each later graft against the
+  first at GUARD_CONFIDENCE. Returns the numbers and the report's lines."""
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  names = list(models)
+  stop_ids = tokenizer.stop_ids if tokenizer is not None else ()
+  engine = Engine(models[names[0]], tokenizer, stop_ids=stop_ids)
+  base = run_base(engine, suite, batch)
+  log(f"base: {base.same_as_suite:.0%} of its answers equal the suite's stored ones")
+  judgements = []
+  for name in names:
+    engine.set_model(models[name])
+    judgements.append(judge(engine, suite, base, name, confidences, batch, micro_share, log))
+  out: dict[str, Any] = {"base_same_as_suite": base.same_as_suite,
+                         "grafts": {j.name: {f"c{c:g}": v for c, v in j.by_c.items()} |
+                                    {"merit": j.merit()} for j in judgements}}
+  lines = table(judgements)
+  if GUARD_CONFIDENCE in confidences:
+    for j in judgements[1:]:
+      loses, delta, (lo, hi) = loses_to(j, judgements[0], suite)
+      out["grafts"][j.name]["vs_" + names[0]] = {"delta": delta, "delta_ci95": [lo, hi],
+                                                 "loses": loses}
+      lines.append(f"\n{j.name} against {names[0]} at c = {GUARD_CONFIDENCE:g}, number tasks: "
+                   f"{delta:+.3f} [{lo:+.3f}, {hi:+.3f}]" +
+                   (": loses beyond the paired interval" if loses else ""))
+  out["lines"] = lines
+  return out

@@ -1,0 +1,134 @@
+"""The free-generation suite: its file, its checkers, the judge's figures and verdict, the
+answers a window keeps for the next, and infer.eval's --write-suite / --suite on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import numpy as np
+import pytest
+
+from hamburger_jax.data.tokens import answer_files
+from hamburger_jax.data.tokens.answers import Answers
+from hamburger_jax.evaluation import suite as suite_lib
+from hamburger_jax.evaluation import suite_judge
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "configs", "tiny.yaml")
+
+
+def _suite() -> suite_lib.Suite:
+  items = (suite_lib.SuiteItem("gcd", "gcd/1", (5, 6, 7), 8, "number", "12", (9, 9)),
+           suite_lib.SuiteItem("chat", "chat/1", (5, 6), 8, "rouge", None, (3, 4)),
+           suite_lib.SuiteItem("synthetic", "s/1", (1,), 4, "tokens", (3, 4, 5, 6), (3, 4)))
+  return suite_lib.Suite(items, {"vocab_size": 100, "tokenizer": "t1"})
+
+
+def test_suite_file_round_trip_and_refusals(tmp_path):
+  s = _suite()
+  suite_lib.save(s, str(tmp_path))
+  back = suite_lib.load(str(tmp_path), vocab_size=100, tokenizer_fingerprint="t1")
+  assert back.items == s.items and back.tasks == ["gcd", "chat", "synthetic"]
+  with pytest.raises(suite_lib.SuiteError, match="vocabulary of 100"):
+    suite_lib.load(str(tmp_path), vocab_size=99)
+  with pytest.raises(suite_lib.SuiteError, match="another tokenizer"):
+    suite_lib.load(str(tmp_path), tokenizer_fingerprint="t2")
+  raw = json.loads((tmp_path / "suite.json").read_text())
+  (tmp_path / "suite.json").write_text(json.dumps({**raw, "format": "other"}))
+  with pytest.raises(suite_lib.SuiteError, match="write it again"):
+    suite_lib.load(str(tmp_path))
+  with pytest.raises(suite_lib.SuiteError, match="--write-suite"):
+    suite_lib.load(str(tmp_path / "missing"))
+
+
+def test_checkers():
+  number, chat, tokens = _suite().items
+  words = {1: "the answer is", 2: "12", 3: "13", 4: "apples", 5: "pears"}
+  decode = lambda ids: " ".join(words[i] for i in ids)
+  assert suite_lib.score(number, [1, 2], [], decode) == 1.0
+  assert suite_lib.score(number, [1, 3], [], decode) == 0.0
+  with pytest.raises(suite_lib.SuiteError, match="tokenizer"):
+    suite_lib.score(number, [1, 2], [], None)
+  # ROUGE-L against the judge's base answer: on words with a tokenizer, on ids without one.
+  assert suite_lib.score(chat, [4, 5], [4, 5], decode) == 1.0
+  assert suite_lib.score(chat, [4], [4, 5], None) == pytest.approx(2 * 1 / 3)
+  assert suite_lib.score(tokens, [3, 4, 0, 6], [], None) == 0.75
+
+
+def _judgement(name, scores, kv=1.0):
+  s = _suite()
+  by_c = {}
+  for c, sc in scores.items():
+    gens = [types.SimpleNamespace(token_ids=[1] * 2, new_tokens=2, macro_steps=2 / kv)
+            for _ in s.items]
+    by_c[c] = suite_judge._summary(s, gens, sc, suite_judge.BaseRun([], [1.0, 1.0, 1.0], 1.0))
+  return suite_judge.Judgement(name, by_c, dict(scores), s.tasks)
+
+
+def test_merit_and_the_guard_against_the_init():
+  s = _suite()
+  init = _judgement("init", {0.8: [1.0, 1.0, 1.0]})
+  merged = _judgement("merged", {0.8: [1.0, 1.0, 1.0]}, kv=2.0)
+  assert merged.by_c[0.8]["kv_compression"] == 2.0 and merged.merit() == 2 * init.merit()
+  half = _judgement("half", {0.8: [1.0, 0.5, 1.0]}, kv=2.0)
+  assert half.by_c[0.8]["quality"] == pytest.approx((1.0 + 0.5) / 2)
+  # Loses on every number item: below the init beyond the paired interval.
+  worse = suite_judge.Judgement("worse", {}, {0.8: [0.0, 1.0, 0.0]}, s.tasks)
+  loses, delta, (lo, hi) = suite_judge.loses_to(worse, init, s)
+  assert loses and delta == -1.0 and hi < 0
+  assert not suite_judge.loses_to(merged, init, s)[0]
+
+
+def test_micro_tokens_the_base_would_choose(monkeypatch):
+  monkeypatch.setattr(suite_judge, "base_choices", lambda base, rows, batch=8: [
+      (np.asarray(r) + 1) % 50 for r in rows])
+  item = suite_lib.SuiteItem("t", "t/1", (10, 11), 8, "tokens", (), ())
+  # Groups [3, 2]: micro tokens are the answer's tokens 1, 2 and 4. The base continues 11 with
+  # 12, 13, 14, ...: tokens 1 (13) and 4 (16) are its choices, token 2 (20) is not.
+  gen = types.SimpleNamespace(token_ids=[12, 13, 20, 21, 22], groups=[3, 2])
+  assert suite_judge.micro_base_share(None, [item], [gen]) == (2, 3)
+
+
+def test_answer_files_round_trip_in_files_of_a_limit(tmp_path):
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(20, 60, 40)
+  starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+  tokens = rng.integers(0, 49152, int(lengths.sum())).astype(np.int32)
+  a = Answers(tokens, np.stack([starts, lengths], 1),
+              np.stack([np.arange(40), starts + 5, starts + lengths], 1),
+              (rng.random(len(tokens)) < 0.4).astype(np.uint8))
+  paths = answer_files.save(a, list(range(100, 140)), str(tmp_path), vocab_size=49152,
+                            tokenizer="t1", max_file_mb=0.006)  # ~6 KB: several files
+  assert len(paths) > 3 and all(os.path.getsize(p) <= 0.006 * 2**20 for p in paths[:-1])
+  with np.load(paths[0]) as z:
+    assert z["tokens"].dtype == np.uint16
+  back, prompts = answer_files.load([str(tmp_path)], vocab_size=49152, tokenizer="t1")
+  for name in ("tokens", "samples", "responses", "starts"):
+    np.testing.assert_array_equal(getattr(back, name), getattr(a, name), err_msg=name)
+  assert prompts.tolist() == list(range(100, 140))
+  with pytest.raises(answer_files.AnswerFilesError, match="another base or tokenizer"):
+    answer_files.load([str(tmp_path)], vocab_size=128256, tokenizer="t1")
+
+
+@pytest.mark.slow
+def test_eval_writes_a_suite_and_judges_two_grafts_on_it(tmp_path, capsys):
+  from infer import eval as eval_cli  # pylint: disable=import-outside-toplevel
+  suite_dir, out = str(tmp_path / "suite"), str(tmp_path / "out")
+  assert eval_cli.main(["--config", TINY, "--write-suite", suite_dir, "--suite-examples", "4",
+                        "--batch", "8"]) == 0
+  s = suite_lib.load(suite_dir, vocab_size=256)
+  assert len(s.items) == 8 and {it.checker for it in s.items} == {"tokens", "rouge"}
+  assert all(len(it.base) == it.max_new for it in s.items)  # no stop tokens on a random model
+  capsys.readouterr()
+  assert eval_cli.main(["--config", TINY, "--suite", suite_dir, "--batch", "8", "--out",
+                        out]) == 0
+  results = json.loads(open(os.path.join(out, "suite-results.json"), encoding="utf-8").read())
+  graft = results["grafts"]["graft"]
+  assert set(graft) == {"c0.5", "c0.7", "c0.8", "merit"} and results["base_same_as_suite"] == 1.0
+  # The same weights as the base's at c = 0.8 (an untrained graft's stop head rarely goes on).
+  assert graft["c0.8"]["tasks"]["synthetic_vs_base"]["score"] > 0.5
+  for bad in (["--tasks", "gcd"], ["--against", suite_dir], ["--write-suite", out]):
+    with pytest.raises(SystemExit):
+      eval_cli.parse_args(["--config", TINY, "--suite", suite_dir, *bad])
