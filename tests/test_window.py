@@ -66,7 +66,7 @@ def test_tiny_window_end_to_end_then_continued(tmp_path, capsys):
   assert meta["window"]["ship"] == summary["ship"] and "verdict: " in text
   assert "| init | 0.8 |" in text and "| train | 0.8 |" in text
   # The answers made come back as files, for the next window.
-  assert os.path.isfile(os.path.join(first, "answers", "answers.json"))
+  assert os.path.isfile(os.path.join(first, "answers", "answers-00001.npz"))
   # A second window continues the first: its lineage adds up; it trains on the first's answers
   # too, and shares its minutes between two arms judged on the same suite.
   assert window.main(["--tiny", "--budget-minutes", "1.5", "--out", second, "--init-from",

@@ -134,8 +134,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   if args.init_from and not os.path.isfile(os.path.join(args.init_from, "hamburger.json")):
     p.error(f"--init-from {args.init_from} is not a graft export (no hamburger.json there)")
   for d in args.answers_in:
-    if not os.path.isfile(os.path.join(d, "answers.json")):
-      p.error(f"--answers-in {d} holds no answers.json: give the answers/ directory of an "
+    if not os.path.isfile(os.path.join(d, "answers-00001.npz")):
+      p.error(f"--answers-in {d} holds no answers-00001.npz: give the answers/ directory of an "
               "earlier window's --out")
   if args.suite and not os.path.isfile(os.path.join(args.suite, "suite.json")):
     p.error(f"--suite {args.suite} holds no suite.json: write one with python -m infer.eval "

@@ -24,6 +24,7 @@ import os
 from typing import Any, Callable, Sequence
 
 from hamburger_jax import files
+from hamburger_jax.data import heldout
 from hamburger_jax.evaluation import tasks as eval_tasks
 from hamburger_jax.evaluation.rouge import lcs_length, rouge_l
 
@@ -138,7 +139,7 @@ def _task_items(engine, n: int) -> list[SuiteItem]:
   out = []
   for name in NUMBER_TASKS:
     task = eval_tasks.get_task(name)
-    for ex in task.examples(n, seed=eval_tasks.EVAL_SEED):
+    for ex in task.examples(n, seed=heldout.EVAL_SEED):
       out.append(SuiteItem(name, ex.id, tuple(engine.encode_prompt(ex.messages)),
                            _max_new(name), "number", str(ex.reference["answer"])))
   return out

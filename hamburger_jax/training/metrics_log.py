@@ -19,7 +19,7 @@ class MetricsLog:
   save, which the resumed run logs again."""
   UPLOAD_S = 5.0
 
-  def __init__(self, directory: str, enabled: bool):
+  def __init__(self, directory: str, enabled: bool, tensorboard: bool = True):
     self.enabled = enabled
     self.path = files.join(directory, "metrics.jsonl")
     self.remote = files.is_remote(directory)
@@ -29,15 +29,17 @@ class MetricsLog:
       files.makedirs(directory)
       if self.remote and files.exists(self.path):
         self.text = files.read_text(self.path)  # a resumed run's log goes on after it
-      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-      self.tb = SummaryWriter(files.join(directory, "tb"))
+      if tensorboard:  # off where every file counts (a window's files come back a few a call)
+        from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+        self.tb = SummaryWriter(files.join(directory, "tb"))
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
     if not self.enabled:
       return
     line = json.dumps({"step": step, "time": time.time(), **metrics}) + "\n"
     for k, v in metrics.items():
-      self.tb.add_scalar(k, v, step)
+      if self.tb is not None:
+        self.tb.add_scalar(k, v, step)
     if self.remote:
       self.text, self.pending = self.text + line, True
       if time.monotonic() - self.uploaded >= self.UPLOAD_S:
@@ -45,18 +47,21 @@ class MetricsLog:
       return
     with open(self.path, "a") as f:
       f.write(line)
-    self.tb.flush()
+    if self.tb is not None:
+      self.tb.flush()
 
   def flush(self) -> None:
     """Uploads what a bucket's log has not yet received (locally every line is written at once)."""
     if self.enabled and self.pending:
       files.write_text_atomic(self.path, self.text)
-      self.tb.flush()
+      if self.tb is not None:
+        self.tb.flush()
       self.pending, self.uploaded = False, time.monotonic()
 
   def close(self) -> None:
-    if self.tb is not None:
+    if self.enabled:
       self.flush()
+    if self.tb is not None:
       self.tb.close()
 
 

@@ -136,7 +136,7 @@ def train(run: Run, trainer, data: Data, epoch_ids: np.ndarray, progress: Progre
   left_out: list = []  # samples larger than a row (data.groups), left out
   stream = Prefetch(_epochs(run, data, epoch_ids, left_out))
   metrics_dir = run.out if name == "train" else os.path.join(run.out, name)
-  log = MetricsLog(metrics_dir, True)
+  log = MetricsLog(metrics_dir, True, tensorboard=False)
   try:
     done = hosted_steps(trainer, stream, lr, first=progress.steps,
                         total=progress.steps + steps, tokens=progress.tokens, stop_at=stop_at,

@@ -4,13 +4,15 @@ starts, in files of at most 16 MiB (what comes back from an accelerator machine 
 Each file `answers-NNNNN.npz` holds whole samples in a token corpus's layout (data/tokens/
 answers.Answers): `tokens` (uint16 when the vocabulary fits, else uint32), `samples` [S, 2],
 `responses` [S, 3], `starts` (bit-packed group starts), and `prompts` [S]: the corpus samples
-whose prompts were answered, so a later window answers other prompts. `answers.json` names the
-files, the tokenizer and the vocabulary. A window given such a directory (--answers-in) trains on
-them beside the answers it makes: windows add data, not only steps.
+whose prompts were answered, so a later window answers other prompts, and `meta` (the format,
+the vocabulary and the tokenizer's fingerprint): each file stands alone, and no index file
+counts against the few files a call brings back. A window given such a directory (--answers-in)
+trains on them beside the answers it makes: windows add data, not only steps.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from typing import Sequence
@@ -19,7 +21,7 @@ import numpy as np
 
 from hamburger_jax.data.tokens.answers import Answers
 
-INDEX = "answers.json"
+PATTERN = "answers-*.npz"
 FORMAT = "hamburger-answers/1"
 MAX_FILE_MB = 16.0
 NPZ_OVERHEAD = 4096  # bytes of zip entries and array headers in a file (six arrays)
@@ -41,7 +43,7 @@ def _bytes_per_token(vocab_size: int) -> float:
 def save(answers: Answers, prompts: Sequence[int], directory: str, *, vocab_size: int,
          tokenizer: str | None, max_file_mb: float = MAX_FILE_MB) -> list[str]:
   """Writes `answers` (and the corpus sample ids of their prompts, one per sample) in files of at
-  most `max_file_mb` MiB; returns the paths written (the index last)."""
+  most `max_file_mb` MiB; returns the paths written."""
   n = len(answers.samples)
   if len(prompts) != n:
     raise ValueError(f"{len(prompts)} prompt ids for {n} answers: give one per answer")
@@ -51,33 +53,26 @@ def save(answers: Answers, prompts: Sequence[int], directory: str, *, vocab_size
     raise ValueError(f"max_file_mb={max_file_mb} leaves no room past a file's headers")
   lengths = answers.samples[:, 1]
   cost = lengths * _bytes_per_token(vocab_size) + 48  # + a sample's rows and prompt (6 int64)
+  meta = json.dumps({"format": FORMAT, "vocab_size": vocab_size, "tokenizer": tokenizer})
   paths, first = [], 0
   while first < n:
     last = first + max(1, int(np.searchsorted(np.cumsum(cost[first:]), budget, side="right")))
     paths.append(_write_part(answers, prompts, first, min(last, n), directory, len(paths),
-                             vocab_size))
+                             meta))
     first = last
-  index = {"format": FORMAT, "vocab_size": vocab_size, "tokenizer": tokenizer,
-           "files": [os.path.basename(p) for p in paths], "samples": n,
-           "tokens": int(lengths.sum()),
-           "response_tokens": int((answers.responses[:, 2] - answers.responses[:, 1]).sum())}
-  path = os.path.join(directory, INDEX)
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    json.dump(index, f, indent=1)
-  os.replace(path + ".tmp", path)
-  return [*paths, path]
+  return paths
 
 
 def _write_part(a: Answers, prompts: Sequence[int], first: int, last: int, directory: str,
-                k: int, vocab_size: int) -> str:
+                k: int, meta: str) -> str:
   t0, t1 = int(a.samples[first, 0]), int(a.samples[last - 1].sum())
   path = os.path.join(directory, f"answers-{k + 1:05d}.npz")
   np.savez(path + ".tmp.npz",
-           tokens=a.tokens[t0:t1].astype(_id_dtype(vocab_size)),
+           tokens=a.tokens[t0:t1].astype(_id_dtype(json.loads(meta)["vocab_size"])),
            samples=a.samples[first:last] - [t0, 0],
            responses=a.responses[first:last] - [first, t0, t0],
            starts=np.packbits(a.starts[t0:t1].astype(bool)), n_tokens=np.int64(t1 - t0),
-           prompts=np.asarray(prompts[first:last], np.int64))
+           prompts=np.asarray(prompts[first:last], np.int64), meta=np.asarray(meta))
   os.replace(path + ".tmp.npz", path)
   return path
 
@@ -88,26 +83,29 @@ def load(directories: Sequence[str], *, vocab_size: int, tokenizer: str | None
   sample ids of their prompts."""
   parts, prompts = [], []
   for d in directories:
-    path = os.path.join(d, INDEX)
-    try:
-      with open(path, encoding="utf-8") as f:
-        index = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-      raise AnswerFilesError(f"{path} cannot be read ({e}): give the answers/ directory a window "
-                             "wrote") from None
-    if index.get("format") != FORMAT:
-      raise AnswerFilesError(f"{path} is not an index of answer files ({FORMAT})")
-    if index["vocab_size"] != vocab_size or (tokenizer and index["tokenizer"] not in
-                                             (None, tokenizer)):
-      raise AnswerFilesError(f"the answers in {d} were made with another base or tokenizer "
-                             f"(vocabulary {index['vocab_size']}, tokenizer "
-                             f"{index['tokenizer']}): leave them out")
-    for name in index["files"]:
-      with np.load(os.path.join(d, name)) as z:
-        n = int(z["n_tokens"])
-        parts.append(Answers(z["tokens"].astype(np.int32), z["samples"], z["responses"],
-                             np.unpackbits(z["starts"])[:n].astype(np.uint8)))
-        prompts.append(z["prompts"])
+    names = sorted(glob.glob(os.path.join(d, PATTERN)))
+    if not names:
+      raise AnswerFilesError(f"{d} holds no {PATTERN}: give the answers/ directory a window "
+                             "wrote")
+    for path in names:
+      try:
+        with np.load(path) as z:
+          meta = json.loads(str(z["meta"]))
+          if meta.get("format") != FORMAT:
+            raise AnswerFilesError(f"{path} is not a file of answers ({FORMAT})")
+          if meta["vocab_size"] != vocab_size or (tokenizer and meta["tokenizer"] not in
+                                                  (None, tokenizer)):
+            raise AnswerFilesError(
+                f"the answers in {path} were made with another base or tokenizer (vocabulary "
+                f"{meta['vocab_size']}, tokenizer {meta['tokenizer']}): leave them out")
+          n = int(z["n_tokens"])
+          parts.append(Answers(z["tokens"].astype(np.int32), z["samples"], z["responses"],
+                               np.unpackbits(z["starts"])[:n].astype(np.uint8)))
+          prompts.append(z["prompts"])
+      except (OSError, ValueError, KeyError) as e:
+        if isinstance(e, AnswerFilesError):
+          raise
+        raise AnswerFilesError(f"{path} cannot be read ({e}): bring it back again") from None
   return concatenate(parts), (np.concatenate(prompts) if prompts else np.zeros(0, np.int64))
 
 
