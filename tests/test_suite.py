@@ -101,7 +101,7 @@ def test_answer_files_round_trip_in_files_of_a_limit(tmp_path):
               (rng.random(len(tokens)) < 0.4).astype(np.uint8))
   paths = answer_files.save(a, list(range(100, 140)), str(tmp_path), vocab_size=49152,
                             tokenizer="t1", max_file_mb=0.006)  # ~6 KB: several files
-  assert len(paths) > 3 and all(os.path.getsize(p) <= 0.006 * 2**20 for p in paths)
+  assert len(paths) >= 3 and all(os.path.getsize(p) <= 0.006 * 2**20 for p in paths)
   with np.load(paths[0]) as z:
     assert z["tokens"].dtype == np.uint16
   back, prompts = answer_files.load([str(tmp_path)], vocab_size=49152, tokenizer="t1")
