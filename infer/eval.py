@@ -81,6 +81,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       "--suite judges with it")
   p.add_argument("--suite-examples", type=int, default=None,
                  help="--write-suite: examples of each number task (default 200)")
+  p.add_argument("--suite-chat", type=int, default=None,
+                 help="--write-suite: held-out chat prompts (default 128: the 80 MT-Bench first "
+                      "turns, then held-out ShareGPT ones)")
   p.add_argument("--suite", metavar="DIR",
                  help="judge on a suite instead of --tasks: the graft (--checkpoint) and any "
                       "--against grafts, greedy, at --confidence (default 0.5,0.7,0.8)")
@@ -100,8 +103,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.error("--against needs --suite DIR: it compares grafts on one suite")
   if suite_mode and args.tasks is not None:
     p.error("--tasks does not apply to a suite (its items are fixed when it is written)")
-  if args.suite_examples is not None and args.suite_examples < 1:
-    p.error(f"--suite-examples={args.suite_examples} must be a positive integer")
+  for name in ("suite_examples", "suite_chat"):
+    value = getattr(args, name)
+    if value is not None and value < (1 if name == "suite_examples" else 0):
+      p.error(f"--{name.replace('_', '-')}={value} must be a positive integer")
   if args.suite and not os.path.isfile(os.path.join(args.suite, "suite.json")):
     p.error(f"--suite {args.suite} holds no suite.json: write one with --write-suite DIR")
   for path in args.against:
@@ -228,7 +233,8 @@ def run_suite(args, argv: Sequence[str]) -> int:
     if args.write_suite:
       command = " ".join(shlex.quote(a) for a in ["python", "-m", "infer.eval", *argv])
       s = suite_lib.build(Engine(model, tok), task_examples=args.suite_examples or
-                          suite_lib.TASK_EXAMPLES, batch=args.batch, command=command, log=log)
+                          suite_lib.TASK_EXAMPLES, chat=suite_lib.chat_sources(args.suite_chat),
+                          batch=args.batch, command=command, log=log)
       print(f"wrote {suite_lib.save(s, args.write_suite)}: {len(s.items)} items "
             f"({', '.join(s.tasks)})")
       return 0

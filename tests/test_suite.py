@@ -134,3 +134,10 @@ def test_eval_writes_a_suite_and_judges_two_grafts_on_it(tmp_path, capsys):
   for bad in (["--tasks", "gcd"], ["--against", suite_dir], ["--write-suite", out]):
     with pytest.raises(SystemExit):
       eval_cli.parse_args(["--config", TINY, "--suite", suite_dir, *bad])
+
+
+def test_chat_sources_take_mt_bench_first():
+  assert suite_lib.chat_sources(None) == suite_lib.CHAT_SOURCES
+  assert suite_lib.chat_sources(8) == (("mt_bench", 8),)
+  assert suite_lib.chat_sources(100) == (("mt_bench", 80), ("sharegpt_heldout", 20))
+  assert suite_lib.chat_sources(0) == ()

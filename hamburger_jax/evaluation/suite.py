@@ -162,6 +162,15 @@ def _chat_items(engine, counts: Sequence[tuple[str, int]]) -> list[SuiteItem]:
   return out
 
 
+def chat_sources(n: int | None) -> tuple[tuple[str, int], ...]:
+  """n held-out chat prompts: MT-Bench's first turns first, then held-out ShareGPT ones (None:
+  CHAT_SOURCES)."""
+  if n is None:
+    return CHAT_SOURCES
+  mt = min(n, dict(CHAT_SOURCES)["mt_bench"])
+  return tuple((name, k) for name, k in (("mt_bench", mt), ("sharegpt_heldout", n - mt)) if k)
+
+
 def _synthetic_items(engine, n: int) -> list[SuiteItem]:
   from hamburger_jax.evaluation.scoring import SyntheticTask  # pylint: disable=C0415
   task = SyntheticTask(engine.base_cfg.vocab_size, engine.max_group or 1)
