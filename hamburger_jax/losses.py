@@ -84,17 +84,28 @@ def chunked_token_stats(h_nd: jax.Array, head_dv: jax.Array, targets_n: jax.Arra
 
 
 def chunked_topk(h_nd: jax.Array, head_dv: jax.Array, k: int, chunk: int, dtype=jnp.float32,
-                 rows: int = 1) -> tuple[jax.Array, jax.Array]:
+                 rows: int = 1, select_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
   """The top-k of each token's next-token distribution, (log-probs [N, k] float32, ids [N, k]
   int32) by decreasing probability, about `chunk` tokens at a time (rows: as
-  chunked_token_stats): what the teacher hands the distill loss, without [N, V] in memory."""
+  chunked_token_stats): what the teacher hands the distill loss, without [N, V] in memory.
+
+  `select_dtype`: the logits the k are chosen on. bfloat16 halves what the top-k reads (on a GPU
+  it reads all V logits of every token); rounding keeps their order but makes ties, so the k
+  chosen are float32's up to ties at the k-th value, and their log-probs are float32's, sorted
+  by them."""
   chunks, tokens = _row_chunks(rows, h_nd.shape[0] // rows, chunk)
 
   def one(h_cd):
     logits = jnp.dot(h_cd.astype(dtype), head_dv.astype(dtype),
                      preferred_element_type=jnp.float32)
-    logp, ids = jax.lax.top_k(logits, k)
-    return logp - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids.astype(jnp.int32)
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    if jnp.dtype(select_dtype) == jnp.float32:
+      top, ids = jax.lax.top_k(logits, k)
+    else:
+      _, ids = jax.lax.top_k(logits.astype(select_dtype), k)
+      top, order = jax.lax.top_k(jnp.take_along_axis(logits, ids, axis=-1), k)
+      ids = jnp.take_along_axis(ids, order, axis=-1)
+    return top - lse, ids.astype(jnp.int32)
 
   logp, ids = jax.lax.map(one, chunks(h_nd))
   return tokens(logp), tokens(ids)

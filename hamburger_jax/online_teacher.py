@@ -28,9 +28,11 @@ ONLINE_FIELDS = ("tokens", "token_segment", "teacher_index")
 
 
 def teacher_signals(model: Hamburger, batch: Mapping[str, jax.Array], top_k: int,
-                    chunk: int = 1024) -> dict[str, jax.Array]:
+                    chunk: int = 1024, select_dtype=None) -> dict[str, jax.Array]:
   """teacher_topk_ids / teacher_topk_logp [B, G, K, k] and teacher_features [B, G, F, D] of
-  the batch's windows, from the exact base over its unmerged rows (no gradient)."""
+  the batch's windows, from the exact base over its unmerged rows (no gradient). The top-k are
+  chosen on logits in `select_dtype` (losses.chunked_topk; default the model's compute dtype),
+  their log-probs float32's."""
   base = model.base
   tokens, seg = batch["tokens"], batch["token_segment"]
   b, t = tokens.shape
@@ -39,7 +41,8 @@ def teacher_signals(model: Hamburger, batch: Mapping[str, jax.Array], top_k: int
   feats = jnp.stack([*out.collected, out.hidden], axis=-2)  # [B, L, F, D]
   d = out.hidden.shape[-1]
   logp, ids = chunked_topk(out.hidden.reshape(b * t, d), base.head_dv(), top_k, chunk,
-                           out.hidden.dtype, rows=b)
+                           out.hidden.dtype, rows=b,
+                           select_dtype=select_dtype or out.hidden.dtype)
   logp, ids = logp.reshape(b, t, top_k), ids.reshape(b, t, top_k)
   index = batch["teacher_index"]  # [B, G, K]
   rows = jnp.arange(b)[:, None, None]
@@ -49,6 +52,6 @@ def teacher_signals(model: Hamburger, batch: Mapping[str, jax.Array], top_k: int
 
 
 def with_teacher(model: Hamburger, batch: Mapping[str, jax.Array], top_k: int,
-                 chunk: int = 1024) -> dict[str, jax.Array]:
+                 chunk: int = 1024, select_dtype=None) -> dict[str, jax.Array]:
   """`batch` with the teacher's signals added (what a stored distill batch holds)."""
-  return {**batch, **teacher_signals(model, batch, top_k, chunk)}
+  return {**batch, **teacher_signals(model, batch, top_k, chunk, select_dtype)}

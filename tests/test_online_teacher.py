@@ -14,6 +14,7 @@ from hamburger_jax import layout, precision, segmentation
 from hamburger_jax.data import teacher_pass
 from hamburger_jax.data.tokens.online_batch import TokenSample, layout_row, pack_batch, pack_rows
 from hamburger_jax.distillation import distill_loss, micro_distill_loss
+from hamburger_jax.losses import chunked_topk
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.online_teacher import with_teacher
 from hamburger_jax.run_config import DistillConfig
@@ -131,3 +132,50 @@ def test_packing_keeps_each_sample_once_within_limits():
   packed = [s for rows in pack_rows([samples[0], big, samples[1]], rows=2, oversize=left.append,
                                     **limits) for row in rows for s in row]
   assert left == [big] and packed == [samples[0], samples[1]]
+
+
+def _topk(logits, k, select_dtype):
+  """chunked_topk of logits given as hidden states through an identity head."""
+  v = logits.shape[-1]
+  return chunked_topk(logits, jnp.eye(v), k, chunk=3, select_dtype=select_dtype)
+
+
+def test_bf16_selection_equals_f32_without_near_ties():
+  # Logits 0.25 apart in [-16, 16): bfloat16's spacing there is at most 0.125, so no ties.
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(np.stack([rng.permutation(128) * 0.25 - 16 for _ in range(5)]),
+                       jnp.float32)
+  want = _topk(logits, TOP, jnp.float32)
+  got = _topk(logits, TOP, jnp.bfloat16)
+  np.testing.assert_array_equal(got[1], want[1])
+  np.testing.assert_array_equal(got[0], want[0])
+  np.testing.assert_array_equal(want[1], np.argsort(-np.asarray(logits), axis=1)[:, :TOP])
+
+
+def test_bf16_selection_with_ties_keeps_f32_values_in_order():
+  keys = jax.random.split(jax.random.key(3))
+  logits = 8 * jax.random.normal(keys[0], (6, 512))
+  # 20 logits a row at 30 +- 0.03: one value in bfloat16 (0.125 apart there), the top k's.
+  logits = logits.at[:, 100:120].set(30 + 0.01 * jax.random.normal(keys[1], (6, 20)))
+  logp, ids = _topk(logits, TOP, jnp.bfloat16)
+  logp, ids, x = np.asarray(logp), np.asarray(ids), np.asarray(logits)
+  want = x - np.asarray(jax.nn.logsumexp(logits, axis=-1, keepdims=True))
+  np.testing.assert_allclose(logp, np.take_along_axis(want, ids, 1), rtol=0, atol=1e-6)
+  assert (np.diff(logp, axis=1) <= 0).all()  # by decreasing float32 probability
+  for row, chosen in zip(x, ids):  # float32's top k up to ties in bfloat16 at the k-th value
+    left = np.delete(row, chosen)
+    bf16 = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16), np.float32)
+    assert bf16(row[chosen]).min() >= bf16(left).max()
+
+
+def test_bf16_selection_changes_the_online_loss_little(model):
+  samples = _samples()
+  ts = [_token_sample(*s) for s in samples]
+  online = pack_batch([ts[:2], ts[2:]], tokens=32, entries=24, groups=10, max_group=K)
+  batch = {k: jnp.asarray(v) for k, v in online.items()}
+  cfg = DistillConfig()
+  loss = {}
+  for dt in (jnp.float32, jnp.bfloat16):
+    taught = with_teacher(model, batch, TOP, chunk=7, select_dtype=dt)
+    loss[dt] = float(distill_loss(model, taught, cfg, ce_chunk=7)[0])
+  np.testing.assert_allclose(loss[jnp.bfloat16], loss[jnp.float32], rtol=1e-3)
