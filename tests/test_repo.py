@@ -181,6 +181,16 @@ def test_imports_point_one_way():
   assert not wrong, "\n".join(sorted(wrong))
 
 
+def test_data_never_imports_the_evaluation():
+  """The evaluation reads data (its held-out examples, pipelines, corpora); data never reads the
+  evaluation: what both need (seeds, held-out prompts) is data's (hamburger_jax/data/heldout.py)."""
+  graph = _module_imports(PRODUCT)
+  wrong = sorted(f"{name} imports {d}" for name, deps in graph.items()
+                 if name.startswith("hamburger_jax.data.") for d in deps
+                 if d.startswith("hamburger_jax.evaluation"))
+  assert not wrong, "\n".join(wrong)
+
+
 # namedtuple's public methods, spelled with an underscore so as not to clash with field names
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
 # os._exit: the standard library's documented exit without cleanup (the sandbox's init, PID 1 of

