@@ -282,4 +282,5 @@ def test_every_entry_point_answers_help(capsys):
     with pytest.raises(SystemExit) as e:
       module.main(["--help"])
     out = capsys.readouterr().out
-    assert e.value.code == 0 and f"python -m {name}" in out, (name, out[:300])
+    command = name.removesuffix(".__main__")  # `python -m PACKAGE` runs PACKAGE/__main__.py
+    assert e.value.code == 0 and f"python -m {command}" in out, (name, out[:300])

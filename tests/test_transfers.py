@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from hamburger_jax import assets
-from train import transfers
+from train.transfers import cli, common, manifest, wheels
+from train.transfers import install as installlib
+from train.transfers import plan as planlib
 
 REPO = Path(__file__).resolve().parents[1]
 KIB = 1 << 10
@@ -47,8 +49,8 @@ def repo(tmp_path: Path) -> Path:
 
 
 def _fake_wheels(cache: Path) -> None:
-  for i, pin in enumerate(transfers.WINDOW_WHEELS):
-    name, version = transfers.split_pin(pin)
+  for i, pin in enumerate(wheels.WINDOW_WHEELS):
+    name, version = wheels.split_pin(pin)
     _write(cache / f"{name.replace('-', '_')}-{version}-py3-none-any.whl", 2 * KIB + i, i)
 
 
@@ -69,7 +71,7 @@ def _build(repo_root: Path, *extra: str, corpus_sizes=(300 * KIB, 200 * KIB, 5),
   gguf = _write(repo_root.parent / "base.gguf", 700 * KIB, 7)
   corpus = _corpus(repo_root, list(corpus_sizes))
   out = repo_root / "transfer"
-  code = transfers.main(["build", "--corpus", str(corpus), "--out", str(out), "--wheels-cache",
+  code = cli.main(["build", "--corpus", str(corpus), "--out", str(out), "--wheels-cache",
                          str(cache), "--no-download", "--gguf", str(gguf), "--limit-mib",
                          str(limit_mib), *extra])
   return code, out
@@ -85,23 +87,23 @@ def test_folders_fit_their_calls_and_join_back(repo, capsys):
   assert code == 0, printed
   folders = sorted((d for d in out.iterdir()), key=lambda d: int(d.name))
   code_bytes = (repo / "code.py").stat().st_size + (repo / ".gitignore").stat().st_size
-  capacity = int(1.5 * transfers.MIB) - code_bytes - int(transfers.MARGIN_MIB * transfers.MIB)
-  assert 2 <= len(folders) <= transfers.MAX_FOLDERS
+  capacity = int(1.5 * common.MIB) - code_bytes - int(planlib.MARGIN_MIB * common.MIB)
+  assert 2 <= len(folders) <= planlib.MAX_FOLDERS
   for d in folders:
     assert sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) <= capacity, d
-  manifests = [json.loads((d / transfers.MANIFEST).read_text()) for d in folders]
+  manifests = [json.loads((d / manifest.MANIFEST).read_text()) for d in folders]
   assert {m["build"] for m in manifests} == {manifests[0]["build"]}
   assert [m["folder"] for m in manifests] == list(range(1, len(folders) + 1))
   table = manifests[0]["files"]
   originals = {f"corpus/{p.name}": p for p in (repo / "runs" / "corpus").iterdir()}
-  originals["base/" + transfers.GGUF_FILE] = repo.parent / "base.gguf"
+  originals["base/" + common.GGUF_FILE] = repo.parent / "base.gguf"
   originals |= {f"wheels/{p.name}": p for p in (repo.parent / "cache").iterdir()}
   assert set(table) == set(originals)
   names = list(table)  # wheels, then the base, then the corpus
   assert names[0].startswith("wheels/") and names[-1].startswith("corpus/")
-  assert names.index("base/" + transfers.GGUF_FILE) == len(transfers.WINDOW_WHEELS)
+  assert names.index("base/" + common.GGUF_FILE) == len(wheels.WINDOW_WHEELS)
   split = [n for n, e in table.items() if len(e["parts"]) > 1]
-  assert "base/" + transfers.GGUF_FILE in split
+  assert "base/" + common.GGUF_FILE in split
   for name, entry in table.items():
     data = _joined(out, entry)
     assert data == originals[name].read_bytes(), name
@@ -117,28 +119,28 @@ def test_folders_fit_their_calls_and_join_back(repo, capsys):
       f'  call {len(folders)} (training): carry ["transfer/{len(folders)}"]') + 1].strip()
   assert last == ("python3 -m train.transfers install --from transfer --site /tmp/site "
                   "--corpus-out /tmp/corpus && export PYTHONPATH=/tmp/site:$PWD && "
-                  + transfers.TRAIN_COMMAND)
-  assert len(last) < transfers.COMMAND_MAX and "du -sh transfer/*" in printed
+                  + planlib.TRAIN_COMMAND)
+  assert len(last) < planlib.COMMAND_MAX and "du -sh transfer/*" in printed
 
 
 def test_too_much_is_refused_with_the_sizes(repo, capsys):
-  code, out = _build(repo, corpus_sizes=(3 * transfers.MIB,))
+  code, out = _build(repo, corpus_sizes=(3 * common.MIB,))
   err = capsys.readouterr().err
   assert code == 2 and not out.exists()
   assert "folders of at most" in err and "corpus 3.0 MiB" in err and "base 0.7 MiB" in err
-  assert f"at most {transfers.MAX_FOLDERS} fit" in err, err
+  assert f"at most {planlib.MAX_FOLDERS} fit" in err, err
 
 
 def test_out_must_be_empty_or_overwritten(repo, capsys):
   assert _build(repo)[0] == 0
   code, out = _build(repo)
   assert code == 2 and "--overwrite" in capsys.readouterr().err
-  assert _build(repo, "--overwrite")[0] == 0 and (out / "1" / transfers.MANIFEST).exists()
+  assert _build(repo, "--overwrite")[0] == 0 and (out / "1" / manifest.MANIFEST).exists()
 
 
 def test_out_must_be_ignored_by_git(repo, capsys):
   corpus = _corpus(repo, [10])
-  code = transfers.main(["build", "--corpus", str(corpus), "--out", str(repo / "shipped"),
+  code = cli.main(["build", "--corpus", str(corpus), "--out", str(repo / "shipped"),
                          "--no-download", "--gguf", str(corpus / "meta.json")])
   assert code == 2 and "not ignored by git" in capsys.readouterr().err
 
@@ -146,20 +148,20 @@ def test_out_must_be_ignored_by_git(repo, capsys):
 def test_a_missing_wheel_without_download_names_the_pin(repo, capsys):
   (repo.parent / "cache").mkdir()
   corpus = _corpus(repo, [10])
-  code = transfers.main(["build", "--corpus", str(corpus), "--out", str(repo / "transfer"),
+  code = cli.main(["build", "--corpus", str(corpus), "--out", str(repo / "transfer"),
                          "--wheels-cache", str(repo.parent / "cache"), "--no-download",
                          "--gguf", str(corpus / "meta.json")])
   err = capsys.readouterr().err
-  assert code == 2 and transfers.WINDOW_WHEELS[0] in err and "--no-download" in err
+  assert code == 2 and wheels.WINDOW_WHEELS[0] in err and "--no-download" in err
 
 
 def test_wheels_for_another_python_or_glibc_are_not_taken():
-  assert transfers.fits_machine("dm_tree-0.1.10-cp312-cp312-manylinux_2_24_x86_64."
+  assert wheels.fits_machine("dm_tree-0.1.10-cp312-cp312-manylinux_2_24_x86_64."
                                 "manylinux_2_28_x86_64.whl")
-  assert transfers.fits_machine("toml-0.10.2-py2.py3-none-any.whl")
-  assert not transfers.fits_machine("dm_tree-0.1.10-cp311-cp311-manylinux_2_28_x86_64.whl")
-  assert not transfers.fits_machine("x-1.0-cp312-cp312-manylinux_2_34_x86_64.whl")
-  assert not transfers.fits_machine("x-1.0-cp312-cp312-macosx_11_0_arm64.whl")
+  assert wheels.fits_machine("toml-0.10.2-py2.py3-none-any.whl")
+  assert not wheels.fits_machine("dm_tree-0.1.10-cp311-cp311-manylinux_2_28_x86_64.whl")
+  assert not wheels.fits_machine("x-1.0-cp312-cp312-manylinux_2_34_x86_64.whl")
+  assert not wheels.fits_machine("x-1.0-cp312-cp312-macosx_11_0_arm64.whl")
 
 
 # ----------------------------------------------------------------------------- install
@@ -191,7 +193,7 @@ def built(repo) -> Path:
   out = repo / "transfer"
   export = repo.parent / "export"
   _write(export / "hamburger.json", 100, 11)
-  plan = transfers.build(str(corpus), str(out), pins=("tinypkg==1.0",),
+  plan = planlib.build(str(corpus), str(out), pins=("tinypkg==1.0",),
                          cache=str(repo.parent / "cache"), download=False, gguf=str(gguf),
                          limit_mib=1.5, init_from=str(export))
   assert len(plan.folder_bytes) >= 3
@@ -199,7 +201,7 @@ def built(repo) -> Path:
 
 
 def _install(out: Path, there: Path) -> int:
-  return transfers.main(["install", "--from", str(out), "--site", str(there / "site"),
+  return cli.main(["install", "--from", str(out), "--site", str(there / "site"),
                          "--corpus-out", str(there / "corpus"), "--graft-out",
                          str(there / "graft")])
 
@@ -212,9 +214,9 @@ def test_install_places_everything_and_skips_it_the_second_time(built, tmp_path,
   site = there / "site"
   assert printed.splitlines()[-1] == f"export PYTHONPATH={site}:$PWD"
   assert (site / "tinypkg" / "__init__.py").read_text() == "VALUE = 1\n"
-  gguf = site / transfers.GGUF_PACKAGE / transfers.GGUF_FILE
+  gguf = site / common.GGUF_PACKAGE / common.GGUF_FILE
   assert gguf.read_bytes() == (built.parent.parent / "base.gguf").read_bytes()
-  assert (site / transfers.GGUF_PACKAGE / "__init__.py").read_text() == ""
+  assert (site / common.GGUF_PACKAGE / "__init__.py").read_text() == ""
   corpus = built.parent / "runs" / "corpus"
   for f in corpus.iterdir():
     assert (there / "corpus" / f.name).read_bytes() == f.read_bytes(), f.name
@@ -229,7 +231,7 @@ def test_install_places_everything_and_skips_it_the_second_time(built, tmp_path,
 
   def no_pip(*a, **k):
     raise AssertionError(f"a second install ran {a}")
-  monkeypatch.setattr(transfers.subprocess, "run", no_pip)
+  monkeypatch.setattr(installlib.subprocess, "run", no_pip)
   before = {p: p.stat().st_mtime_ns for p in there.rglob("*") if p.is_file()}
   assert _install(built, there) == 0
   printed = capsys.readouterr().out
@@ -238,8 +240,8 @@ def test_install_places_everything_and_skips_it_the_second_time(built, tmp_path,
 
 
 def _gguf_parts(out: Path) -> list[dict]:
-  table = json.loads((out / "1" / transfers.MANIFEST).read_text())["files"]
-  return table["base/" + transfers.GGUF_FILE]["parts"]
+  table = json.loads((out / "1" / manifest.MANIFEST).read_text())["files"]
+  return table["base/" + common.GGUF_FILE]["parts"]
 
 
 def test_a_graft_travels_and_the_training_call_continues_it(repo, tmp_path, capsys):
@@ -253,17 +255,17 @@ def test_a_graft_travels_and_the_training_call_continues_it(repo, tmp_path, caps
   printed = capsys.readouterr().out
   assert code == 0, printed
   last = [line.strip() for line in printed.splitlines() if "train.window" in line][-1]
-  assert last.endswith(f"{transfers.TRAIN_COMMAND} --init-from {transfers.GRAFT_OUT}")
-  assert f"--graft-out {transfers.GRAFT_OUT} " in last
+  assert last.endswith(f"{planlib.TRAIN_COMMAND} --init-from {common.GRAFT_OUT}")
+  assert f"--graft-out {common.GRAFT_OUT} " in last
   there = tmp_path / "there"
   # (the fake wheels are not real: the graft's files are joined as install joins them)
-  table = json.loads((out / "1" / transfers.MANIFEST).read_text())["files"]
+  table = json.loads((out / "1" / manifest.MANIFEST).read_text())["files"]
   assert list(table)[-1].startswith("graft/")
   for name, entry in table.items():
     if name.startswith("graft/"):
-      dest = transfers.destination(name, str(there / "site"), str(there / "corpus"),
+      dest = installlib.destination(name, str(there / "site"), str(there / "corpus"),
                                    str(there / "graft"))
-      transfers.join(str(out), name, entry, dest)
+      manifest.join(str(out), name, entry, dest)
   for f in export.iterdir():
     assert (there / "graft" / f.name).read_bytes() == f.read_bytes()
   code, _ = _build(repo, "--overwrite", "--init-from", str(tmp_path))
@@ -281,7 +283,7 @@ def test_a_damaged_or_missing_part_is_named(built, tmp_path, capsys):
   err = capsys.readouterr().err
   assert f"{path} is damaged" in err and "send that folder again" in err
   assert len(err.strip().splitlines()) == 1
-  assert not (there / "site" / transfers.GGUF_PACKAGE / transfers.GGUF_FILE).exists()
+  assert not (there / "site" / common.GGUF_PACKAGE / common.GGUF_FILE).exists()
   path.unlink()
   assert _install(built, there) == 2
   err = capsys.readouterr().err
@@ -291,7 +293,7 @@ def test_a_damaged_or_missing_part_is_named(built, tmp_path, capsys):
 def test_a_half_written_file_is_written_again(built, tmp_path, capsys):
   there = tmp_path / "there"
   assert _install(built, there) == 0
-  gguf = there / "site" / transfers.GGUF_PACKAGE / transfers.GGUF_FILE
+  gguf = there / "site" / common.GGUF_PACKAGE / common.GGUF_FILE
   whole = gguf.read_bytes()
   gguf.write_bytes(whole[:1000])
   assert _install(built, there) == 0
@@ -302,8 +304,8 @@ def test_install_imports_only_the_standard_library(built, tmp_path):
   """It runs before any wheel is installed: a third-party import would fail there."""
   probe = ("import json, sys\n"
            "before = set(sys.modules)\n"
-           "from train import transfers\n"
-           "code = transfers.main(sys.argv[1:])\n"
+           "from train.transfers import cli\n"
+           "code = cli.main(sys.argv[1:])\n"
            "new = {m.split('.')[0] for m in set(sys.modules) - before}\n"
            "print(json.dumps([code, sorted(new - set(sys.stdlib_module_names) - {'train'})]))\n")
   res = subprocess.run([sys.executable, "-c", probe, "install", "--from", str(built), "--site",
@@ -320,7 +322,7 @@ def test_window_wheels_are_the_runbook_pins_and_requirements_agree():
   section = doc[doc.index("\n## B. "):]
   pins = {(_norm(n), v) for n, v in re.findall(r"([A-Za-z0-9_.-]+)==([0-9][0-9A-Za-z.]*)",
                                                section)}
-  ours = {(_norm(n), v) for n, v in map(transfers.split_pin, transfers.WINDOW_WHEELS)}
+  ours = {(_norm(n), v) for n, v in map(wheels.split_pin, wheels.WINDOW_WHEELS)}
   assert pins == ours
   reqs = (REPO / "requirements.txt").read_text(encoding="utf-8")
   pinned = {_norm(n): v for n, v in re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", reqs, re.M)}
@@ -328,14 +330,14 @@ def test_window_wheels_are_the_runbook_pins_and_requirements_agree():
 
 
 def test_the_base_goes_where_assets_looks():
-  assert (transfers.GGUF_PACKAGE, transfers.GGUF_FILE) == (assets.SMOLLM2_PACKAGE,
+  assert (common.GGUF_PACKAGE, common.GGUF_FILE) == (assets.SMOLLM2_PACKAGE,
                                                            assets.SMOLLM2_FILE)
 
 
 def test_help(capsys):
   for argv in (["--help"], ["build", "--help"], ["install", "--help"]):
     with pytest.raises(SystemExit) as e:
-      transfers.main(argv)
+      cli.main(argv)
     assert e.value.code == 0 and "python -m train.transfers" in capsys.readouterr().out
   res = subprocess.run([sys.executable, "-m", "train.transfers", "--help"], cwd=REPO,
                        capture_output=True, text=True, check=True)
