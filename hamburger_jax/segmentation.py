@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hamburger_jax.model.llama import causal_segment_mask
+from hamburger_jax.model.llama import BaseOutput, causal_segment_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,16 +222,42 @@ def segment_positions(segment_ids_bt: jax.Array) -> jax.Array:
   return idx - jax.lax.cummax(starts, axis=1)
 
 
+def packed_forward(model: nnx.Module, ids_bt: jax.Array, segment_ids_bt: jax.Array,
+                   collect: Sequence[int] = ()) -> BaseOutput:
+  """The base's forward over rows that pack several samples (segment ids 1.., 0 = padding):
+  positions restart and attention stays within each segment."""
+  return model.forward(model.embed(ids_bt), segment_positions(segment_ids_bt),
+                       causal_segment_mask(segment_ids_bt), collect=collect)
+
+
+def pack_pass(rows: Sequence[Sequence[int]], ids_of: Callable[[int], np.ndarray],
+              rows_per_pass: int, row_len: int
+              ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
+  """One pass's input: ids and segment ids [rows_per_pass, row_len] int32 where row r holds the
+  samples rows[r] one after the other (sample k's ids: ids_of(k); segment j + 1 for the j-th
+  of a row, 0 after them), and (k, row, column) of each sample's first token."""
+  ids = np.zeros((rows_per_pass, row_len), np.int32)
+  seg = np.zeros((rows_per_pass, row_len), np.int32)
+  placed = []
+  for r, row in enumerate(rows):
+    t = 0
+    for j, k in enumerate(row, start=1):
+      x = ids_of(k)
+      ids[r, t:t + len(x)] = x
+      seg[r, t:t + len(x)] = j
+      placed.append((k, r, t))
+      t += len(x)
+  return ids, seg, placed
+
+
 @functools.partial(jax.jit, static_argnames=("teacher",))
 def token_stats_program(graphdef: nnx.GraphDef, state: nnx.State, ids_bt: jax.Array,
                segment_ids_bt: jax.Array, teacher: TeacherSpec | None = None) -> tuple:
   """Entropy at every position and the probability given to the token at the next position;
   with `teacher`, also the top-k (ids, log-probs) and the features at every position."""
   model = nnx.merge(graphdef, state)
-  positions = segment_positions(segment_ids_bt)
   layers = teacher.feature_layers if teacher else ()
-  out = model.forward(model.embed(ids_bt), positions, causal_segment_mask(segment_ids_bt),
-                      collect=layers[:-1])
+  out = packed_forward(model, ids_bt, segment_ids_bt, collect=layers[:-1])
   logp = jax.nn.log_softmax(model.logits(out.hidden), axis=-1)  # [B, T, V] fp32
   next_ids = jnp.pad(ids_bt[:, 1:], ((0, 0), (0, 1)))
   p_next = jnp.exp(jnp.take_along_axis(logp, next_ids[..., None], axis=-1)[..., 0])
@@ -285,16 +311,8 @@ def packed_token_stats(forward: Callable, samples: Sequence[tuple[Sequence[int],
   rows = pack_rows([len(x) for x in seqs], row_len)
   for first in range(0, len(rows), rows_per_pass):
     batch = rows[first:first + rows_per_pass]
-    ids = np.zeros((rows_per_pass, row_len), np.int32)
-    seg = np.zeros((rows_per_pass, row_len), np.int32)
-    starts = {}
-    for r, row in enumerate(batch):
-      t = 0
-      for j, k in enumerate(row, start=1):
-        ids[r, t:t + len(seqs[k])] = seqs[k]
-        seg[r, t:t + len(seqs[k])] = j
-        starts[k] = (r, t)
-        t += len(seqs[k])
+    ids, seg, placed = pack_pass(batch, seqs.__getitem__, rows_per_pass, row_len)
+    starts = {k: (r, t) for k, r, t in placed}
     arrays = forward(ids, seg, teacher)
     for row in batch:
       for k in row:

@@ -222,3 +222,12 @@ def test_token_probabilities_match_numpy():
     probs /= probs.sum(-1, keepdims=True)
     want = probs[np.arange(len(p) - 1, len(seq) - 1), r]
     np.testing.assert_allclose(st.prob, want, atol=1e-5)
+
+
+def test_pack_pass_lays_each_rows_samples_one_after_another():
+  seqs = [np.array([5, 6, 7]), np.array([8]), np.array([9, 10])]
+  ids, segment_ids, placed = seg.pack_pass([[0, 1], [2]], seqs.__getitem__, 3, 4)
+  assert ids.tolist() == [[5, 6, 7, 8], [9, 10, 0, 0], [0, 0, 0, 0]]
+  assert segment_ids.tolist() == [[1, 1, 1, 2], [1, 1, 0, 0], [0, 0, 0, 0]]
+  assert placed == [(0, 0, 0), (1, 0, 3), (2, 1, 0)]
+  assert ids.dtype == segment_ids.dtype == np.int32

@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hamburger_jax.model.llama import causal_segment_mask
-from hamburger_jax.segmentation import confident_starts, segment_positions
+from hamburger_jax.segmentation import confident_starts, pack_pass, packed_forward
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_rows",))
@@ -31,8 +30,7 @@ def token_probs_program(graphdef: nnx.GraphDef, state: nnx.State, ids_bt: jax.Ar
   (position 0 of a segment: 1, it is never a response token). The logits are made
   `chunk_rows` rows at a time: [B, T, V] is never in memory at once."""
   model = nnx.merge(graphdef, state)
-  out = model.forward(model.embed(ids_bt), segment_positions(segment_ids_bt),
-                      causal_segment_mask(segment_ids_bt))
+  out = packed_forward(model, ids_bt, segment_ids_bt)
   b, t, d = out.hidden.shape
   nxt = jnp.pad(ids_bt[:, 1:], ((0, 0), (0, 1)))
 
@@ -105,6 +103,8 @@ def boundary_pass(model: nnx.Module, tokens: np.ndarray, samples: np.ndarray,
   if lengths.max(initial=0) > row_len:
     raise ValueError(f"a sample has {int(lengths.max())} tokens, more than row_len={row_len}")
   rows = pair_rows(lengths, row_len)
+  # (start, end) in the corpus of each given sample
+  spans = [(int(a), int(a) + int(n)) for a, n in samples[sample_ids]]
   stats = BoundaryStats()
   # Response masks over the corpus, for the samples' tokens.
   resp = np.zeros(len(tokens), bool)
@@ -129,17 +129,9 @@ def boundary_pass(model: nnx.Module, tokens: np.ndarray, samples: np.ndarray,
     batch = rows[first:first + rows_per_pass]
     launched = None
     if batch:
-      ids = np.zeros((rows_per_pass, row_len), np.int32)
-      seg = np.zeros((rows_per_pass, row_len), np.int32)
-      where = []  # (row, column, corpus start, length)
-      for r, row in enumerate(batch):
-        col = 0
-        for j, s in enumerate(row, start=1):
-          start, n = (int(x) for x in samples[sample_ids[s]])
-          ids[r, col:col + n] = tokens[start:start + n]
-          seg[r, col:col + n] = j
-          where.append((r, col, start, n))
-          col += n
+      ids, seg, placed = pack_pass(batch, lambda s: tokens[slice(*spans[s])], rows_per_pass,
+                                   row_len)
+      where = [(r, col, spans[s][0], spans[s][1] - spans[s][0]) for s, r, col in placed]
       launched = (token_probs_program(graphdef, state, jnp.asarray(ids), jnp.asarray(seg)),
                   where)
     if pending is not None:
