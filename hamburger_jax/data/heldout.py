@@ -204,7 +204,7 @@ def reasoning_prompts(name: str, n: int, seed: int = 0) -> Iterator[Conversation
   task = REASONING[name]
   for i, item in enumerate(task.train_items(n, seed, exclude=evaluation_questions(name))):
     yield Conversation(task.messages(item["question"]), task.target(item), name,
-                                 f"{name}/{seed + i}")
+                       f"{name}/{seed + i}")
 
 
 # ----------------------------------------------------------------------------- MT-Bench
