@@ -9,13 +9,20 @@ bucket (files.mirror). Switches (any value but "", "0", "false", "no" turns them
   HAMBURGER_JAX_NO_COMPILE_CACHE=1   compile everything, write nothing
   HAMBURGER_JAX_NO_WEIGHT_CACHE=1    convert GGUF files on every load, write nothing
 Deleting the directory is always safe: the caches are rebuilt on the next run.
+
+JAX writes no program that calls back to Python (a stream's io_callback): reading one back
+needs its callbacks bound again, which JAX's reader does not do, so a server compiled its
+streaming decode programs again at every start. Those are kept in `jax/callbacks/` under JAX's
+own cache key, and loaded with the callbacks of the process that asks for them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import sys
+import tempfile
 
 import jax
 
@@ -29,6 +36,25 @@ JAX_CACHE_DIR_ENV = "JAX_COMPILATION_CACHE_DIR"  # JAX's own variable: it wins w
 # evaluation) add up, so every program is kept; tiny entries cost a file of a few kB each.
 MIN_COMPILE_TIME_S = 0.0
 _FINGERPRINT_BYTES = 2**20
+# Where programs with host callbacks are kept, under JAX's cache directory. Only backends whose
+# callbacks are FFI custom calls naming their callback by its index in the lowering's list
+# (jax._src.callback.emit_python_callback): there the same module binds the same callbacks.
+CALLBACK_PROGRAMS_DIR = "callbacks"
+CALLBACK_PLATFORMS = ("cpu", "cuda", "rocm")
+
+
+@dataclasses.dataclass
+class CompileCounts:
+  """Programs of this process that the persistent compilation cache served (hits), and those
+  it was asked for and did not have: compiled (misses)."""
+  hits: int = 0
+  misses: int = 0
+
+
+_COUNTS = CompileCounts()
+# JAX records a request for each program it looks up, then a hit when it finds it.
+_JAX_REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
+_JAX_HIT = "/jax/compilation_cache/cache_hits"
 
 
 def _switched_on(name: str) -> bool:
@@ -60,7 +86,84 @@ def enable_compilation_cache(enabled: bool = True,
   jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
   # -1: no size floor (0 would let JAX pick one per filesystem, skipping small programs).
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  _keep_callback_programs()
   return directory
+
+
+def compile_counts() -> CompileCounts:
+  """A copy of this process's counts so far (subtract an earlier copy for a stretch of work)."""
+  return dataclasses.replace(_COUNTS)
+
+
+def _count_jax_event(event: str, **_) -> None:
+  if event == _JAX_REQUEST:
+    _COUNTS.misses += 1
+  elif event == _JAX_HIT:
+    _COUNTS.misses, _COUNTS.hits = _COUNTS.misses - 1, _COUNTS.hits + 1
+
+
+def _callback_program_path(backend, computation, devices, options, host_callbacks) -> str | None:
+  """Where the program goes when it has host callbacks and the cache is on; else None."""
+  # pylint: disable=import-outside-toplevel,protected-access
+  from jax._src import compilation_cache as jax_cache, compiler
+  directory = jax.config.jax_compilation_cache_dir
+  if (not host_callbacks or backend.platform not in CALLBACK_PLATFORMS or not directory
+      or "://" in directory or not jax_cache.is_cache_used(backend)):
+    return None
+  key = compiler._get_cache_key(options, backend, computation, devices)
+  return os.path.join(directory, CALLBACK_PROGRAMS_DIR, key) if key else None
+
+
+def _keep_callback_programs() -> None:
+  """Wraps JAX's compile-or-read step (once per process) so that programs with host callbacks
+  are read from and written to CALLBACK_PROGRAMS_DIR; any other program goes to JAX as before."""
+  # pylint: disable=import-outside-toplevel
+  from jax._src import compilation_cache as jax_cache, compiler
+  jax_compile = compiler.compile_or_get_cached
+  if getattr(jax_compile, "keeps_callback_programs", False):
+    return
+  jax.monitoring.register_event_listener(_count_jax_event)
+
+  def compile_or_get_cached(backend, computation, devices, compile_options, host_callbacks,
+                            executable_devices, *args, **kw):
+    path = _callback_program_path(backend, computation, devices, compile_options,
+                                  host_callbacks)
+    if path is not None and os.path.exists(path):
+      try:
+        with open(path, "rb") as f:
+          serialized = jax_cache.decompress_executable(f.read())
+        loaded = backend.deserialize_executable(serialized, executable_devices, compile_options,
+                                                host_callbacks=list(host_callbacks))
+        _COUNTS.hits += 1
+        return loaded
+      except Exception as e:  # pylint: disable=broad-except
+        warn(f"compilation cache entry {path} is unreadable ({type(e).__name__}: {e}); "
+             "compiling instead")
+    executable = jax_compile(backend, computation, devices, compile_options, host_callbacks,
+                             executable_devices, *args, **kw)
+    if path is not None and jax.process_index() == 0:  # JAX counted the miss
+      _write_atomically(path, jax_cache.compress_executable(
+          backend.serialize_executable(executable)))
+    return executable
+
+  compile_or_get_cached.keeps_callback_programs = True
+  compiler.compile_or_get_cached = compile_or_get_cached
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+  """A reader sees the whole entry or none; a failed write is a warning."""
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+      with os.fdopen(fd, "wb") as f:
+        f.write(data)
+      os.replace(tmp, path)
+    except BaseException:
+      os.unlink(tmp)
+      raise
+  except OSError as e:
+    warn(f"could not write compilation cache entry {path}: {e}")
 
 
 def weight_cache_enabled() -> bool:

@@ -30,9 +30,9 @@ print(float(f(jnp.arange(48.0).reshape(6, 8)).sum()))
 """
 
 
-def _run_program(**env: str) -> str:
+def _run_program(program: str = PROGRAM, **env: str) -> str:
   clean = {k: v for k, v in os.environ.items() if k not in SWITCHES}
-  res = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True,
+  res = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                        cwd=REPO, env={**clean, **env}, timeout=300)
   assert res.returncode == 0, res.stderr[-2000:]
   return res.stdout
@@ -49,6 +49,40 @@ def test_a_second_process_compiles_nothing_new(tmp_path):
   assert first, "the first run wrote no compilation cache entries"
   assert _run_program(**{cache.CACHE_DIR_ENV: root}) == first_out
   assert _entries(os.path.join(root, "jax")) == first  # every program came from the cache
+
+
+# A program that streams to Python each step (as the server's decode programs do): JAX itself
+# keeps no program with host callbacks.
+CALLBACK_PROGRAM = """
+import jax, jax.numpy as jnp, numpy as np
+from hamburger_jax import cache
+cache.enable_compilation_cache()
+seen = []
+def step(i):
+  seen.append(int(i))
+  return np.bool_(int(i) >= 3)
+def body(c):
+  i, total, stop = c
+  stop = jax.experimental.io_callback(step, jax.ShapeDtypeStruct((), jnp.bool_), i, ordered=True)
+  return i + 1, total + i * 0.457, stop
+f = jax.jit(lambda x: jax.lax.while_loop(lambda c: (c[0] < 10) & ~c[2], body, (x, 0.0, False)))
+out = f(jnp.int32(1))
+counts = cache.compile_counts()
+print(int(out[0]), round(float(out[1]), 4), seen, counts.hits, counts.misses)
+"""
+
+
+def test_a_program_with_host_callbacks_comes_from_the_cache(tmp_path):
+  env = {cache.CACHE_DIR_ENV: str(tmp_path / "user-cache")}
+  first = _run_program(CALLBACK_PROGRAM, **env).split()
+  assert first[:-2] == ["4", "2.742", "[1,", "2,", "3]"]
+  assert int(first[-1]) >= 1  # at least the loop itself compiled
+  second = _run_program(CALLBACK_PROGRAM, **env).split()
+  # The same answer, the callback called at each step, and nothing compiled: every program of
+  # the first run, the one with the callback included, read back.
+  assert second[:-2] == first[:-2]
+  assert (int(second[-2]), int(second[-1])) == (int(first[-2]) + int(first[-1]), 0)
+  assert os.listdir(tmp_path / "user-cache" / "jax" / cache.CALLBACK_PROGRAMS_DIR)
 
 
 def test_compilation_cache_off_switch_and_jax_variable(tmp_path):
