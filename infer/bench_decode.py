@@ -124,15 +124,18 @@ def bench_hamburger(args) -> None:
         f"({widths.STEPS} steps per jitted loop)")
   print(f"engine layout: {'fused' if engine.fused else 'separate'} projections, "
         f"{engine.dtype}; adapter cost = a base step reading a merged entry (the adapters "
-        "folded into the kernels) vs an unmerged one; micro vocab = the ids micro steps choose "
-        "among (full: the whole vocabulary); micro rule = when a batch's next micro step runs "
-        "(decode/micro_rule.py; off: whenever a row goes on); micro steps/step = micro steps a "
-        "macro step ran (its largest group's); same tokens = rows whose tokens equal the full "
+        "folded into the kernels) vs an unmerged one, and one of a batch whose every other row "
+        "reads a merged entry (mixed: both forms of each projection run) vs none; micro vocab "
+        "= the ids micro steps choose among (full: the whole vocabulary); micro rule = when a "
+        "batch's next micro step runs (decode/micro_rule.py; off: whenever a row goes on); "
+        "micro steps/step = micro steps a macro step ran (its largest group's); same tokens = "
+        "rows whose tokens equal the full "
         f"vocabulary's with micro rule {rules[0]}; tok/s = tokens all rows generated / the time "
         "the batch decoded (the prefills apart); every setting of a batch is timed in the same "
         "rounds as its base")
   print("\n| batch | micro vocab | micro rule | base tok/s | HAMburger tok/s | ratio | "
-        "tokens/step k | micro steps/step | KV entries/token | r | adapter cost | ceiling | "
+        "tokens/step k | micro steps/step | KV entries/token | r | adapter cost (merged, mixed) | "
+        "ceiling | "
         "of ceiling | same tokens | prefill s (base, ham) | compile s (base, ham) |")
   print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   ham = {"mode": "hamburger", "confidence": args.confidence, "max_group": args.max_group}
@@ -155,19 +158,22 @@ def bench_hamburger(args) -> None:
         ceiling = args.new_tokens / lockstep_cost(t.gens, r)
         ratio = t.tokens_per_s / base.tokens_per_s
         same = sum(g.token_ids == f for g, f in zip(t.gens, first))
+        mixed = "-" if b == 1 else f"{cost['mixed'] / cost['base'] - 1:+.1%}"
         print(f"| {b} | {vocab} | {rule} | {base.tokens_per_s:.1f} | {t.tokens_per_s:.1f} | "
               f"{ratio:.2f}x | {k:.2f} | {micro_steps_per_step(t.gens):.2f} | {1 / k:.2f} | "
-              f"{r:.3f} | {cost['merged'] / cost['base'] - 1:+.1%} | {ceiling:.2f}x | "
+              f"{r:.3f} | {cost['merged'] / cost['base'] - 1:+.1%}, {mixed} | {ceiling:.2f}x | "
               f"{ratio / ceiling:.0%} | {same}/{b} | {base.prefill_s:.2f}, {t.prefill_s:.2f} | "
               f"{base.compile_s:.0f}, {t.compile_s:.0f} |")
         if rule == "auto":
           slots = generate_slots(b)
           costs = settings[f"{name} {rule}"].micro_costs(eng.layout("hamburger", slots, 1, 1))
-          measured.append(f"- batch {b}, {vocab} micro vocab: " + ", ".join(
-              f"{m} rows {c:.3f}" for m, c in zip(micro_sizes(slots), costs)))
+          measured.append(f"- batch {b}, {vocab} micro vocab: r " + ", ".join(
+              f"{m} rows {c:.3f}" for m, c in zip(micro_sizes(slots), costs)) +
+                          f"; m {costs[-1]:.3f}")
   if measured:
-    print("\nmicro rule auto, r measured by micro batch (a micro step of that many rows / a "
-          "base step of the batch's slots):\n" + "\n".join(measured))
+    print("\nmicro rule auto, measured (r by micro batch: a micro step of that many rows / a "
+          "base step of the batch's slots; m: a base step of them, every other row merged, / "
+          "a plain one - 1):\n" + "\n".join(measured))
   rows = {"full": None}
   if args.micro_vocab is not None:
     rows[str(args.micro_vocab)] = int(engines["reduced"].model.micro_ids.shape[0])

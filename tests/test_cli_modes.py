@@ -76,7 +76,8 @@ def test_bench_hamburger_against_its_base(tiny, capsys, tmp_path):
   # every row goes on: the rule cuts nothing, so 3 micro steps a macro step and the same tokens
   assert all(r["micro steps/step"] == "3.00" for r in rows)
   assert [r["same tokens"] for r in rows[:2]] == ["1/1"] * 2
-  assert re.search(r"batch 2, full micro vocab: 1 rows \d\.\d{3}, 2 rows \d\.\d{3}", out)
+  assert re.search(r"batch 2, full micro vocab: r 1 rows \d\.\d{3}, 2 rows \d\.\d{3}; "
+                   r"m \d\.\d{3}", out)
   launches = _first_column(_tables(out)[1])
   assert launches[:3] == ["base step", "merged step", "micro step"]
   # r where bytes bound a step: the micro step's weights (1 layer, stop head, LM head) over the

@@ -72,20 +72,22 @@ def time_batches(engine, ids, n_new: int, repeats: int, runs: dict[str, dict],
   return best
 
 def step_costs(runner, repeats: int, batch: int = 1,
-               names: Sequence[str] = tuple(launches.UNIT_STEPS)) -> dict[str, float]:
+               names: Sequence[str] = tuple(launches.TIMED_STEPS)) -> dict[str, float]:
   """Seconds of one decode step at this batch size (decode/launches.py's unit steps, in the
   decoding layout `runner`, each with its LM head): "base" (an unmerged input: the exact
   base), "merged" (a merged input: the adapters folded into the kernels; equal to "base"
-  without adapters) and "micro" (one micro step, with the model's micro-step head: the full
-  one, or its reduced vocabulary). Each runs in widths.step_loop (steps in one jitted loop, its
-  token fed back: no host dispatch between them, which would weigh most on the small micro
-  step). r = micro / base is docs/SPEC.md 6's cost ratio in the ceiling k / (1 + (k - 1) r).
-  `names`: which of them to time (default all)."""
+  without adapters), "mixed" (every other row's input merged: both forms of each projection
+  run, as in a macro step whose rows' entries differ) and "micro" (one micro step, with the
+  model's micro-step head: the full one, or its reduced vocabulary). Each runs in
+  widths.step_loop (steps in one jitted loop, its token fed back: no host dispatch between
+  them, which would weigh most on the small micro step). r = micro / base is docs/SPEC.md 6's
+  cost ratio in the ceiling k / (1 + (k - 1) r). `names`: which of them to time (default
+  all)."""
 
   graphdef, params = nnx.split(runner)
   out = {}
   for name in names:
-    fn = launches.UNIT_STEPS[name]
+    fn = launches.TIMED_STEPS[name]
     x, cache = launches.unit_args(runner, name, batch, widths.KV_ENTRIES)
     loop = widths.step_loop(graphdef, fn)
     state = {"cache": jax.tree.map(jnp.copy, cache)}  # each loop donates its own copy

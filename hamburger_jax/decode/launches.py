@@ -30,13 +30,21 @@ UnitStep = Callable[[Hamburger, jax.Array, KVCache], tuple[jax.Array, KVCache]]
 TPU_TOPOLOGY = "v5e:2x2"  # one chip of it: libtpu describes slices of 4 chips or more
 
 
+# `_base_step`'s merged entries in every other row: the per-row form a macro step runs when
+# some rows' entries are merged and others' not (decode/step.py: advance).
+ALTERNATE_ROWS = "alternate rows"
+
+
 def _base_step(merged) -> UnitStep:
   def run(m: Hamburger | Llama, x_btd: jax.Array, cache: KVCache):
     """One entry per row at the cache's length (written there, the length kept: repeated
     steps cost the same), its features' LM head and argmax."""
     pos = cache.length[:, None]
     mode = "hamburger" if isinstance(m, Hamburger) else "base"
-    feats, cache = decode_step.forward_features(m, mode, x_btd, pos, cache, pos, merged)
+    rows = merged
+    if merged == ALTERNATE_ROWS:
+      rows = (jnp.arange(x_btd.shape[0]) % 2 == 0)[:, None]
+    feats, cache = decode_step.forward_features(m, mode, x_btd, pos, cache, pos, rows)
     head = decode_step.base_of(m).logits(feats[:, 0, -1])
     return jnp.argmax(head, axis=-1).astype(jnp.int32), cache
   return run
@@ -52,6 +60,9 @@ def _micro_step(m: Hamburger, x_btd: jax.Array, cache: KVCache):
 
 UNIT_STEPS: dict[str, UnitStep] = {"base": _base_step(None), "merged": _base_step(ALL_MERGED),
                                    "micro": _micro_step}
+# Timed, not counted: "mixed", a base step whose batch holds merged and unmerged entries (both
+# forms of each projection run, decode/step.py: advance).
+TIMED_STEPS: dict[str, UnitStep] = {**UNIT_STEPS, "mixed": _base_step(ALTERNATE_ROWS)}
 
 
 def unit_args(model: Hamburger, name: str, batch: int, kv_len: int):

@@ -134,4 +134,4 @@ def decode_state(cache, cfg: LlamaConfig, *, slots: int, max_new: int, max_group
       temperature=zeros(b, dt=jnp.float32),
       top_k=zeros(b), top_p=jnp.ones((b,), jnp.float32),
       key=jax.random.split(jax.random.key(0), b),
-      micro_cost=jnp.zeros((len(micro_sizes(b)),), jnp.float32))
+      micro_cost=jnp.zeros((len(micro_sizes(b)) + 1,), jnp.float32))
