@@ -158,6 +158,9 @@ def main(argv=None) -> int:
   server, loop = build(args)
   config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning",
                           timeout_graceful_shutdown=args.shutdown_timeout)
+  if not args.no_compile_cache:
+    print(f"compilation cache: {loop.compile_cache.hits} programs read, "
+          f"{loop.compile_cache.misses} compiled and written", file=sys.stderr, flush=True)
   print(f"serving {server.defaults.model} ({', '.join(loop.modes)}) on "
         f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
   # uvicorn shuts down gracefully on SIGTERM/SIGINT and then raises the signal again for the

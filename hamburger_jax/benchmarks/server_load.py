@@ -21,9 +21,11 @@ import numpy as np
 
 
 class ServerProcess:
-  """`python -m infer.server` on a free port of 127.0.0.1, its stderr in `log`."""
+  """`python -m infer.server` on a free port of 127.0.0.1, its stderr in `log`; `env`: its
+  environment (default this process's)."""
 
-  def __init__(self, args: list[str], log: str, cwd: str | None = None):
+  def __init__(self, args: list[str], log: str, cwd: str | None = None,
+               env: dict[str, str] | None = None):
     with socket.socket() as s:
       s.bind(("127.0.0.1", 0))
       self.port = s.getsockname()[1]
@@ -32,7 +34,8 @@ class ServerProcess:
     with open(log, "w", encoding="utf-8") as err:
       self.proc = subprocess.Popen(
           [sys.executable, "-m", "infer.server", "--port", str(self.port), *args], cwd=cwd,
-          stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+          stdout=subprocess.DEVNULL, stderr=err, env={**(os.environ if env is None else env),
+                                                      "PYTHONUNBUFFERED": "1"})
 
   def stderr(self) -> str:
     with open(self.log, encoding="utf-8", errors="replace") as f:

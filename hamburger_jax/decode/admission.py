@@ -27,6 +27,7 @@ from typing import Callable
 
 import numpy as np
 
+from hamburger_jax import cache
 from hamburger_jax.decode.paged_kv import BlockAllocator
 from hamburger_jax.decode.requests import Generation, GenerationError, Request
 from hamburger_jax.decode.serving import Scheduler, ServeStats, pool_error, stream_sink
@@ -78,6 +79,10 @@ class Ticket:
     self.request, self.mode = request, mode
     self.on_tokens, self.on_done = on_tokens, on_done
     self.sent = 0  # tokens handed to on_tokens
+    self.steps = 0  # macro steps that handed it tokens
+    self.submitted = time.perf_counter()
+    self.first: float | None = None  # perf_counter when its first tokens went out
+    self.ended: float | None = None
     self.produced = 0  # tokens of the current attempt (a preempted request starts again)
     self.attempt = 0
     self.cancelled = False
@@ -96,7 +101,7 @@ class Ticket:
   def finish(self, gen: Generation) -> None:
     if self._done.is_set():
       return
-    self.result = gen
+    self.result, self.ended = gen, time.perf_counter()
     self._done.set()
     if self.on_done is not None:
       _guarded(self.on_done, gen)
@@ -108,7 +113,8 @@ class Ticket:
     new = ids[max(self.sent - self.produced, 0):]
     self.produced += len(ids)
     if new and not self.cancelled and self.on_tokens is not None:
-      self.sent += len(new)
+      self.sent, self.steps = self.sent + len(new), self.steps + 1
+      self.first = self.first or time.perf_counter()
       if not _guarded(self.on_tokens, new):
         self.reader_gone()  # whoever read the stream is gone: free its slot
 
@@ -128,7 +134,9 @@ class AdmissionLoop:
 
   `modes`: the modes served (each its own layout and KV pool). `start()` compiles and starts
   the thread; `close()` stops taking requests, lets the ones in flight finish (or fails them
-  when `drain` is False) and joins."""
+  when `drain` is False) and joins. `observers` (a server's metrics) hear of every request
+  that ends, `ended(ticket, generation)` on the loop's thread, and of every one refused,
+  `refused(mode)` on the submitter's; their failures are ignored."""
 
   def __init__(self, engine, modes: tuple[str, ...], limits: Limits = Limits(), *,
                round_steps: int = DEFAULT_ROUND_STEPS):
@@ -144,6 +152,7 @@ class AdmissionLoop:
     self.usable = {m: BlockAllocator(lay.num_blocks).usable for m, lay in self.layouts.items()}
     self.stats = {m: _window_stats(limits.slots, self.usable[m]) for m in self.modes}
     self.compile_s = 0.0
+    self.compile_cache = cache.CompileCounts()  # start()'s programs: read from the cache, or not
     self._cond = threading.Condition()
     self._inbox: collections.deque[Ticket] = collections.deque()
     self._cancels: collections.deque[Ticket] = collections.deque()
@@ -156,17 +165,21 @@ class AdmissionLoop:
     self._thread: threading.Thread | None = None
     self._current: Scheduler | None = None  # the scheduler whose round is decoding
     self._scheds: tuple[Scheduler, ...] = ()
+    self.observers: list = []
 
   # ------------------------------------------------------------------ any thread
 
   def start(self) -> float:
     """Compiles every program a request within the limits can run (both decode variants: greedy
     and sampling, streaming) and starts the loop; returns the seconds spent compiling."""
-    t = time.perf_counter()
+    t, before = time.perf_counter(), cache.compile_counts()
     for lay in self.layouts.values():
       for stochastic in (False, True):
         self.engine.compile_for(lay, self.limits.max_prompt_tokens, stochastic, stream=True)
     self.compile_s = time.perf_counter() - t
+    after = cache.compile_counts()
+    self.compile_cache = cache.CompileCounts(after.hits - before.hits,
+                                             after.misses - before.misses)
     self._thread = threading.Thread(target=self._run, name="admission-loop", daemon=True)
     self._thread.start()
     return self.compile_s
@@ -176,6 +189,15 @@ class AdmissionLoop:
     """Checks `request` against the engine and the limits (GenerationError says what to
     change), then queues it. Raises QueueFull or LoopClosed instead of queueing."""
     mode = self.modes[0] if mode is None else mode
+    try:
+      return self._queue(request, mode, on_tokens, on_done)
+    except (GenerationError, QueueFull, LoopClosed):
+      for observer in self.observers:
+        _guarded(observer.refused, mode)
+      raise
+
+  def _queue(self, request: Request, mode: str, on_tokens: Callable | None,
+             on_done: Callable | None) -> Ticket:
     if mode not in self.modes:
       raise GenerationError(f"mode {mode!r} is not served here; use one of {list(self.modes)}")
     request.check(self.engine)
@@ -230,6 +252,12 @@ class AdmissionLoop:
   @property
   def in_flight(self) -> int:
     return len(self._tickets)
+
+  def kv_blocks(self) -> dict[str, tuple[int, int]]:
+    """(blocks used, blocks free) of each mode's KV pool, now."""
+    pools = {s.mode: s.pool for s in self._scheds}
+    return {m: (self.usable[m] - pools[m].free, pools[m].free) if m in pools
+            else (0, self.usable[m]) for m in self.modes}
 
   # ------------------------------------------------------------------ the loop's thread
 
@@ -294,7 +322,14 @@ class AdmissionLoop:
   def _finish(self, ticket: Ticket, gen: Generation) -> None:
     with self._cond:
       self._tickets.pop(id(ticket.request), None)
+    self._end(ticket, gen)
+
+  def _end(self, ticket: Ticket, gen: Generation) -> None:
+    if ticket.done:
+      return
     ticket.finish(gen)
+    for observer in self.observers:
+      _guarded(observer.ended, ticket, gen)
 
   def _deliver(self, group: np.ndarray, count: np.ndarray) -> bool:
     """One macro step of the scheduler now decoding (the loop's thread waits on it). True (end
@@ -317,7 +352,7 @@ class AdmissionLoop:
       self._tickets.clear()
       self._inbox.clear()
     for ticket in tickets:
-      ticket.finish(_ended(ticket, error))
+      self._end(ticket, _ended(ticket, error))
 
 
 def _window_stats(slots: int, usable: int) -> ServeStats:

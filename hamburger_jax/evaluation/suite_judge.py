@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -101,6 +102,7 @@ class Judgement:
   by_c: dict[float, dict[str, Any]]
   scores: dict[float, list[float]]  # per item, suite order
   tasks: list[str]
+  seconds: float = 0.0  # what judging takes with its programs compiled
 
   def merit(self) -> float:
     return float(np.mean([v["merit"] for v in self.by_c.values()]))
@@ -135,7 +137,9 @@ def judge(engine, suite: Suite, base: BaseRun, name: str,
   decode = _decoder(engine)
   items = suite.items
   by_c, scores = {}, {}
+  seconds = []
   for c in confidences:
+    t = time.monotonic()
     gens = decode_items(engine, items, mode="hamburger", confidence=c, batch=batch)
     s = [score(it, g.token_ids, b.token_ids, decode)
          for it, g, b in zip(items, gens, base.gens)]
@@ -144,8 +148,12 @@ def judge(engine, suite: Suite, base: BaseRun, name: str,
     if micro_share:
       same, total = micro_base_share(engine.model.base, items, gens)
       by_c[c].update(micro_tokens=total, micro_base_share=same / total if total else float("nan"))
+    seconds.append(time.monotonic() - t)
     log(f"{name} c={c:g}: " + summary_line(by_c[c]))
-  return Judgement(name, by_c, scores, suite.tasks)
+  # The first confidence compiled the programs (when new); the others ran them as a later judge
+  # with the same engine does.
+  warm = seconds[1:] or seconds
+  return Judgement(name, by_c, scores, suite.tasks, len(seconds) * sum(warm) / len(warm))
 
 
 def _summary(suite: Suite, gens: Sequence, s: Sequence[float], base: BaseRun) -> dict[str, Any]:

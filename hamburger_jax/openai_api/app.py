@@ -1,10 +1,11 @@
 """An OpenAI-compatible HTTP server over the engine's admission loop (a Starlette app).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events with
-`stream: true`, ending in `data: [DONE]`), GET /v1/models, GET /health. Each request is
-submitted to the `AdmissionLoop`, which admits it into the running batch between rounds; its
-macro steps come back on the loop's thread and cross to the event loop through an asyncio
-queue. A client that goes away (or a stop string) cancels its request, which frees its slot.
+`stream: true`, ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics
+(Prometheus, openai_api/metrics.py). Each request is submitted to the `AdmissionLoop`, which
+admits it into the running batch between rounds; its macro steps come back on the loop's
+thread and cross to the event loop through an asyncio queue. A client that goes away (or a
+stop string) cancels its request, which frees its slot.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from typing import AsyncIterator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from hamburger_jax.decode.admission import AdmissionLoop, LoopClosed, QueueFull, Ticket, recent
 from hamburger_jax.decode.requests import Generation
-from hamburger_jax.openai_api import protocol
+from hamburger_jax.openai_api import metrics, protocol
 from hamburger_jax.openai_api.protocol import ApiError
 from hamburger_jax.openai_api.text_stream import TextStream
 
@@ -89,8 +90,10 @@ class Server:
     self.loop, self.defaults = loop, defaults
     self.engine = loop.engine
     self.created = int(time.time())
+    self.metrics = metrics.ServerMetrics(loop, self.engine.max_group or 1)
     self.app = Starlette(routes=[
-        Route("/health", self._health), Route("/v1/models", self._models),
+        Route("/health", self._health), Route("/metrics", self._metrics),
+        Route("/v1/models", self._models),
         Route("/v1/chat/completions", functools.partial(self._complete, chat=True),
               methods=["POST"]),
         Route("/v1/completions", functools.partial(self._complete, chat=False),
@@ -102,8 +105,14 @@ class Server:
     return JSONResponse({"status": "ok" if ok else "failed", "error": self.loop.error,
                          "waiting": self.loop.waiting, "in_flight": self.loop.in_flight,
                          "cancelled": self.loop.cancelled,
-                         "modes": {m: recent(s) for m, s in self.loop.stats.items()}},
+                         "modes": {m: recent(s) for m, s in self.loop.stats.items()},
+                         "compile": {"seconds": round(self.loop.compile_s, 3),
+                                     "cache_hits": self.loop.compile_cache.hits,
+                                     "cache_misses": self.loop.compile_cache.misses}},
                         status_code=200 if ok else 503)
+
+  async def _metrics(self, _) -> Response:
+    return Response(self.metrics.render(), media_type=metrics.CONTENT_TYPE)
 
   async def _models(self, _) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [

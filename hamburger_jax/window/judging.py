@@ -51,8 +51,8 @@ def judge_init(run: Run, model) -> Judge | None:
   t = time.monotonic()
   init = suite_judge.judge(engine, suite, base, "init", batch=run.s.judge_batch, log=run.log)
   decode_s = time.monotonic() - t
-  # The trained grafts' judges reuse these programs: the plan keeps their decode time for each.
-  run.summary["judge_init_decode_s"] = decode_s
+  # The trained grafts' judges reuse these programs: the plan keeps their time for each.
+  run.summary["judge_init_decode_s"] = init.seconds
   run.summary["judge"] = {"suite": {"items": len(suite.items), "tasks": suite.tasks,
                                     "base_same_as_suite": base.same_as_suite},
                           "init": _numbers(init)}

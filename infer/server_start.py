@@ -1,0 +1,51 @@
+"""CLI: the server's time to /health, start after start, against a fresh compilation cache.
+
+  python -m infer.server_start -- --slots 4
+  python -m infer.server_start --starts 3 -- --slots 8 --modes hamburger
+
+Everything after `--` goes to `python -m infer.server`. The first start compiles and writes
+every program; each later one, with the same layout, should read them all back: its row shows
+the cache hits and misses its /health reported. Converted weights stay in the usual cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+
+def main(argv=None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  server_args = argv[argv.index("--") + 1:] if "--" in argv else []
+  p = argparse.ArgumentParser(prog="python -m infer.server_start", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--starts", type=int, default=2, help="server starts, one after the other")
+  p.add_argument("--timeout", type=float, default=1800, help="seconds a start may take")
+  args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+  if args.starts < 1:
+    p.error("--starts must be >= 1")
+  if any(a == "--port" or a.startswith("--port=") for a in server_args):
+    p.error("leave out --port: each start listens on a free port of its own")
+  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.benchmarks.server_start import time_starts
+  with tempfile.TemporaryDirectory() as tmp:
+    try:
+      rows = time_starts(server_args, os.path.join(tmp, "jax"), args.starts, tmp,
+                         timeout_s=args.timeout)
+    except RuntimeError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 1
+  print(f"python -m infer.server {' '.join(server_args)}: {args.starts} starts against one "
+        f"fresh compilation cache ({os.cpu_count()} CPU cores)")
+  print("| start | to /health (s) | compiling (s) | programs from the cache | compiled |")
+  print("|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['start']} | {r['health_s']:.1f} | {r['seconds']:.1f} | {r['cache_hits']} | "
+          f"{r['cache_misses']} |")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
