@@ -22,9 +22,10 @@ import dataclasses
 import hashlib
 import os
 import sys
-import tempfile
 
 import jax
+
+from hamburger_jax import files
 
 CACHE_DIR_ENV = "HAMBURGER_JAX_CACHE_DIR"
 NO_COMPILE_CACHE_ENV = "HAMBURGER_JAX_NO_COMPILE_CACHE"
@@ -104,14 +105,17 @@ def _count_jax_event(event: str, **_) -> None:
 
 def _callback_program_path(backend, computation, devices, options, host_callbacks) -> str | None:
   """Where the program goes when it has host callbacks and the cache is on; else None."""
-  # pylint: disable=import-outside-toplevel,protected-access
-  from jax._src import compilation_cache as jax_cache, compiler
+  from jax._src import compilation_cache as jax_cache  # pylint: disable=import-outside-toplevel
   directory = jax.config.jax_compilation_cache_dir
   if (not host_callbacks or backend.platform not in CALLBACK_PLATFORMS or not directory
-      or "://" in directory or not jax_cache.is_cache_used(backend)):
+      or files.is_remote(directory) or not jax_cache.is_cache_used(backend)):
     return None
-  key = compiler._get_cache_key(options, backend, computation, devices)
-  return os.path.join(directory, CALLBACK_PROGRAMS_DIR, key) if key else None
+  try:
+    key = jax_cache.get_cache_key(computation, devices, options, backend)
+  except Exception as e:  # pylint: disable=broad-except
+    warn(f"no compilation cache key for a program with host callbacks ({e}); compiling it")
+    return None
+  return os.path.join(directory, CALLBACK_PROGRAMS_DIR, key)
 
 
 def _keep_callback_programs() -> None:
@@ -153,15 +157,8 @@ def _keep_callback_programs() -> None:
 def _write_atomically(path: str, data: bytes) -> None:
   """A reader sees the whole entry or none; a failed write is a warning."""
   try:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-      with os.fdopen(fd, "wb") as f:
-        f.write(data)
-      os.replace(tmp, path)
-    except BaseException:
-      os.unlink(tmp)
-      raise
+    files.makedirs(os.path.dirname(path))
+    files.write_bytes_atomic(path, data)
   except OSError as e:
     warn(f"could not write compilation cache entry {path}: {e}")
 
