@@ -27,8 +27,68 @@ from flax import nnx
 
 from hamburger_jax.decode.sampling import greedy
 from hamburger_jax.model.kv_cache import KVCache
-from hamburger_jax.model.llama import dtype_of
+from hamburger_jax.model.llama import Llama, dtype_of
+from hamburger_jax.model.rope import apply_rope, inverse_frequencies
 from hamburger_jax.segmentation import confident_starts
+
+
+# How a decode step reads and writes the cache: "in_place" (_in_place_step) or "engine"
+# (Llama.forward with a KVCache, as the serving engine steps: the baseline that
+# infer/bench_answers.py times it against).
+STEPS = ("in_place", "engine")
+
+
+def _attend_cache(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array,
+                  at_b1: jax.Array) -> jax.Array:
+  """One new input a row attending to its cache's entries up to its own slot `at` (written
+  already): [B, 1, H*Dh]. Scores and the weighted sum of values are multiplies and reductions in
+  the cache's own layout, reading each entry once; a dot_general wants the batch dimensions
+  (row, KV head) leading and would transpose the layer's whole cache first. attention.attend's
+  math (float32 scores and softmax, probabilities rounded to the values' dtype), in another
+  summation order."""
+  b = q_bthd.shape[0]
+  hkv, dh = k_bskd.shape[2:]
+  f32 = jnp.float32
+  if q_bthd.ndim == 5:  # a fused kernel's [B, 1, G, Hkv, Dh]
+    q = jnp.swapaxes(q_bthd[:, 0], 1, 2)
+  else:
+    q = q_bthd[:, 0].reshape(b, hkv, -1, dh)
+  q = q.astype(f32) / jnp.sqrt(f32(dh))  # [B, Hkv, G, Dh]
+  scores = jnp.sum(q[:, None] * k_bskd.astype(f32)[..., None, :], axis=-1)  # [B, S, Hkv, G]
+  seen = jnp.arange(k_bskd.shape[1])[None, :] <= at_b1
+  scores = jnp.where(seen[..., None, None], scores, jnp.finfo(f32).min)
+  probs = jax.nn.softmax(scores, axis=1).astype(v_bskd.dtype).astype(f32)
+  out = jnp.sum(probs[..., None] * v_bskd.astype(f32)[..., None, :], axis=1)  # [B, Hkv, G, Dh]
+  return out.astype(v_bskd.dtype).reshape(b, 1, -1)
+
+
+def _in_place_step(model: Llama, tok_b: jax.Array, at_b1: jax.Array,
+                   cache: KVCache) -> tuple[jax.Array, KVCache]:
+  """The base's forward of one token a row at cache slot `at`, each layer writing its new entry
+  into the cache before reading it: every read then follows the write before it, so XLA updates
+  the loop's cache in place. (Llama.forward writes every layer after all have read: nothing
+  orders the last layer's read before that write, and XLA copies the whole cache each step;
+  infer/bench_answers.py counts the copies in the compiled loop.)
+  Returns the final-normed hidden state [B, D] and the cache."""
+  rows = jnp.arange(tok_b.shape[0])[:, None]
+  x = model.embed(tok_b[:, None])
+  for i, layer in enumerate(model.decoder.layers):
+    attn = layer.self_attn
+    q, k, v = attn.project(layer.input_layernorm(x))
+    inv_freq = inverse_frequencies(attn.rope_cfg)
+    q, k = apply_rope(q, at_b1, inv_freq), apply_rope(k, at_b1, inv_freq)
+    dt = cache.k.dtype
+    cache = cache.replace(k=cache.k.at[i, rows, at_b1].set(k.astype(dt)),
+                          v=cache.v.at[i, rows, at_b1].set(v.astype(dt)))
+    x = x + attn.o_proj(_attend_cache(q, cache.k[i], cache.v[i], at_b1))
+    x = x + layer.mlp(layer.post_attention_layernorm(x))
+  return model.norm(x)[:, 0], cache
+
+
+def _engine_step(model: Llama, tok_b: jax.Array, at_b1: jax.Array,
+                 cache: KVCache) -> tuple[jax.Array, KVCache]:
+  step = model.forward(model.embed(tok_b[:, None]), at_b1, None, cache=cache, slots_bt=at_b1)
+  return step.hidden[:, 0], step.cache
 
 
 def _choose(logits_bv: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -38,17 +98,18 @@ def _choose(logits_bv: jax.Array) -> tuple[jax.Array, jax.Array]:
   return tok, jnp.exp(best - jax.nn.logsumexp(logits_bv, axis=-1))
 
 
-@functools.partial(jax.jit, static_argnames=("max_new",))
+@functools.partial(jax.jit, static_argnames=("max_new", "step"))
 def answers_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_ids: jax.Array,
-                    lengths: jax.Array, stop_ids: jax.Array, *, max_new: int
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    lengths: jax.Array, stop_ids: jax.Array, *, max_new: int,
+                    step: str = "in_place") -> tuple[jax.Array, jax.Array, jax.Array]:
   """Greedy answers of the base `(graphdef, state)` to prompts [R, P] (right-padded; `lengths`
   [R] >= 1): (tokens [R, max_new] int32, their probabilities [R, max_new] float32, answer
   lengths [R] int32). An answer ends with the first token in `stop_ids` (kept) or at max_new;
-  entries after its end are 0."""
+  entries after its end are 0. `step`: how a decode step goes (STEPS)."""
   model = nnx.merge(graphdef, state)
   cfg = model.cfg
   r, p = prompt_ids.shape
+  decode = {"in_place": _in_place_step, "engine": _engine_step}[step]
   cache = KVCache.init(cfg.num_layers, r, p + max_new, cfg.num_kv_heads, cfg.head_dim,
                        dtype_of(cfg.dtype))
   slots = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (r, p))
@@ -63,10 +124,9 @@ def answers_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_ids: jax.Ar
     tokens = tokens.at[:, i].set(jnp.where(live, tok, 0))
     probs = probs.at[:, i].set(jnp.where(live, prob, 0.0))
     done = done | jnp.isin(tok, stop_ids)
-    at = (lengths + i)[:, None]
-    step = model.forward(model.embed(tok[:, None]), at, None, cache=cache, slots_bt=at)
-    tok, prob = _choose(model.logits(step.hidden[:, 0]))
-    return i + 1, tok, prob, step.cache, tokens, probs, done
+    hidden, cache = decode(model, tok, (lengths + i)[:, None], cache)
+    tok, prob = _choose(model.logits(hidden))
+    return i + 1, tok, prob, cache, tokens, probs, done
 
   def cond(carry):
     return (carry[0] < max_new) & ~jnp.all(carry[-1])
