@@ -34,9 +34,6 @@ class PackedMask:
   dense kernel the mask they make."""
   segment_ids_bt: jax.Array
 
-  def dense(self) -> jax.Array:
-    return causal_segment_mask(self.segment_ids_bt)
-
 
 def attend(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array,
            mask_bts: jax.Array) -> jax.Array:
