@@ -152,13 +152,13 @@ def test_metrics_add_up_under_load(second):
   assert _delta(after, before, "hamburger_time_per_output_token_seconds_count", **hb) == sum(
       a.completion_tokens > 1 for a in answers)
   # Under load: requests waited and ran (6 clients, 2 slots), and held KV blocks.
-  assert max(_get(m, "hamburger_requests", state="running") for m in during) >= 1
+  assert max(_get(m, "hamburger_requests_active", state="running") for m in during) >= 1
   assert max(_get(m, "hamburger_kv_blocks", mode="hamburger", state="used")
              for m in during) >= 1
   for m in during:  # never more than the clients, never more than sent
-    assert _get(m, "hamburger_requests", state="running") <= 2
-    assert (_get(m, "hamburger_requests", state="running")
-            + _get(m, "hamburger_requests", state="queued")) <= 6
+    assert _get(m, "hamburger_requests_active", state="running") <= 2
+    assert (_get(m, "hamburger_requests_active", state="running")
+            + _get(m, "hamburger_requests_active", state="queued")) <= 6
     assert _delta(m, before, "hamburger_requests_total", state="finished", **hb) <= REQUESTS
   total = sum(_get(after, "hamburger_kv_blocks", mode="hamburger", state=s)
               for s in ("used", "free"))
@@ -212,12 +212,15 @@ def test_each_app_counts_in_a_registry_of_its_own():
              for _ in range(2)]
   with pytest.raises(GenerationError, match="over this server's limit"):
     servers[0].loop.submit(Request([1, 2, 3], max_new_tokens=9), "base")
-  counts = [_parse(s.metrics.render().decode()) for s in servers]
+  texts = [s.metrics.render().decode() for s in servers]
+  types = [line.split()[2] for line in texts[0].splitlines() if line.startswith("# TYPE")]
+  assert len(types) == len(set(types)) >= 8, types  # one family per name
+  counts = [_parse(t) for t in texts]
   refused = [_get(c, "hamburger_requests_total", mode="base", state="refused") for c in counts]
   assert refused == [1, 0]
   usable = servers[0].loop.usable["base"]
   assert _get(counts[1], "hamburger_kv_blocks", mode="base", state="free") == usable
   assert _get(counts[1], "hamburger_kv_blocks", mode="base", state="used") == 0
-  assert _get(counts[1], "hamburger_requests", state="queued") == 0
+  assert _get(counts[1], "hamburger_requests_active", state="queued") == 0
   # Nothing went to the process-wide default registry.
   assert not [m for m in prometheus_client.REGISTRY.collect() if m.name.startswith("hamburger")]

@@ -5,7 +5,7 @@ servers in one process count apart. The loop tells it of each request that ends 
 (AdmissionLoop.observers); requests waiting and running, and each mode's KV blocks, are read
 from the loop when scraped.
 
-  hamburger_requests{state="queued"|"running"}               gauge
+  hamburger_requests_active{state="queued"|"running"}        gauge
   hamburger_requests_total{mode, state="finished"|"cancelled"|"failed"|"refused"}
   hamburger_prompt_tokens_total{mode}, hamburger_generation_tokens_total{mode}
   hamburger_time_to_first_token_seconds{mode}, hamburger_time_per_output_token_seconds{mode}
@@ -41,8 +41,8 @@ class _LoopState:
 
   def collect(self):
     waiting, in_flight = self.loop.waiting, self.loop.in_flight
-    requests = GaugeMetricFamily("hamburger_requests", "Requests waiting for a slot (queued) "
-                                 "and decoding (running)", labels=["state"])
+    requests = GaugeMetricFamily("hamburger_requests_active", "Requests waiting for a slot "
+                                 "(queued) and decoding (running)", labels=["state"])
     requests.add_metric(["queued"], waiting)
     requests.add_metric(["running"], max(in_flight - waiting, 0))
     yield requests
