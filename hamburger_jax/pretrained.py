@@ -60,6 +60,13 @@ def load_llama(source: str = DEFAULT_BASE, **overrides: Any) -> tuple[Llama, Tok
   return model, Tokenizer.from_hf_dir(path)
 
 
+def load_tokenizer(source: str = DEFAULT_BASE) -> Tokenizer:
+  """A base model's tokenizer (`resolve_base`'s sources), without its weights; a graft's is
+  its base's."""
+  kind, path = resolve_base(source)
+  return Tokenizer.from_gguf(path) if kind == "gguf" else Tokenizer.from_hf_dir(path)
+
+
 def vocab_size(checkpoint: str | None = None, base_source: str | None = None) -> int:
   """The vocabulary of the model that load_hamburger(checkpoint, base_source) (checkpoint None:
   load_llama(base_source)) would build, from metadata only: for argument checks that must not

@@ -54,6 +54,11 @@ class TokenizerError(ValueError):
 
 
 @functools.cache
+def _unicode_to_bytes() -> dict[str, int]:
+  return {c: b for b, c in _bytes_to_unicode().items()}
+
+
+@functools.cache
 def _bytes_to_unicode() -> dict[int, str]:
   """GPT-2's byte -> printable character table that byte-level BPE vocabularies are spelled in."""
   bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
@@ -334,6 +339,37 @@ class Tokenizer:
     if token is None:
       raise TokenizerError(f"id {token_id} is outside the vocabulary [0, {self.vocab_size})")
     return token
+
+  def token_bytes(self, token_id: int) -> bytes:
+    """The bytes `token_id` stands for: a byte-level vocabulary's spelling mapped back through
+    GPT-2's byte alphabet (a piece of a character is its bytes alone), else its decoded text."""
+    token = self.id_to_token(token_id)
+    table = _unicode_to_bytes()
+    if all(c in table for c in token):
+      return bytes(table[c] for c in token)
+    return self.decode([token_id]).encode("utf-8")
+
+  def save(self, directory: str | os.PathLike) -> str:
+    """Writes an HF tokenizer directory that `from_hf_dir` and transformers'
+    `AutoTokenizer.from_pretrained` read back as this tokenizer (the same ids, special tokens,
+    stop ids and chat template): tokenizer.json, tokenizer_config.json, chat_template.jinja
+    and generation_config.json (the stop ids) where there is something to write. Returns the
+    directory."""
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    self._tok.save(os.path.join(directory, "tokenizer.json"))
+    # No add_bos_token / add_eos_token: tokenizer.json's post-processor stays in charge.
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+              **self._special}
+    files = {"tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False)}
+    if self.chat_template is not None:
+      files["chat_template.jinja"] = self.chat_template
+    if self._extra_stop_ids:
+      files["generation_config.json"] = json.dumps({"eos_token_id": list(self._extra_stop_ids)})
+    for name, text in files.items():
+      with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+        f.write(text)
+    return directory
 
   def token_to_id(self, token: str) -> int | None:
     """The id of a vocabulary entry spelled as in the vocabulary, or None if there is none."""
