@@ -190,6 +190,43 @@ class CheckpointConfig:
                         f"{', '.join(EXPORT_DTYPES)}")
 
 
+def checkpoints_dir(run_dir: str) -> str:
+  """Where a run (checkpoint.dir) keeps its orbax checkpoints, one directory per saved step."""
+  return files.join(run_dir, "checkpoints")
+
+
+def saved_steps(run_dir: str) -> set[int] | None:
+  """Steps with a complete checkpoint in the run in `run_dir` (None when the run has no
+  checkpoints folder): orbax's own reading of its step folders, so the latest is the step a
+  resumed run starts from."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  path = checkpoints_dir(run_dir)
+  if not files.isdir(path):
+    return None
+  return set(ocp.utils.checkpoint_steps(path))
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """How the processes of a multi-process run (train.main --num-processes N) watch each other.
+
+  heartbeat_timeout_s: a process that sends the coordination service (on process 0) no heartbeat
+  for this long is lost: every other process then ends with one line naming it and the last
+  complete checkpoint, and exit code 75 (hamburger_jax/multiprocess.py). The heartbeat is sent
+  by the coordination client's own thread, not by the training loop, so a slow step, a long
+  compile, a checkpoint save or a data stall never counts; a process or host that stops
+  altogether does (killed, crashed, preempted, frozen or swapped out, or cut off from process
+  0's host). Shorter ends a broken run sooner (the others end this long plus about a second
+  after the loss); too short ends a healthy run whose host pauses, or whose network to process
+  0 drops, for that long. jax's own default is 100 s.
+  """
+  heartbeat_timeout_s: int = 20
+
+  def __post_init__(self):
+    _at_least("distributed", self, 2, "heartbeat_timeout_s",
+              hint="seconds without a heartbeat before a process counts as lost")
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   data: int = -1  # -1: whatever is left of the devices
@@ -211,6 +248,7 @@ class RunConfig:
   checkpoint: CheckpointConfig = CheckpointConfig()
   mesh: MeshConfig = MeshConfig()
   distill: DistillConfig = DistillConfig()
+  distributed: DistributedConfig = DistributedConfig()
   stage: str = ""  # the stage of the config's `stages:` this run is ("" = no stages)
 
   def __post_init__(self):

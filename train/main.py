@@ -3,14 +3,23 @@
 Resumes from the latest checkpoint in checkpoint.dir automatically. Multi-host: pass
 --num-processes/--process-id/--coordinator (or set JAX_NUM_PROCESSES, JAX_PROCESS_ID,
 JAX_COORDINATOR_ADDRESS); each process then feeds its own shard of the data. On CPU the processes
-talk through gloo (see train/launch_local.sh).
+talk through gloo (see train/launch_local.sh). When one process is lost (no heartbeat for
+distributed.heartbeat_timeout_s), every other one ends with a line naming it and the checkpoint
+to resume from, exit code 75.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from typing import TYPE_CHECKING
+
+from hamburger_jax import multiprocess
+
+if TYPE_CHECKING:
+  from hamburger_jax.run_config import RunConfig
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,22 +68,43 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
-def init_distributed(args) -> None:
-  """jax.distributed.initialize from flags or the usual environment variables (entry point only)."""
+def process_group(args: argparse.Namespace) -> multiprocess.ProcessGroup | None:
+  """The run's processes from flags or the usual environment variables; None for one process."""
+  n = args.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0") or 0)
+  if n <= 1:
+    return None
+  pid = args.process_id if args.process_id is not None else os.environ.get("JAX_PROCESS_ID")
+  coord = args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if pid is None or coord is None:
+    raise SystemExit(f"error: a run of {n} processes needs each one's --process-id (or "
+                     "JAX_PROCESS_ID) and --coordinator host:port (or JAX_COORDINATOR_ADDRESS)")
+  if not str(pid).isdigit() or not int(pid) < n:
+    raise SystemExit(f"error: process id {pid} is not one of the run's processes 0..{n - 1}")
+  return multiprocess.ProcessGroup(n, int(pid), coord)
+
+
+def init_distributed(args: argparse.Namespace, group: multiprocess.ProcessGroup | None,
+                     heartbeat_timeout_s: int) -> None:
+  """Fake CPU devices and jax.distributed, before any backend starts (entry point only)."""
   import jax  # pylint: disable=import-outside-toplevel
   if args.cpu_devices:
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-  n = args.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0") or 0)
-  if n <= 1:
+  if group is None:
     return
-  pid = args.process_id if args.process_id is not None else int(os.environ["JAX_PROCESS_ID"])
-  coord = args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
-  if coord is None:
-    raise SystemExit("error: a multi-process run needs --coordinator host:port "
-                     "(or JAX_COORDINATOR_ADDRESS)")
   # Only affects the CPU client (cross-process collectives on CPU); set before any backend starts.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=coord, num_processes=n, process_id=pid)
+  jax.distributed.initialize(coordinator_address=group.coordinator,
+                             num_processes=group.num_processes, process_id=group.process_id,
+                             heartbeat_timeout_seconds=heartbeat_timeout_s)
+
+
+def supervise(argv: list[str], cfg: RunConfig, group: multiprocess.ProcessGroup) -> int:
+  """Trains in a child process and ends in one line if another process of the run is lost
+  (hamburger_jax/multiprocess.py)."""
+  return multiprocess.supervise(
+      [sys.executable, "-m", "train.main", *argv], sys.stderr.buffer,
+      lambda report: multiprocess.describe_loss(report, group, cfg.distributed.heartbeat_timeout_s,
+                                                cfg.checkpoint.dir))
 
 
 def main(argv=None) -> int:
@@ -88,9 +118,12 @@ def main(argv=None) -> int:
       check_training_inputs(cfg)  # before jax starts and the model loads
   except ConfigError as e:
     raise SystemExit(f"error: {e}") from None
+  group = process_group(args)
+  if group is not None and not multiprocess.supervised():
+    return supervise(sys.argv[1:] if argv is None else list(argv), cfg, group)
   from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
   cache.enable_compilation_cache()
-  init_distributed(args)
+  init_distributed(args, group, cfg.distributed.heartbeat_timeout_s)
   from hamburger_jax import graft_checkpoint  # pylint: disable=import-outside-toplevel
   from hamburger_jax import training  # pylint: disable=import-outside-toplevel
   from hamburger_jax.files import StorageError  # pylint: disable=import-outside-toplevel
@@ -98,20 +131,23 @@ def main(argv=None) -> int:
     graft_checkpoint.check_shard_limit(args.export_shard_mb)  # before hours of training, not after
   except ValueError as e:
     raise SystemExit(f"error: --export-shard-mb: {e}") from None
-  if args.export_step is not None:
+  awaits = (multiprocess.peer_loss_awaits_report(cfg.distributed.heartbeat_timeout_s)
+            if group is not None else contextlib.nullcontext())
+  with awaits:
+    if args.export_step is not None:
+      try:
+        export_dir = training.export_step(cfg, args.export_step)
+      except (ConfigError, FileNotFoundError, StorageError) as e:
+        raise SystemExit(f"error: {e}") from None
+      print(f"done: step {args.export_step} exported to {export_dir}" + shard_export(args,
+                                                                                 export_dir))
+      return 0
     try:
-      export_dir = training.export_step(cfg, args.export_step)
+      result = training.run(cfg, max_steps=args.max_steps, max_minutes=args.max_minutes,
+                           max_cpu_minutes=args.max_cpu_minutes,
+                           progress=not args.no_progress)
     except (ConfigError, FileNotFoundError, StorageError) as e:
       raise SystemExit(f"error: {e}") from None
-    print(f"done: step {args.export_step} exported to {export_dir}" + shard_export(args,
-                                                                               export_dir))
-    return 0
-  try:
-    result = training.run(cfg, max_steps=args.max_steps, max_minutes=args.max_minutes,
-                         max_cpu_minutes=args.max_cpu_minutes,
-                         progress=not args.no_progress)
-  except (ConfigError, FileNotFoundError, StorageError) as e:
-    raise SystemExit(f"error: {e}") from None
   print(f"done: {result.steps_done} steps this run, at step {result.final_step}/{cfg.train.steps}"
         + (f"; export in {result.export_dir}" + shard_export(args, result.export_dir)
            if result.export_dir else ""))

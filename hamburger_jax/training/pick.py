@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from hamburger_jax import files
+from hamburger_jax.run_config import saved_steps  # noqa: F401  (pick's API)
 
 GEN_KEYS = ("gen_tokens_per_step", "gen_prefix_agreement", "gen_identical")
 
@@ -25,15 +25,6 @@ class Pick:
   step: int
   fallback: bool  # no step kept the start's agreement: the best agreement instead
   start_agreement: float
-
-
-def saved_steps(run_dir: str) -> set[int] | None:
-  """Steps with a checkpoint under RUN_DIR/checkpoints (None when the run has no such folder)."""
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  path = files.join(run_dir, "checkpoints")
-  if not files.isdir(path):
-    return None
-  return set(ocp.utils.checkpoint_steps(path))  # orbax's own reading of its step folders
 
 
 def checks(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
