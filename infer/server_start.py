@@ -1,4 +1,4 @@
-"""CLI: the server's time to /health, start after start, against a fresh compilation cache.
+"""CLI: the server's time to /health, start after start, against one compilation cache.
 
   python -m infer.server_start -- --slots 4
   python -m infer.server_start --starts 3 -- --slots 8 --modes hamburger
@@ -23,6 +23,9 @@ def main(argv=None) -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--starts", type=int, default=2, help="server starts, one after the other")
   p.add_argument("--timeout", type=float, default=1800, help="seconds a start may take")
+  p.add_argument("--cache-dir", default=None,
+                 help="the compilation cache the starts share, kept afterwards (default: a "
+                 "fresh temporary one)")
   args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
   if args.starts < 1:
     p.error("--starts must be >= 1")
@@ -32,13 +35,15 @@ def main(argv=None) -> int:
   from hamburger_jax.benchmarks.server_start import time_starts
   with tempfile.TemporaryDirectory() as tmp:
     try:
-      rows = time_starts(server_args, os.path.join(tmp, "jax"), args.starts, tmp,
-                         timeout_s=args.timeout)
+      rows = time_starts(server_args, args.cache_dir or os.path.join(tmp, "jax"), args.starts,
+                         tmp, timeout_s=args.timeout)
     except RuntimeError as e:
       print(f"error: {e}", file=sys.stderr)
       return 1
-  print(f"python -m infer.server {' '.join(server_args)}: {args.starts} starts against one "
-        f"fresh compilation cache ({os.cpu_count()} CPU cores)")
+  cache = f"the compilation cache {args.cache_dir}" if args.cache_dir else (
+      "one fresh compilation cache")
+  print(f"python -m infer.server {' '.join(server_args)}: {args.starts} starts against "
+        f"{cache} ({os.cpu_count()} CPU cores)")
   print("| start | to /health (s) | compiling (s) | programs from the cache | compiled |")
   print("|---|---|---|---|---|")
   for r in rows:
