@@ -194,8 +194,10 @@ def test_a_collective_that_lost_its_peer_waits_for_the_report(monkeypatch: pytes
   the process) and is raised if the process outlives the wait. Other errors are raised at once."""
   waits = []
   monkeypatch.setattr(multiprocess, "await_report", waits.append)
-  for error, waited in ((ValueError(GLOO_PEER_GONE), [7]), (ValueError("Gloo: bad shape"), []),
-                        (KeyError("x"), [])):
+  reset = RuntimeError("UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc"
+                       ":538] Read error [127.0.0.1]:12009: Connection reset by peer")
+  for error, waited in ((ValueError(GLOO_PEER_GONE), [7]), (reset, [7]),
+                        (ValueError("Gloo: bad shape"), []), (KeyError("x"), [])):
     waits.clear()
     with pytest.raises(type(error)) as raised:
       with multiprocess.peer_loss_awaits_report(7):
