@@ -135,6 +135,27 @@ def load(directory: str, vocab_size: int | None = None,
   return Suite(items, meta)
 
 
+def decode_items(engine, items: Sequence[SuiteItem], *, mode: str, confidence: float,
+                 batch: int) -> list:
+  """Greedy generations of `items` in order, `batch` rows at a time per new-token budget (one
+  layout per budget: the engine compiles few programs)."""
+  out: list = [None] * len(items)
+  by_budget: dict[int, list[int]] = {}
+  for i, it in enumerate(items):
+    by_budget.setdefault(it.max_new, []).append(i)
+  for max_new, idx in sorted(by_budget.items()):
+    size = min(batch, len(idx))
+    for s in range(0, len(idx), size):
+      chunk = idx[s:s + size]
+      # A short last batch repeats its last prompt, so it reuses the full batches' programs.
+      rows = [list(items[i].prompt) for i in chunk] + \
+          [list(items[chunk[-1]].prompt)] * (size - len(chunk))
+      gens = engine.generate(rows, max_new_tokens=max_new, mode=mode, confidence=confidence)
+      for i, g in zip(chunk, gens):
+        out[i] = g
+  return out
+
+
 def _task_items(engine, n: int) -> list[SuiteItem]:
   out = []
   for name in NUMBER_TASKS:
@@ -190,7 +211,6 @@ def build(engine, *, task_examples: int = TASK_EXAMPLES,
   """The suite for `engine`'s model: the number tasks and chat prompts with a tokenizer, else
   synthetic prompts (2 * task_examples); each with the base's greedy answer."""
   from hamburger_jax.data.tokens.corpus import tokenizer_fingerprint  # pylint: disable=C0415
-  from hamburger_jax.evaluation.suite_judge import decode_items  # pylint: disable=C0415
   tok = engine.tokenizer
   if tok is None:
     items = _synthetic_items(engine, 2 * task_examples)

@@ -30,31 +30,10 @@ from flax import nnx
 
 from hamburger_jax.decode.requests import pooled_tokens_per_step
 from hamburger_jax.evaluation.statistics import bootstrap_ci, paired_bootstrap_ci
-from hamburger_jax.evaluation.suite import Suite, SuiteItem, score
+from hamburger_jax.evaluation.suite import Suite, SuiteItem, decode_items, score
 
 CONFIDENCES = (0.5, 0.7, 0.8)
 GUARD_CONFIDENCE = 0.8
-
-
-def decode_items(engine, items: Sequence[SuiteItem], *, mode: str, confidence: float,
-                 batch: int) -> list:
-  """Greedy generations of `items` in order, `batch` rows at a time per new-token budget (one
-  layout per budget: the engine compiles few programs)."""
-  out: list = [None] * len(items)
-  by_budget: dict[int, list[int]] = {}
-  for i, it in enumerate(items):
-    by_budget.setdefault(it.max_new, []).append(i)
-  for max_new, idx in sorted(by_budget.items()):
-    size = min(batch, len(idx))
-    for s in range(0, len(idx), size):
-      chunk = idx[s:s + size]
-      # A short last batch repeats its last prompt, so it reuses the full batches' programs.
-      rows = [list(items[i].prompt) for i in chunk] + \
-          [list(items[chunk[-1]].prompt)] * (size - len(chunk))
-      gens = engine.generate(rows, max_new_tokens=max_new, mode=mode, confidence=confidence)
-      for i, g in zip(chunk, gens):
-        out[i] = g
-  return out
 
 
 @functools.partial(jax.jit, static_argnums=0)

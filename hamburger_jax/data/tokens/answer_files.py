@@ -19,6 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
+from hamburger_jax import files
 from hamburger_jax.data.tokens.answers import Answers
 
 PATTERN = "answers-*.npz"
@@ -67,14 +68,19 @@ def _write_part(a: Answers, prompts: Sequence[int], first: int, last: int, direc
                 k: int, meta: str) -> str:
   t0, t1 = int(a.samples[first, 0]), int(a.samples[last - 1].sum())
   path = os.path.join(directory, f"answers-{k + 1:05d}.npz")
-  np.savez(path + ".tmp.npz",
+  files.write_atomic(path, lambda tmp: _savez(tmp,
            tokens=a.tokens[t0:t1].astype(_id_dtype(json.loads(meta)["vocab_size"])),
            samples=a.samples[first:last] - [t0, 0],
            responses=a.responses[first:last] - [first, t0, t0],
            starts=np.packbits(a.starts[t0:t1].astype(bool)), n_tokens=np.int64(t1 - t0),
-           prompts=np.asarray(prompts[first:last], np.int64), meta=np.asarray(meta))
-  os.replace(path + ".tmp.npz", path)
+           prompts=np.asarray(prompts[first:last], np.int64), meta=np.asarray(meta)))
   return path
+
+
+def _savez(path: str, **arrays: np.ndarray) -> None:
+  # Through an open file: np.savez appends ".npz" to a name without it.
+  with open(path, "wb") as f:
+    np.savez(f, **arrays)
 
 
 def load(directories: Sequence[str], *, vocab_size: int, tokenizer: str | None
