@@ -213,6 +213,7 @@ def supervise(cmd: list[str], sink: BinaryIO, on_lost: Callable[[str], str]) -> 
       sink.write(gate.feed(chunk))
       sink.flush()
     code = proc.wait()
+    proc.stderr.close()
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)

@@ -25,7 +25,7 @@ from hamburger_jax.config import ConfigError
 from hamburger_jax.run_config import load_run_config, saved_steps
 from train.main import parse_args, process_group
 from test_training import (REPO, TINY, _Background, _checkpoint_steps, _free_port, _load_export,
-                           _overrides, _run, sub_env)  # noqa: F401  (sub_env: a fixture)
+                           _overrides, sub_env)  # noqa: F401  (sub_env: a fixture)
 
 HEARTBEAT_S = 5
 STEPS = 10
