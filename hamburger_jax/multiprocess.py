@@ -190,16 +190,18 @@ def _die_with_parent() -> None:
 
 def supervise(cmd: list[str], sink: BinaryIO, on_lost: Callable[[str], str]) -> int:
   """Runs `cmd` (this process's training, in a child) with its stderr through a StderrGate into
-  `sink`. Signals that stop a run (SIGINT, SIGTERM, SIGHUP) go to the child once (it is in a
-  process group of its own, so a terminal's Ctrl-C reaches it through here only). A child that
+  `sink`. The child stays in this process group, so a terminal's Ctrl-C or hangup reaches it
+  directly (this process waits for it); a SIGTERM sent to this process (a scheduler's) is passed
+  on. A child that
   dies of a coordination-service report: `on_lost(report)` is the line printed instead of the
   report, and the exit code is LOST_EXIT; otherwise the child's own exit code (128 + signal
   for a signal), its output all printed (a report that no abort follows, after HOLD_S)."""
   env = {**os.environ, SUPERVISED_ENV: "1"}
-  proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, process_group=0,
-                          preexec_fn=_die_with_parent)
-  forward = lambda signum, _frame: proc.send_signal(signum)
-  previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+  proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+  # Set after the child started, which keeps the default handlers (Python's KeyboardInterrupt).
+  previous = {signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: None),
+              signal.SIGHUP: signal.signal(signal.SIGHUP, lambda *_: None),
+              signal.SIGTERM: signal.signal(signal.SIGTERM, lambda n, _: proc.send_signal(n))}
   gate, fd = StderrGate(), proc.stderr.fileno()
   try:
     while True:

@@ -166,19 +166,25 @@ def test_a_report_that_no_abort_follows_is_printed_while_the_child_runs(
   assert sink.writes == [warning.encode(), b"after\n"]
 
 
-def test_sigterm_reaches_the_child_once():
-  """A scheduler's SIGTERM to the supervisor lets the training child save and stop."""
-  code = ("import signal\nn = []\nsignal.signal(signal.SIGTERM, lambda *a: n.append(1))\n"
+@pytest.mark.parametrize("to_group", [False, True], ids=["sigterm", "ctrl-c"])
+def test_a_stop_signal_reaches_the_child_once(to_group: bool):
+  """A scheduler's SIGTERM to the supervisor, or a terminal's Ctrl-C (SIGINT to the process
+  group), lets the training child save and stop, once."""
+  code = ("import signal\nn = []\nfor s in (signal.SIGTERM, signal.SIGINT):\n"
+          "  signal.signal(s, lambda *a: n.append(1))\n"
           "sys.stderr.write('ready\\n'); sys.stderr.flush()\n"
           "while not n: time.sleep(0.01)\ntime.sleep(0.3)\n"
           "sys.stderr.write(f'stopping after {len(n)}\\n'); sys.exit(0)")
   script = ("import io, sys\nfrom hamburger_jax import multiprocess\n"
             f"sys.exit(multiprocess.supervise({_child(code)!r}, sys.stderr.buffer, str))")
   with subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stderr=subprocess.PIPE,
-                        text=True) as proc:
+                        text=True, start_new_session=True) as proc:
     try:
       assert proc.stderr.readline() == "ready\n"
-      proc.send_signal(signal.SIGTERM)
+      if to_group:
+        os.killpg(proc.pid, signal.SIGINT)
+      else:
+        proc.send_signal(signal.SIGTERM)
       _, err = proc.communicate(timeout=30)
     finally:
       proc.kill()  # the child dies with it
