@@ -205,7 +205,7 @@ BAD = [
     ({"confidence": 1.5}, 400, "confidence must be in [0, 1], got 1.5"),
     ({"stream": "yes"}, 400, "stream must be true or false"),
     ({"mode": "turbo"}, 400, "mode 'turbo' is not served here"),
-    ({"logprobs": True}, 400, "logprobs is not supported"),
+    ({"tools": [{"type": "function"}]}, 400, "tools is not supported"),
     ("x" * (3 << 20), 413, "the limit is 1048576"),
 ]
 

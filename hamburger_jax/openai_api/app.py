@@ -24,8 +24,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from hamburger_jax.decode.admission import AdmissionLoop, LoopClosed, QueueFull, Ticket, recent
-from hamburger_jax.decode.requests import Generation
-from hamburger_jax.openai_api import metrics, protocol
+from hamburger_jax.decode.requests import Generation, GenerationError
+from hamburger_jax.decode.scoring import Scorer
+from hamburger_jax.openai_api import logprobs, metrics, protocol
+from hamburger_jax.openai_api.logprobs import Piece
 from hamburger_jax.openai_api.protocol import ApiError
 from hamburger_jax.openai_api.text_stream import TextStream
 
@@ -63,6 +65,7 @@ class _Answer:
     self.call, self.ticket, self.stop_ids = call, ticket, stop_ids
     self.text = TextStream(decode, call.stop)
     self.tokens = self.steps = 0
+    self.groups: list[int] = []  # tokens per macro step, as they came
     self.finish_reason: str | None = None
     self.gen: Generation | None = None
 
@@ -90,6 +93,7 @@ class Server:
     self.loop, self.defaults = loop, defaults
     self.engine = loop.engine
     self.created = int(time.time())
+    self.scorer = Scorer(self.engine)
     self.metrics = metrics.ServerMetrics(loop, self.engine.max_group or 1)
     self.app = Starlette(routes=[
         Route("/health", self._health), Route("/metrics", self._metrics),
@@ -137,21 +141,59 @@ class Server:
     call = protocol.parse(body, chat=chat, defaults=self.defaults, modes=self.loop.modes,
                           tokenizer=self.engine.tokenizer)
     events: asyncio.Queue = asyncio.Queue()
-    ticket = self._submit(call, events)
-    answer = _Answer(call, ticket, self.engine.tokenizer, self.engine.stop_ids)
+    answer = self._answer(call, events)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    client = None if call.stream else http
+    scored = call.logprobs is not None or call.echo
+    pieces = (self._scored(answer, events, client) if scored else
+              (Piece(d, None) async for d in self._deltas(answer, events, client)))
     if call.stream:
-      return StreamingResponse(self._sse(answer, events, rid), media_type="text/event-stream")
-    text = []
-    async for delta in self._deltas(answer, events, http):
-      text.append(delta)
-    choice = ({"message": {"role": "assistant", "content": "".join(text)}} if chat
-              else {"text": "".join(text)})
+      return StreamingResponse(self._sse(answer, pieces, rid), media_type="text/event-stream")
+    text, lp = logprobs.joined([p async for p in pieces], chat, call.logprobs is not None)
+    choice = ({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
     return JSONResponse({
         "id": rid, "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()), "model": self.defaults.model,
         "choices": [{"index": 0, **choice, "finish_reason": answer.finish_reason,
-                     "logprobs": None}], "usage": answer.usage()})
+                     "logprobs": lp}], "usage": answer.usage()})
+
+  def _answer(self, call: protocol.Call, events: asyncio.Queue) -> _Answer:
+    """The call's answer, its request submitted; with max_tokens 0 (an echo scored alone)
+    nothing is generated: its prompt is checked and it is done."""
+    tok, stop_ids = self.engine.tokenizer, self.engine.stop_ids
+    if call.request.max_new_tokens:
+      return _Answer(call, self._submit(call, events), tok, stop_ids)
+    try:
+      call.request.ids = self.engine.encode_prompt(call.request.prompt)
+    except GenerationError as e:
+      raise ApiError(400, str(e), "prompt") from None
+    limit = self.loop.limits.max_prompt_tokens
+    if len(call.request.ids) > limit:
+      raise ApiError(400, f"the prompt has {len(call.request.ids)} tokens, over this server's "
+                     f"limit of {limit}: shorten it", "prompt")
+    answer = _Answer(call, None, tok, stop_ids)
+    answer.finish_reason = "length"
+    return answer
+
+  async def _scored(self, answer: _Answer, events: asyncio.Queue,
+                    http: HttpRequest | None) -> AsyncIterator[Piece]:
+    """The answer with its log-probabilities or echo (openai_api/logprobs.py), once its
+    generation has ended. `http`: as for _deltas."""
+    if answer.ticket is not None:
+      async for _ in self._deltas(answer, events, http):
+        pass
+      if answer.finish_reason is None:
+        return  # the client went away
+    call = answer.call
+    try:
+      pieces = await asyncio.to_thread(
+          logprobs.answer_pieces, self.scorer, self.engine.tokenizer, mode=call.mode,
+          chat=call.chat, top=call.logprobs, echo=call.echo, prompt=call.request.ids,
+          ids=answer.text.ids, groups=answer.groups, stops=call.stop)
+    except ValueError as e:
+      raise ApiError(500, f"scoring the answer failed: {e}", kind="server_error") from None
+    for piece in pieces:
+      yield piece
 
   async def _deltas(self, answer: _Answer, events: asyncio.Queue,
                     http: HttpRequest | None) -> AsyncIterator[str]:
@@ -167,6 +209,7 @@ class Server:
           continue
         if kind == "tokens":
           answer.tokens, answer.steps = answer.tokens + len(item), answer.steps + 1
+          answer.groups.append(len(item))
           delta = answer.text.feed(item)
           if answer.text.stopped:
             answer.finish_reason = "stop"
@@ -183,7 +226,7 @@ class Server:
         self.loop.cancel(answer.ticket)
 
   def _chunk(self, answer: _Answer, rid: str, delta: dict | str | None,
-             finish_reason: str | None = None) -> str:
+             finish_reason: str | None = None, lp: dict | None = None) -> str:
     if answer.call.chat:
       choice = {"delta": {} if delta is None else delta}
       kind = "chat.completion.chunk"
@@ -192,15 +235,16 @@ class Server:
     return _event({"id": rid, "object": kind, "created": int(time.time()),
                    "model": self.defaults.model,
                    "choices": [{"index": 0, **choice, "finish_reason": finish_reason,
-                                "logprobs": None}]})
+                                "logprobs": lp}]})
 
-  async def _sse(self, answer: _Answer, events: asyncio.Queue, rid: str) -> AsyncIterator[str]:
+  async def _sse(self, answer: _Answer, pieces: AsyncIterator[Piece],
+                 rid: str) -> AsyncIterator[str]:
     chat = answer.call.chat
     try:
       if chat:
         yield self._chunk(answer, rid, {"role": "assistant", "content": ""})
-      async for delta in self._deltas(answer, events, None):
-        yield self._chunk(answer, rid, {"content": delta} if chat else delta)
+      async for p in pieces:
+        yield self._chunk(answer, rid, {"content": p.text} if chat else p.text, lp=p.logprobs)
       yield self._chunk(answer, rid, None if chat else "", answer.finish_reason)
       if answer.call.include_usage:
         yield _event({"id": rid, "object": "chat.completion.chunk" if chat else

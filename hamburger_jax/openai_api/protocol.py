@@ -3,9 +3,13 @@
 Bodies are checked here, field by field, rather than by a schema library: each wrong field gets
 a message that names it and says what to send (an `ApiError`, rendered as OpenAI's
 `{"error": {"message", "type", "param", "code"}}`). Fields the API defines and the engine does
-not implement are refused when they would change the answer (logprobs, tools, penalties), and
+not implement are refused when they would change the answer (tools, penalties, ...), and
 ignored when they would not (`user`, `metadata`, ...). HAMburger's own settings (`confidence`,
 `max_group`, `mode`) and `top_k` are extra body fields.
+
+Log-probabilities (decode/scoring.py says what they are in each mode): chat's `logprobs: true`
+with `top_logprobs` 0..20 alternatives, the completions' `logprobs: N` (0..5 alternatives) and
+`echo` (the prompt's tokens scored too; `max_tokens: 0` scores the prompt alone).
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ ROLES = ("system", "user", "assistant", "developer")  # developer: OpenAI's newe
 MAX_STOPS = 4  # as OpenAI
 # Fields that would change the answer in a way this engine does not implement: refused unless
 # they are given their neutral value.
-UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+UNSUPPORTED = {"tools": (None, []),
                "tool_choice": (None, "none"), "functions": (None, []),
                "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-               "best_of": (None, 1), "echo": (None, False), "suffix": (None, "")}
+               "best_of": (None, 1), "suffix": (None, "")}
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
+MAX_LOGPROBS = 5  # the completions' logprobs, as OpenAI
 
 
 class ApiError(Exception):
@@ -66,6 +72,10 @@ class Call:
   include_usage: bool
   stop: tuple[str, ...]
   chat: bool
+  # Alternatives listed per token when log-probabilities are asked for (0: the chosen token's
+  # alone); None when they are not.
+  logprobs: int | None = None
+  echo: bool = False  # completions: the prompt's tokens (and text) come first
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -164,6 +174,31 @@ def prompt_of(body: dict, tokenizer) -> list[int]:
              "prompt")
 
 
+def _logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
+  """(alternatives per token or None, echo) as the endpoint spells them."""
+  if chat:
+    if body.get("echo") not in (None, False):
+      raise _bad("echo is a /v1/completions field; chat answers never repeat the messages",
+                 "echo")
+    asked = _get(body, "logprobs", False, _bool)
+    top = _get(body, "top_logprobs", None, lambda v, n: _int(v, n, 0))
+    if top is not None and top > MAX_TOP_LOGPROBS:
+      raise _bad(f"top_logprobs={top} is over {MAX_TOP_LOGPROBS}: ask for 0..{MAX_TOP_LOGPROBS}",
+                 "top_logprobs")
+    if top and not asked:
+      raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if asked else None, False
+  if body.get("top_logprobs") is not None:
+    raise _bad("top_logprobs is a chat field; on /v1/completions send logprobs: N "
+               f"(0..{MAX_LOGPROBS} alternatives per token)", "top_logprobs")
+  value = body.get("logprobs")
+  if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                            or not 0 <= value <= MAX_LOGPROBS):
+    raise _bad(f"logprobs on /v1/completions is the number of alternatives per token, an "
+               f"integer in 0..{MAX_LOGPROBS}; got {value!r}", "logprobs")
+  return (None if value is None else int(value)), _get(body, "echo", False, _bool)
+
+
 def _refuse_unsupported(body: dict) -> None:
   for name, neutral in UNSUPPORTED.items():
     if name in body and body[name] not in neutral:
@@ -183,10 +218,12 @@ def parse(body: Any, *, chat: bool, defaults: Defaults, modes: tuple[str, ...],
     raise ApiError(404, f"the model {model!r} does not exist here; use {defaults.model!r} "
                    "(GET /v1/models)", "model", code="model_not_found")
   _refuse_unsupported(body)
+  logprobs, echo = _logprobs(body, chat)
   prompt = messages_of(body) if chat else prompt_of(body, tokenizer)
-  max_tokens = _get(body, "max_completion_tokens", None, _int)
+  count = lambda v, n: _int(v, n, 0 if echo else 1)  # 0 with echo: the prompt scored alone
+  max_tokens = _get(body, "max_completion_tokens", None, count)
   if max_tokens is None:
-    max_tokens = _get(body, "max_tokens", defaults.max_tokens, _int)
+    max_tokens = _get(body, "max_tokens", defaults.max_tokens, count)
   mode = body.get("mode", defaults.mode)
   if mode not in modes:
     raise _bad(f"mode {mode!r} is not served here; use one of {list(modes)}", "mode")
@@ -207,10 +244,11 @@ def parse(body: Any, *, chat: bool, defaults: Defaults, modes: tuple[str, ...],
   max_group = _get(body, "max_group", defaults.max_group, _int)
   seed = _get(body, "seed", defaults.seed, lambda v, n: _int(v, n, 0))
   try:
-    check_settings(max_tokens, confidence, max_group, seed)
+    check_settings(max_tokens or 1, confidence, max_group, seed)
   except GenerationError as e:
     param = next((f for f in ("confidence", "max_group", "seed") if f in str(e)), None)
     raise _bad(str(e), param) from None
   request = Request(prompt, max_new_tokens=max_tokens, confidence=confidence,
                     sampling=sampling, seed=seed, id=0, max_group=max_group)
-  return Call(request, mode, stream, include_usage, _get(body, "stop", (), _stop), chat)
+  return Call(request, mode, stream, include_usage, _get(body, "stop", (), _stop), chat,
+              logprobs, echo)

@@ -1,0 +1,263 @@
+"""Log-probabilities and echo through `python -m infer.server` (the shipped graft on SmolLM2),
+and lm-evaluation-harness as its client.
+
+Chat's `logprobs`/`top_logprobs` and the completions' `logprobs`/`echo`, streamed or not: the
+same answer as without them, each greedy token the top of its own alternatives, a stream's
+pieces the whole answer's; at confidence 1.0 HAMburger's the base's. lm-eval's
+`local-completions` scores a multiple-choice task from the prompt's log-likelihoods (equal to a
+direct forward of the base) and `local-chat-completions` answers a generate_until task (the
+server's own greedy answers). One server for the file; the last test stops nothing, the
+fixture does."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx2 as httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hamburger_jax import assets
+from hamburger_jax.benchmarks.server_load import ServerProcess
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+LIMITS = ["--slots", "4", "--max-prompt-tokens", "96", "--max-tokens", "32", "--max-queue", "16"]
+CHAT = [{"role": "user", "content": "Name three colours."}]
+PROMPT = "The capital of France is"
+MC_DOCS = [{"question": "The capital of France is", "choices": [" Paris", " London", " Rome"],
+            "answer": 0},
+           {"question": "Two plus two equals", "choices": [" four", " five", " seven"],
+            "answer": 0},
+           {"question": "The opposite of hot is", "choices": [" warm", " cold"], "answer": 1}]
+GEN_DOCS = [{"question": "What is 2 + 2? Answer with a number only.", "answer": "4"},
+            {"question": "Name the capital of Italy in one word.", "answer": "Rome"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+  try:
+    assets.smollm2_gguf()
+  except assets.AssetError as e:
+    pytest.skip(str(e))
+  proc = ServerProcess(LIMITS, str(tmp_path_factory.mktemp("server") / "stderr.txt"),
+                       cwd=str(REPO))
+  try:
+    proc.wait_ready()
+    yield proc
+  finally:
+    proc.stop()
+
+
+def _client(server) -> "openai.OpenAI":
+  return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def _model(server) -> str:
+  return _client(server).models.list().data[0].id
+
+
+def _chat(server, stream: bool, **kw) -> tuple[str, list, str]:
+  """(text, logprobs content entries as dicts, finish reason) of one greedy chat answer."""
+  args = dict(model=_model(server), messages=CHAT, max_tokens=16, temperature=0, **kw)
+  client = _client(server)
+  if not stream:
+    r = client.chat.completions.create(**args)
+    lp = r.choices[0].logprobs
+    return (r.choices[0].message.content, None if lp is None else
+            [c.model_dump() for c in lp.content], r.choices[0].finish_reason)
+  text, content, finish = [], [], None
+  for chunk in client.chat.completions.create(**args, stream=True):
+    for choice in chunk.choices:
+      text.append(choice.delta.content or "")
+      if choice.logprobs is not None:
+        content += [c.model_dump() for c in choice.logprobs.content]
+      finish = choice.finish_reason or finish
+  return "".join(text), content, finish
+
+
+@pytest.mark.parametrize("mode", ["base", "hamburger"])
+def test_chat_logprobs(server, mode):
+  extra = {"extra_body": {"mode": mode, "confidence": 0.5}}
+  plain, none, _ = _chat(server, False, **extra)
+  assert none is None
+  text, content, finish = _chat(server, False, logprobs=True, top_logprobs=3, **extra)
+  assert text == plain
+  for c in content:
+    assert len(c["top_logprobs"]) == 3
+    best = c["top_logprobs"][0]  # greedy: the token is the top of its own distribution
+    assert (best["token"], best["bytes"], best["logprob"]) == (c["token"], c["bytes"],
+                                                                 c["logprob"])
+    assert c["logprob"] <= 0 and [a["logprob"] for a in c["top_logprobs"]] == sorted(
+        (a["logprob"] for a in c["top_logprobs"]), reverse=True)
+  shown = b"".join(bytes(c["bytes"]) for c in content).decode()
+  assert shown == text + ("<|im_end|>" if finish == "stop" else "")
+  streamed = _chat(server, True, logprobs=True, top_logprobs=3, **extra)
+  assert streamed == (text, content, finish)
+  alone, few, _ = _chat(server, False, logprobs=True, **extra)  # top_logprobs 0: none listed
+  assert alone == text and [c["top_logprobs"] for c in few] == [[]] * len(content)
+  assert [c["logprob"] for c in few] == [c["logprob"] for c in content]
+
+
+def test_hamburger_at_confidence_1_scores_as_the_base(server):
+  got = {m: _chat(server, False, logprobs=True, extra_body={"mode": m, "confidence": 1.0})
+         for m in ("base", "hamburger")}
+  assert got["base"][0] == got["hamburger"][0]
+  np.testing.assert_allclose([c["logprob"] for c in got["hamburger"][1]],
+                             [c["logprob"] for c in got["base"][1]], atol=1e-4)
+
+
+def _complete(server, **body) -> dict:
+  r = httpx.post(server.url + "/v1/completions", timeout=600, json={
+      "model": _model(server), "prompt": PROMPT, "temperature": 0, **body})
+  assert r.status_code == 200, r.text
+  return r.json()
+
+
+def test_completions_echo_scores_the_prompt(server):
+  r = _complete(server, max_tokens=1, logprobs=2, echo=True)  # what lm-eval sends
+  choice = r["choices"][0]
+  lp, n = choice["logprobs"], r["usage"]["prompt_tokens"]
+  assert len(lp["tokens"]) == n + 1 and choice["text"].startswith(PROMPT)
+  assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+  assert "".join(lp["tokens"]) == choice["text"]
+  assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(n + 1)]
+  for t in range(1, n + 1):  # the token itself among its alternatives, as in vLLM
+    assert lp["top_logprobs"][t][lp["tokens"][t]] == lp["token_logprobs"][t]
+    assert 2 <= len(lp["top_logprobs"][t]) <= 3
+  assert max(lp["top_logprobs"][n].values()) == lp["token_logprobs"][n]  # greedy
+  # The prompt is never merged: scored by the base in both modes; max_tokens 0 scores it alone.
+  for mode in ("base", "hamburger"):
+    alone = _complete(server, max_tokens=0, logprobs=0, echo=True, mode=mode)["choices"][0]
+    assert alone["text"] == PROMPT and alone["finish_reason"] == "length"
+    np.testing.assert_allclose(alone["logprobs"]["token_logprobs"][1:],
+                               lp["token_logprobs"][1:n], atol=1e-4)
+  # Streamed: the same pieces, the echoed prompt first.
+  with httpx.stream("POST", server.url + "/v1/completions", timeout=600, json={
+      "model": _model(server), "prompt": PROMPT, "temperature": 0, "max_tokens": 1,
+      "logprobs": 2, "echo": True, "stream": True}) as s:
+    chunks = [json.loads(line[6:]) for line in s.iter_lines()
+              if line.startswith("data: {")]
+  assert chunks[0]["choices"][0]["text"] == PROMPT
+  joined = {k: [v for c in chunks if c["choices"][0]["logprobs"]
+                for v in c["choices"][0]["logprobs"][k]] for k in lp}
+  assert joined == lp
+  assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+
+
+BAD = [  # (endpoint, body, message)
+    ("chat", {"top_logprobs": 21, "logprobs": True}, "top_logprobs=21 is over 20"),
+    ("chat", {"top_logprobs": -1, "logprobs": True}, "top_logprobs must be an integer >= 0"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+    ("chat", {"logprobs": 3}, "logprobs must be true or false"),
+    ("chat", {"echo": True}, "echo is a /v1/completions field"),
+    ("completions", {"logprobs": 6}, "an integer in 0..5; got 6"),
+    ("completions", {"logprobs": True}, "an integer in 0..5; got True"),
+    ("completions", {"top_logprobs": 2}, "top_logprobs is a chat field"),
+    ("completions", {"echo": "yes"}, "echo must be true or false"),
+    ("completions", {"echo": True, "n": 2}, "n=2: this server returns one choice"),
+    ("completions", {"max_tokens": 0}, "max_tokens must be an integer >= 1"),
+    ("completions", {"max_tokens": 0, "echo": True, "prompt": "word " * 200},
+     "over this server's limit of 96"),
+    ("completions", {"max_tokens": 0, "echo": True, "prompt": [1, 10 ** 6]},
+     "prompt token ids must be in [0, 49152)"),
+]
+
+
+def test_bad_logprobs_input_gets_a_clear_4xx(server):
+  model = _model(server)
+  good = {"chat": {"model": model, "messages": CHAT, "max_tokens": 4},
+          "completions": {"model": model, "prompt": PROMPT, "max_tokens": 4}}
+  with httpx.Client(timeout=120) as http:
+    for endpoint, body, message in BAD:
+      path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+      r = http.post(server.url + path, json={**good[endpoint], **body})
+      assert r.status_code == 400, (body, r.text)
+      error = r.json()["error"]
+      assert message in error["message"], (error, message)
+      assert set(error) == {"message", "type", "param", "code"}
+
+
+def _task(tmp: Path, name: str, docs: list[dict], spec: str) -> None:
+  data = tmp / f"{name}.jsonl"
+  data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+  (tmp / f"{name}.yaml").write_text(
+      f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+      f"test_split: test\ndoc_to_text: \"{{{{question}}}}\"\n{spec}")
+
+
+def _lm_eval(server, tmp: Path, task: str, model: str, args: str, *extra: str) -> list[dict]:
+  """lm_eval run on `task` through the server: its logged samples, in document order."""
+  out = tmp / f"out-{task}"
+  env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+  res = subprocess.run(
+      [sys.executable, "-m", "lm_eval", "run", "--model", model, "--tasks", task,
+       "--include_path", str(tmp), "--model_args",
+       f"base_url={server.url}/v1/{args},model={_model(server)},timeout=1200", "--log_samples",
+       "--output_path", str(out), *extra], cwd=tmp, env=env, capture_output=True, text=True,
+      timeout=1200)
+  assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+  (path,) = glob.glob(str(out / "**" / f"samples_{task}_*.jsonl"), recursive=True)
+  return sorted(map(json.loads, Path(path).read_text().splitlines()), key=lambda s: s["doc_id"])
+
+
+def _direct_loglikelihoods(tok, pairs: list[tuple[str, str]]) -> list[float]:
+  """log p(continuation | context) from a plain forward of the base, the pair split into
+  tokens as lm-eval splits it (the whole encoded, the context's tokens first)."""
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  base, _ = pretrained.load_llama()
+  forward = jax.jit(lambda ids: jax.nn.log_softmax(base(ids[None])[0], axis=-1))
+  out = []
+  for context, continuation in pairs:
+    ctx = tok.encode(context)
+    whole = tok.encode(context + continuation)
+    assert whole[:len(ctx)] == ctx
+    padded = jnp.zeros((64,), jnp.int32).at[:len(whole)].set(jnp.asarray(whole))
+    logp = forward(padded)
+    out.append(float(sum(logp[t - 1, whole[t]] for t in range(len(ctx), len(whole)))))
+  return out
+
+
+def test_lm_eval_multiple_choice_and_generation(server, tmp_path):
+  from hamburger_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+  tok_dir = tmp_path / "tokenizer"
+  res = subprocess.run([sys.executable, "-m", "infer.export_tokenizer", "--out", str(tok_dir)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert res.returncode == 0, res.stderr[-3000:]
+  _task(tmp_path, "hj_mc", MC_DOCS, "output_type: multiple_choice\n"
+        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{answer}}\"\n"
+        "target_delimiter: \"\"\nmetric_list:\n  - metric: acc\n")
+  samples = _lm_eval(server, tmp_path, "hj_mc", "local-completions",
+                     f"completions,tokenizer={tok_dir},tokenizer_backend=huggingface,"
+                     "tokenized_requests=True")
+  pairs = [(d["question"], c) for d in MC_DOCS for c in d["choices"]]
+  got = [float(resp[0][0]) for s in samples for resp in s["resps"]]  # logged as strings
+  assert len(got) == len(pairs)
+  want = _direct_loglikelihoods(Tokenizer.from_hf_dir(tok_dir), pairs)
+  np.testing.assert_allclose(got, want, atol=1e-3)
+  at = np.cumsum([0] + [len(d["choices"]) for d in MC_DOCS])
+  for s, d, lo, hi in zip(samples, MC_DOCS, at[:-1], at[1:]):  # the choice a direct forward makes
+    assert s["acc"] == float(np.argmax(want[lo:hi]) == d["answer"])
+
+  _task(tmp_path, "hj_gen", GEN_DOCS, "output_type: generate_until\n"
+        "doc_to_target: \"{{answer}}\"\ngeneration_kwargs:\n  until: [\"\\n\"]\n"
+        "  max_gen_toks: 16\n  do_sample: false\n  temperature: 0\n"
+        "metric_list:\n  - metric: exact_match\n")
+  samples = _lm_eval(server, tmp_path, "hj_gen", "local-chat-completions", "chat/completions",
+                     "--apply_chat_template")
+  client = _client(server)
+  for s, doc in zip(samples, GEN_DOCS):
+    own = client.chat.completions.create(
+        model=_model(server), messages=[{"role": "user", "content": doc["question"]}],
+        max_tokens=16, temperature=0, stop=["\n"])
+    assert s["resps"][0][0] == own.choices[0].message.content
