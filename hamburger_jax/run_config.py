@@ -215,10 +215,11 @@ class DistributedConfig:
   complete checkpoint, and exit code 75 (hamburger_jax/multiprocess.py). The heartbeat is sent
   by the coordination client's own thread, not by the training loop, so a slow step, a long
   compile, a checkpoint save or a data stall never counts; a process or host that stops
-  altogether does (killed, crashed, preempted, frozen or swapped out, or cut off from process
-  0's host). Shorter ends a broken run sooner (the others end this long plus about a second
-  after the loss); too short ends a healthy run whose host pauses, or whose network to process
-  0 drops, for that long. jax's own default is 100 s.
+  altogether does (killed, crashed, preempted, frozen or swapped out, so starved of CPU that the
+  thread cannot run, or cut off from process 0's host). Shorter ends a broken run sooner (the
+  others end this long plus about a second after the loss, at once when process 0 is lost);
+  too short ends a healthy run whose host pauses, or whose network to process 0 drops, for that
+  long. jax's own default is 100 s.
   """
   heartbeat_timeout_s: int = 20
 
