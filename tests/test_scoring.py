@@ -15,6 +15,7 @@ from hamburger_jax.decode.sampling import SamplingParams
 from hamburger_jax.decode.scoring import Scorer
 from hamburger_jax.model.hamburger import sharing_weights
 from hamburger_jax.model.llama import causal_segment_mask
+from hamburger_jax.openai_api import logprobs
 from hamburger_jax.testing import DECODE_STOP, tiny_distill_model
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 31))]
@@ -166,3 +167,33 @@ def test_prompt_alone_and_bad_groups(model, engine):
     scorer.score("hamburger", PROMPTS[0], [7, 8], [3])
   with pytest.raises(ValueError, match="the prompt is empty"):
     scorer.score("base", [], [7])
+
+
+def test_a_stop_string_lists_tokens_up_to_the_one_that_completed_it():
+  decode = lambda ids: "".join(chr(ord("a") + i) for i in ids)
+  assert logprobs.listed(decode, [0, 1, 2, 3, 4], [2, 3], ["cd"]) == ([0, 1, 2, 3], [2, 2])
+  assert logprobs.listed(decode, [0, 1, 2, 3, 4], [2, 3], ["x"]) == ([0, 1, 2, 3, 4], [2, 3])
+  assert logprobs.listed(decode, [0, 1, 2], [1, 1, 1], ["a"]) == ([0], [1])
+
+
+def test_answer_pieces_join_to_the_whole_answer(engine):
+  """The completions' shape on a model without a tokenizer: the echoed prompt, one piece per
+  macro step; the pieces joined are the whole answer's logprobs."""
+  prompt = PROMPTS[0]
+  gen = _generate(engine, prompt, "hamburger", 0.5)
+  scorer = Scorer(engine)
+  pieces = logprobs.answer_pieces(scorer, None, mode="hamburger", chat=False, top=2, echo=True,
+                                  prompt=prompt, ids=gen.token_ids, groups=gen.groups, stops=())
+  assert [len(p.logprobs["tokens"]) for p in pieces] == [len(prompt), *gen.groups]
+  _, lp = logprobs.joined(pieces, chat=False, scored=True)
+  s = scorer.score("hamburger", prompt, gen.token_ids, gen.groups, echo=True)
+  assert lp["tokens"] == [f"token_id:{i}" for i in prompt + gen.token_ids]
+  assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+  np.testing.assert_allclose(lp["token_logprobs"][1:], s.logprobs[1:], rtol=1e-6)
+  for t, alts in enumerate(lp["top_logprobs"][1:], 1):
+    assert len(alts) in (2, 3) and alts[lp["tokens"][t]] == lp["token_logprobs"][t]
+  chat = logprobs.answer_pieces(scorer, None, mode="hamburger", chat=True, top=0, echo=False,
+                                prompt=prompt, ids=gen.token_ids, groups=gen.groups, stops=())
+  content = logprobs.joined(chat, chat=True, scored=True)[1]["content"]
+  assert [c["logprob"] for c in content] == lp["token_logprobs"][len(prompt):]
+  assert all(c["top_logprobs"] == [] and c["bytes"] is None for c in content)

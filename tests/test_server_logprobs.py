@@ -229,6 +229,7 @@ def _direct_loglikelihoods(tok, pairs: list[tuple[str, str]]) -> list[float]:
 
 
 def test_lm_eval_multiple_choice_and_generation(server, tmp_path):
+  pytest.importorskip("lm_eval")
   from hamburger_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
   tok_dir = tmp_path / "tokenizer"
   res = subprocess.run([sys.executable, "-m", "infer.export_tokenizer", "--out", str(tok_dir)],
