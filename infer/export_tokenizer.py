@@ -3,8 +3,9 @@ tokenizer_config.json, chat template), for clients that tokenize themselves, e.g
 lm-evaluation-harness against `python -m infer.server`:
 
   python -m infer.export_tokenizer --out runs/tokenizer
-  lm_eval --model local-completions --model_args \\
-      base_url=http://127.0.0.1:8000/v1/completions,model=smollm2-135m-hamburger,tokenizer=runs/tokenizer,tokenizer_backend=huggingface ...
+  lm_eval run --model local-completions --tasks arc_easy --model_args \\
+      base_url=http://127.0.0.1:8000/v1/completions,model=smollm2-135m-hamburger,\\
+tokenizer=runs/tokenizer,tokenizer_backend=huggingface,tokenized_requests=True
 
 A graft's tokenizer is its base's: pass the server's --base (default smollm2).
 """

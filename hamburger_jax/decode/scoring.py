@@ -34,7 +34,6 @@ from flax import nnx
 from hamburger_jax import layout, precision
 from hamburger_jax.decode.shapes import LENGTH_BUCKETS, bucket
 from hamburger_jax.decode.step import base_of
-from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import causal_segment_mask
 
 # The most alternatives a token reports (OpenAI's limit for top_logprobs); every program
