@@ -6,6 +6,8 @@
 Routes: POST /v1/chat/completions, POST /v1/completions (`stream: true` for server-sent events),
 GET /v1/models, GET /health. HAMburger's settings travel as extra body fields: `confidence`,
 `max_group`, and `mode` ("hamburger" or "base": a graft serves both, each with its own KV pool).
+Log-probabilities: chat's `logprobs`/`top_logprobs`, the completions' `logprobs`/`echo`
+(hamburger_jax/openai_api/logprobs.py; what they are in each mode: decode/scoring.py).
 The layout is fixed at start from the flags: a request over --max-prompt-tokens or --max-tokens
 is refused (400), and one beyond --max-queue waiting requests gets 503. SIGTERM stops taking
 requests, lets those in flight finish (up to --shutdown-timeout s), then fails what remains.
