@@ -53,6 +53,11 @@ REFERENCE_FILE = "greedy_reference.json"  # in the shipped checkpoint's director
 REFERENCE_TOKENS = 32
 REFERENCE_CONFIDENCES = (0.5, 0.8)
 DECODE_CONFIDENCES = {"c=0.5": 0.5, "c=0.8": 0.8, "forced": 0.0}
+# The confidences also decoded with the batch-aware micro loop measured (decode/micro_rule.py),
+# and the one whose decode is profiled beside the base's.
+MICRO_RULE_CONFIDENCES = ("c=0.5", "c=0.8")
+PROFILED = "c=0.5"
+PROFILE_KINDS = 8  # kinds of operation a profile lists
 # XLA's GPU command buffers (CUDA graphs) for while loops and conditionals too, added to its
 # default command types: the decode loop is a lax.while_loop, and a step launches many small
 # kernels at batch 1. A GPU flag that XLA parses on every backend (an unknown flag would abort).
@@ -192,20 +197,48 @@ def part_precision(args) -> list[str]:
 
 def decode_rows(engine, ids: list, n_new: int, flags: str,
                 tps: dict[str, float] | None = None) -> Iterator[str]:
-  """The decode table's rows of one batch: base and HAMburger at DECODE_CONFIDENCES, each run's
-  tok/s over the time the batch decoded (its prefills apart), best of 2 interleaved rounds;
-  `tps` gets each run's tok/s."""
+  """The decode table's rows of one batch: base and HAMburger at DECODE_CONFIDENCES (those of
+  MICRO_RULE_CONFIDENCES also with the micro rule auto), each run's tok/s over the time the
+  batch decoded (its prefills apart), best of 2 interleaved rounds, and the lockstep's waste:
+  micro steps a macro step ran against tokens a row emitted in it; `tps` gets each run's
+  tok/s."""
   from hamburger_jax.benchmarks import timing  # pylint: disable=import-outside-toplevel
   runs = {"base": {"mode": "base"}, **{name: {"mode": "hamburger", "confidence": c}
                                        for name, c in DECODE_CONFIDENCES.items()}}
-  res = timing.time_batches(engine, ids, n_new, 2, runs)
+  runs.update({f"{name} auto": runs[name] for name in MICRO_RULE_CONFIDENCES})
+  auto = engine.with_micro_rule("auto")
+  res = timing.time_batches(engine, ids, n_new, 2, runs,
+                            {f"{name} auto": auto for name in MICRO_RULE_CONFIDENCES})
   for name, t in res.items():
     if tps is not None:
       tps[name] = t.tokens_per_s
     k = t.tokens / sum(g.macro_steps for g in t.gens)
     yield (f"| {len(ids)} | {name} | {flags} | {t.tokens_per_s:.1f} | "
-           f"{t.tokens_per_s / res['base'].tokens_per_s:.2f}x | {k:.2f} | {t.prefill_s:.3f} | "
+           f"{t.tokens_per_s / res['base'].tokens_per_s:.2f}x | {k:.2f} | "
+           f"{timing.micro_steps_per_step(t.gens):.2f} | {t.prefill_s:.3f} | "
            f"{t.compile_s:.0f} |")
+
+
+def profile_lines(engine, ids: list, n_new: int, flags: str) -> Iterator[str]:
+  """Where the device's time goes in one decode of the batch, base and HAMburger at PROFILED
+  (the micro rule off and auto): device time by kind of operation, a macro step's share."""
+  import tempfile  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.benchmarks import report, timing  # pylint: disable=C0415
+  c = DECODE_CONFIDENCES[PROFILED]
+  for name, eng, kw in (("base", engine, {"mode": "base"}),
+                        (PROFILED, engine, {"mode": "hamburger", "confidence": c}),
+                        (f"{PROFILED} auto", engine.with_micro_rule("auto"),
+                         {"mode": "hamburger", "confidence": c})):
+    with tempfile.TemporaryDirectory() as trace_dir:
+      prof, steps, gens = timing.profile_decode(eng, ids, n_new, trace_dir, **kw)
+    k = sum(g.new_tokens for g in gens) / sum(g.macro_steps for g in gens)
+    yield ""
+    yield (f"- batch {len(ids)}, {name}, XLA flags {flags}: {steps} macro steps (k {k:.2f}, "
+           f"micro steps/step {timing.micro_steps_per_step(gens):.2f}); device "
+           f"{prof.device_s * 1e3 / steps:,.2f} ms a macro step of "
+           f"{prof.wall_s * 1e3 / steps:,.2f} ms wall, prefills included ({prof.where})")
+    yield ""
+    yield from report.kind_lines(prof, steps, "a macro step", PROFILE_KINDS)
 
 
 def xla_flags() -> str:
@@ -213,12 +246,13 @@ def xla_flags() -> str:
   return f"`{os.environ['XLA_FLAGS']}`" if os.environ.get("XLA_FLAGS") else "none (defaults)"
 
 
-def command_buffer_rows(args, defaults: dict[str, float],
-                        versus: dict[str, float]) -> Iterator[str]:
+def command_buffer_rows(args, defaults: dict[str, float], versus: dict[str, float],
+                        later: list[str]) -> Iterator[str]:
   """Batch 1 again in a child process whose XLA_FLAGS add COMMAND_BUFFERS (read once, when the
   backend starts: this process's backend is running already), its rows as they come; `versus`
-  gets each run's tok/s over its tok/s in `defaults`. A failed or stopped child leaves a row
-  saying so, and the part goes on."""
+  gets each run's tok/s over its tok/s in `defaults`, `later` the child's other lines (its
+  profiles, for after the table). A failed or stopped child leaves a row saying so, and the
+  part goes on."""
   flags = f"{os.environ.get('XLA_FLAGS', '')} {COMMAND_BUFFERS}".strip()
   # This process holds most of the device's memory (JAX preallocates it): the child allocates
   # what it uses, as it goes (its first, untimed, round allocates what the timed ones reuse).
@@ -232,20 +266,26 @@ def command_buffer_rows(args, defaults: dict[str, float],
     cells = [c.strip() for c in line.split("|")]  # decode_rows' own row: batch, run, flags, tok/s
     if len(cells) > 5 and cells[2] in defaults:
       versus[cells[2]] = float(cells[4]) / defaults[cells[2]]
-    yield line.rstrip("\n")
+    if line.startswith("|") and not later:  # its rows, then its profiles
+      yield line.rstrip("\n")
+    else:
+      later.append(line.rstrip("\n"))
   if run.code is None:
-    yield f"| 1 | command buffers: stopped at {run.seconds:.0f} s | | | | | | |"
+    yield f"| 1 | command buffers: stopped at {run.seconds:.0f} s | | | | | | | |"
   elif run.code:
     last = run.stderr.strip().splitlines()[-1:] or [""]
-    yield f"| 1 | command buffers: exit {run.code} ({last[0][-200:]}) | | | | | | |"
+    yield f"| 1 | command buffers: exit {run.code} ({last[0][-200:]}) | | | | | | | |"
 
 
 def part_decode_command_buffers(args) -> Iterator[str]:
-  """decode_rows at batch 1 in this process, whose XLA_FLAGS the decode part set."""
+  """decode_rows at batch 1 in this process, whose XLA_FLAGS the decode part set, then its
+  profiles."""
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   model, tok, prompts = _models(args)
   engine = Engine(model, tok, stop_ids=())
-  yield from decode_rows(engine, prompts[:1], 32 if args.tiny else 128, xla_flags())
+  n_new = 32 if args.tiny else 128
+  yield from decode_rows(engine, prompts[:1], n_new, xla_flags())
+  yield from profile_lines(engine, prompts[:1], n_new, xla_flags())
 
 
 def part_decode(args) -> Iterator[str]:
@@ -259,6 +299,7 @@ def part_decode(args) -> Iterator[str]:
   n_new = 32 if args.tiny else 128
   first = None  # batch 1's engine: the step costs below are measured in its layout
   defaults, versus = {}, {}  # batch 1's tok/s, and with command buffers over it
+  engines, later = {}, []  # by batch size; the command-buffer child's profiles
   for b in (1, 4) if args.tiny else (1, 32):
     ids = (prompts * (b // len(prompts) + 1))[:b]
     engine = Engine(model, tok, stop_ids=())  # one per batch size; the confidences share it
@@ -276,12 +317,17 @@ def part_decode(args) -> Iterator[str]:
         yield (f"- `{COMMAND_BUFFERS}`: a GPU flag, no effect on "
                f"{jax.default_backend()} (its rows rehearse the plumbing)")
       yield ""
-      yield "| batch | run | XLA flags | tok/s | vs base | tokens/step | prefill s | compile s |"
-      yield "|---|---|---|---|---|---|---|---|"
+      yield ("| batch | run | XLA flags | tok/s | vs base | tokens/step | micro steps/step | "
+             "prefill s | compile s |")
+      yield "|---|---|---|---|---|---|---|---|---|"
+    engines[b] = (engine, ids)
     yield from decode_rows(engine, ids, n_new, xla_flags(), defaults if b == 1 else None)
     if b == 1:
-      yield from command_buffer_rows(args, defaults, versus)
+      yield from command_buffer_rows(args, defaults, versus, later)
   yield ""
+  yield ("- runs named `auto`: the batch-aware micro loop, its costs measured "
+         "(decode/micro_rule.py); micro steps/step: micro steps a macro step ran (as many as "
+         "its largest group needs) against tokens/step - 1 that each row's group added")
   if versus:
     yield ("- batch 1 with command buffers against the defaults: "
            + ", ".join(f"{name} {v:.2f}x" for name, v in versus.items()))
@@ -295,6 +341,11 @@ def part_decode(args) -> Iterator[str]:
                                    {"full": None})
   yield f"- {bound[0].strip()}"
   yield from (f"  {line}" for line in bound[1:])
+  # Where the time goes, last: a traced decode of each batch (the defaults' flags, then the
+  # command-buffer child's batch 1).
+  for engine, ids in engines.values():
+    yield from profile_lines(engine, ids, n_new, xla_flags())
+  yield from later
 
 
 def cli_part(argv: list[str]) -> Iterator[str]:

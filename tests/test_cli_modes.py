@@ -76,8 +76,8 @@ def test_bench_hamburger_against_its_base(tiny, capsys, tmp_path):
   # every row goes on: the rule cuts nothing, so 3 micro steps a macro step and the same tokens
   assert all(r["micro steps/step"] == "3.00" for r in rows)
   assert [r["same tokens"] for r in rows[:2]] == ["1/1"] * 2
-  assert re.search(r"batch 2, full micro vocab: r 1 rows \d\.\d{3}, 2 rows \d\.\d{3}; "
-                   r"m \d\.\d{3}", out)
+  assert re.search(r"batch 2, full micro vocab: r 1 rows \d+\.\d{3}, 2 rows \d+\.\d{3}; "
+                   r"m \d+\.\d{3}", out)
   launches = _first_column(_tables(out)[1])
   assert launches[:3] == ["base step", "merged step", "micro step"]
   # r where bytes bound a step: the micro step's weights (1 layer, stop head, LM head) over the
@@ -129,7 +129,7 @@ def test_accelerator_check_parts_on_tiny_models():
   prec = ac.part_precision(argparse.Namespace(tiny=True, dtype="bfloat16"))
   assert prec[0].startswith("- decoding in bfloat16") and any(l.startswith("| base |") for l in prec)
   # The decode part hands on each row as it is measured (a part stopped at its cap keeps them):
-  # batch 1's header and 4 rows, then the same 4 runs with command buffers (from a child
+  # batch 1's header and 6 rows, then the same 6 runs with command buffers (from a child
   # process: XLA reads its flags when the backend starts), are out before batch 4 starts.
   from hamburger_jax.benchmarks import timing  # pylint: disable=import-outside-toplevel
   decode, measuring_after = [], []
@@ -141,13 +141,24 @@ def test_accelerator_check_parts_on_tiny_models():
     mp.setattr(timing, "time_batches", spy)
     for line in ac.part_decode(args):
       decode.append(line)
-  assert measuring_after == [6, 14], decode
+  assert measuring_after == [6, 18], decode
   batch1 = [l for l in decode if l.startswith("| 1 |")]
-  assert [ac.COMMAND_BUFFERS in l for l in batch1] == [False] * 4 + [True] * 4, batch1
-  assert sum(l.startswith("| 4 |") for l in decode) == 4
+  assert [ac.COMMAND_BUFFERS in l for l in batch1] == [False] * 6 + [True] * 6, batch1
+  assert sum(l.startswith("| 4 |") for l in decode) == 6
   assert any("a GPU flag, no effect on cpu" in l for l in decode)
   assert any(re.fullmatch(r"- batch 1 with command buffers against the defaults: base [\d.]+x, "
-                          r"c=0\.5 [\d.]+x, c=0\.8 [\d.]+x, forced [\d.]+x", l) for l in decode)
+                          r"c=0\.5 [\d.]+x, c=0\.8 [\d.]+x, forced [\d.]+x, "
+                          r"c=0\.5 auto [\d.]+x, c=0\.8 auto [\d.]+x", l) for l in decode)
+  # where the time goes: a traced decode of each batch (base, c = 0.5 with the rule off and
+  # auto), and batch 1 again with command buffers, each a table of kinds of operation
+  profiled = [re.fullmatch(r"- batch (\d), (base|c=0\.5|c=0\.5 auto), XLA flags (.*): \d+ macro "
+                           r"steps \(k [\d.]+, micro steps/step [\d.]+\); device [\d.]+ ms a "
+                           r"macro step of [\d.]+ ms wall, prefills included .*", l)
+              for l in decode]
+  got = [(m[1], m[2], ac.COMMAND_BUFFERS in m[3]) for m in profiled if m]
+  assert got == [(b, run, cb) for b, cb in (("1", False), ("4", False), ("1", True))
+                 for run in ("base", "c=0.5", "c=0.5 auto")], got
+  assert sum(l.startswith("| kind of operation | count a macro step |") for l in decode) == 9
   assert any(l.startswith("- batch 1, steps in a jitted loop: r = ") for l in decode)
   assert any("r = " in l and "forced groups of 4 at most" in l for l in decode)
   assert [ac.pytest_workers(n) for n in (2, 16, 64)] == [2, 4, 4]

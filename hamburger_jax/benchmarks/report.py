@@ -45,3 +45,20 @@ def bytes_bound_lines(hcfg, dtype: str, kv_len: int, head_rows: dict[str, int | 
 
 def group_cap(max_group: int | None) -> str:
   return f", groups of at most {max_group} tokens" if max_group else ""
+
+
+def kind_lines(prof, per: float, unit: str, top: int) -> list[str]:
+  """A markdown table of an OpProfile's kinds of operation (benchmarks/op_profile.py), the
+  `top` most costly then the rest, in counts and ms `unit` (the profile over `per` of them)."""
+  share = lambda seconds: f"{seconds / max(prof.device_s, 1e-12):.1%}"
+  out = [f"| kind of operation | count {unit} | ms {unit} | share |", "|---|---|---|---|"]
+  kinds = prof.kinds()
+  for op in kinds[:top]:
+    out.append(f"| `{op.name[:72]}` | {op.calls / per:.1f} | {op.seconds * 1e3 / per:,.3f} | "
+               f"{share(op.seconds)} |")
+  rest = kinds[top:]
+  if rest:
+    seconds = sum(o.seconds for o in rest)
+    out.append(f"| {len(rest)} other kinds | {sum(o.calls for o in rest) / per:.1f} | "
+               f"{seconds * 1e3 / per:,.3f} | {share(seconds)} |")
+  return out

@@ -145,3 +145,21 @@ def micro_steps_per_step(gens) -> float:
   group needs), to set against the tokens each row emitted per macro step."""
   largest = largest_groups(gens)
   return sum(m - 1 for m in largest) / len(largest)
+
+
+def profile_decode(engine, ids, n_new: int, trace_dir: str, **generate_kw):
+  """Where a batch's decode spends the device's time: one engine.generate of `ids` (run once
+  untimed first, so compiling is not traced) under the profiler (benchmarks/op_profile.py).
+  Returns (OpProfile of the call, prefills included; the macro steps it ran, the most of any
+  row; its generations)."""
+  from hamburger_jax.benchmarks.op_profile import profile_calls  # pylint: disable=C0415
+  run = lambda: engine.generate(ids, max_new_tokens=n_new, **generate_kw)
+  run()
+  box = {}
+
+  def call():
+    box["gens"] = run()
+    return jnp.zeros(())  # generate returns once the batch is done: nothing left to wait for
+
+  prof = profile_calls(call, 1, trace_dir)
+  return prof, max(g.macro_steps for g in box["gens"]), box["gens"]
