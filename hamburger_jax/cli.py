@@ -131,6 +131,26 @@ def sampling_params(temperature: float, top_k: int, top_p: float):
   return SamplingParams(temperature, top_k, top_p)
 
 
+def load_for_decoding(args, choose_mode: Callable[[str | None], str]
+                      ) -> tuple[Any, Any, str | None, str]:
+  """The decoding entry points' load sequence: the compilation cache (unless
+  --no-compile-cache), the checkpoint (--checkpoint, else the shipped one if present), the mode
+  to load (`choose_mode(checkpoint)`), --top-k against the vocabulary (from metadata, before the
+  weights), then the weights. Returns (model, tokenizer, checkpoint, mode); a model that cannot
+  load is a one-line SystemExit."""
+  from hamburger_jax import cache, pretrained
+  cache.enable_compilation_cache(enabled=not getattr(args, "no_compile_cache", False))
+  checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
+  mode = choose_mode(checkpoint)
+  if getattr(args, "sampling", None) is not None:
+    check_top_k(args.sampling, None if mode == "base" else checkpoint, args.base)
+  try:
+    model, tok = load_model(mode, checkpoint, args.base, micro_vocab=args.micro_vocab)
+  except ModelLoadError as e:
+    raise SystemExit(f"error: {e}") from None
+  return model, tok, checkpoint, mode
+
+
 def check_top_k(sampling, checkpoint: str | None, base: str | None) -> None:
   """--top-k against the model's vocabulary, read from metadata before the weights load."""
   if not sampling.top_k:

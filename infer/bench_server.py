@@ -40,13 +40,11 @@ def _server_args(args, mode: str, slots: int, workload) -> list[str]:
 def bench_server(args) -> None:
   # pylint: disable=import-outside-toplevel
   import httpx2 as httpx  # the HTTP client: only this bench needs it (not accelerator hosts)
-  from hamburger_jax import pretrained
   from hamburger_jax.benchmarks.server_load import ServerProcess, drive, summary
   from hamburger_jax.decode.engine import Engine
 
-  checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
-  mode = "hamburger" if checkpoint is not None else "base"
-  model, tok = cli.load_model(mode, checkpoint, args.base, micro_vocab=args.micro_vocab)
+  model, tok, _, mode = cli.load_for_decoding(
+      args, lambda ckpt: "hamburger" if ckpt is not None else "base")
   engine = Engine(model, tok)  # stops at end of turn, as the server does: the same tokens
   workload = serve_workload(tok, args.requests, args.new_range)
   slots = args.slots[0]

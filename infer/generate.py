@@ -67,18 +67,12 @@ def coloured(tokenizer, token_ids: list[int], groups: list[int], colour: bool) -
 def main(argv=None) -> int:
   args = parse_args(argv)
   # Imports after argument parsing so --help is instant.
-  from hamburger_jax import cache, pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine, GenerationError  # pylint: disable=C0415
 
-  cache.enable_compilation_cache(enabled=not args.no_compile_cache)
   prompts = read_prompts(args)
-  checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
-  mode = args.mode or pretrained.default_mode(checkpoint, both=True)
-  cli.check_top_k(args.sampling, None if mode == "base" else checkpoint, args.base)
-  try:
-    model, tok = cli.load_model(mode, checkpoint, args.base, micro_vocab=args.micro_vocab)
-  except cli.ModelLoadError as e:
-    raise SystemExit(f"error: {e}") from None
+  model, tok, checkpoint, mode = cli.load_for_decoding(
+      args, lambda ckpt: args.mode or pretrained.default_mode(ckpt, both=True))
   engine = Engine(model, tok)
   modes = ("base", "hamburger") if mode == "both" else (mode,)
   colour = sys.stdout.isatty() and not args.no_color

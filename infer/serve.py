@@ -105,17 +105,11 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   raws = read_requests(args)  # before the model loads: a bad file fails in a second
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-  from hamburger_jax import cache, pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine, GenerationError  # pylint: disable=C0415
 
-  cache.enable_compilation_cache(enabled=not args.no_compile_cache)
-  checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
-  mode = args.mode or pretrained.default_mode(checkpoint)
-  cli.check_top_k(args.sampling, None if mode == "base" else checkpoint, args.base)
-  try:
-    model, tok = cli.load_model(mode, checkpoint, args.base, micro_vocab=args.micro_vocab)
-  except cli.ModelLoadError as e:
-    raise SystemExit(f"error: {e}") from None
+  model, tok, _, mode = cli.load_for_decoding(
+      args, lambda ckpt: args.mode or pretrained.default_mode(ckpt))
   engine = Engine(model, tok, block_size=args.block_size,
                   prefix_cache_tokens=args.prefix_cache_tokens)
   requests, failed = [], []

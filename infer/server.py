@@ -98,24 +98,20 @@ def build(args: argparse.Namespace):
   load or the flags do not fit it."""
   # pylint: disable=import-outside-toplevel
   import jax
-  from hamburger_jax import cache, pretrained
+  from hamburger_jax import pretrained
   from hamburger_jax.decode.admission import DEFAULT_ROUND_STEPS, AdmissionLoop, Limits
   from hamburger_jax.decode.aot import tensor_mesh
   from hamburger_jax.decode.engine import Engine, GenerationError
   from hamburger_jax.openai_api.app import Server
   from hamburger_jax.openai_api.protocol import Defaults
 
-  cache.enable_compilation_cache(enabled=not args.no_compile_cache)
-  checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
-  mode, modes = served_modes(args, pretrained.default_mode(checkpoint))
-  loaded = "hamburger" if "hamburger" in modes else "base"
-  cli.check_top_k(args.sampling, checkpoint if loaded == "hamburger" else None, args.base)
   if args.tensor > len(jax.devices()):
     raise SystemExit(f"error: --tensor {args.tensor}: only {len(jax.devices())} devices here")
-  try:
-    model, tok = cli.load_model(loaded, checkpoint, args.base, micro_vocab=args.micro_vocab)
-  except cli.ModelLoadError as e:
-    raise SystemExit(f"error: {e}") from None
+  served = lambda ckpt: served_modes(args, pretrained.default_mode(ckpt))
+  model, tok, checkpoint, _ = cli.load_for_decoding(
+      args, lambda ckpt: "hamburger" if "hamburger" in served(ckpt)[1] else "base")
+  mode, modes = served(checkpoint)
+  loaded = "hamburger" if "hamburger" in modes else "base"
   mesh = tensor_mesh(jax.devices(), args.tensor) if args.tensor > 1 else None
   if args.tensor > 1 and mesh is None:
     raise SystemExit(f"error: --tensor {args.tensor}: the first {args.tensor} devices do not "
