@@ -272,6 +272,29 @@ def test_a_graft_travels_and_the_training_call_continues_it(repo, tmp_path, caps
   assert code == 2 and "not a graft export" in capsys.readouterr().err
 
 
+def test_the_suite_and_earlier_answers_travel_and_the_training_call_reads_them(repo, tmp_path,
+                                                                               capsys):
+  """--suite and --answers-in: their files travel, install puts them where the training call's
+  --suite and --answers-in read them."""
+  suite, answers = tmp_path / "suite", tmp_path / "answers"
+  suite.mkdir()
+  answers.mkdir()
+  _write(suite / "suite.json", 30 * KIB, 3)
+  _write(answers / "answers-00001.npz", 60 * KIB, 4)
+  code, out = _build(repo, "--suite", str(suite), "--answers-in", str(answers))
+  printed = capsys.readouterr().out
+  assert code == 0, printed
+  last = [line.strip() for line in printed.splitlines() if "train.window" in line][-1]
+  assert last.endswith(f"--suite {common.SUITE_OUT} --answers-in {common.ANSWERS_OUT}/1")
+  table = json.loads((out / "1" / manifest.MANIFEST).read_text())["files"]
+  placed = {installlib.destination(name, "/s", "/c") for name in table
+            if name.startswith(("suite/", "answers/"))}
+  assert placed == {f"{common.SUITE_OUT}/suite.json",
+                    f"{common.ANSWERS_OUT}/1/answers-00001.npz"}
+  code, _ = _build(repo, "--overwrite", "--suite", str(answers))
+  assert code == 2 and "holds no suite.json" in capsys.readouterr().err
+
+
 def test_a_damaged_or_missing_part_is_named(built, tmp_path, capsys):
   part = _gguf_parts(built)[1]
   path = built / str(part["folder"]) / part["name"]

@@ -18,6 +18,8 @@ ends:
   corpus/   every file of the token corpus (`python -m train.token_corpus`'s directory)
   graft/    with --init-from: the files of a graft export the window continues (the shipped
             graft, or an earlier window's), so that windows add up
+  suite/    with --suite: the free-generation suite that judges the window's grafts
+  answers/  with --answers-in: earlier windows' answers, trained on again (answers/1/, ...)
 
 Every folder's MANIFEST.json holds the whole transfer's table (each file's size and sha256, and
 each part's folder, size and sha256), so that any folder that arrived names the one missing.
@@ -65,6 +67,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   b.add_argument("--init-from", default=None,
                  help="a graft export to carry too, which the training call continues "
                       "(train.window --init-from)")
+  b.add_argument("--suite", default=None,
+                 help="the free-generation suite to carry (python -m infer.eval --write-suite "
+                      "DIR); the training call judges with it (train.window --suite)")
+  b.add_argument("--answers-in", action="append", default=[], metavar="DIR",
+                 help="an earlier window's answers/ to carry; the training call trains on them "
+                      "too (train.window --answers-in; repeatable)")
   b.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
   i = sub.add_parser("install", help="there: join, check and place the transferred files")
   i.add_argument("--from", dest="source", required=True, help="the folder the calls carried into")
@@ -83,7 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       plan = build(args.corpus, args.out, cache=args.wheels_cache,
                    download=not args.no_download, gguf=args.gguf, limit_mib=args.limit_mib,
                    overwrite=args.overwrite, train_command=args.train_command,
-                   init_from=args.init_from)
+                   init_from=args.init_from, suite=args.suite,
+                   answers_in=args.answers_in)
       lines = plan.lines()
   except TransferError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -10,7 +10,8 @@ import subprocess
 import sys
 import tempfile
 
-from train.transfers.common import (BASE, CORPUS, GGUF_FILE, GGUF_PACKAGE, GRAFT, GRAFT_OUT,
+from train.transfers.common import (ANSWERS, ANSWERS_OUT, BASE, CORPUS, GGUF_FILE, GGUF_PACKAGE,
+                                    GRAFT, GRAFT_OUT, SUITE, SUITE_OUT,
                                     WHEELS, TransferError, mib)
 from train.transfers.manifest import is_there, join, read_manifest
 from train.transfers.wheels import norm_name
@@ -28,6 +29,10 @@ def destination(name: str, site: str, corpus_out: str, graft_out: str = GRAFT_OU
     return os.path.join(corpus_out, *parts[1:])
   if name.startswith(GRAFT):
     return os.path.join(graft_out, *parts[1:])
+  if name.startswith(SUITE):
+    return os.path.join(SUITE_OUT, *parts[1:])
+  if name.startswith(ANSWERS):
+    return os.path.join(ANSWERS_OUT, *parts[1:])
   raise TransferError(f"the manifest names {name!r}, which install does not place: install with "
                       "the train/transfers/ that built it")
 
@@ -92,7 +97,8 @@ def install(source: str, site: str, corpus_out: str, graft_out: str = GRAFT_OUT)
     if not os.path.exists(init):
       open(init, "w", encoding="utf-8").close()  # pylint: disable=consider-using-with
   where = {BASE.rstrip("/"): os.path.join(site, GGUF_PACKAGE), CORPUS.rstrip("/"): corpus_out,
-           GRAFT.rstrip("/"): graft_out}
+           GRAFT.rstrip("/"): graft_out, SUITE.rstrip("/"): SUITE_OUT,
+           ANSWERS.rstrip("/"): ANSWERS_OUT}
   for kind, (skipped, written, size) in done.items():
     lines.append(f"{kind}: {written} written, {skipped} already there ({mib(size)}) in "
                  f"{where[kind]}")

@@ -85,6 +85,15 @@ def graft_items(export: str) -> list[Item]:
           for f in sorted(os.listdir(export)) if os.path.isfile(os.path.join(export, f))]
 
 
+def dir_items(kind: str, directory: str, marker: str, flag: str, hint: str) -> list[Item]:
+  """The files directly in `directory` (a suite, a window's answers), named `kind` + file, after
+  checking that it holds `marker`."""
+  if not os.path.isfile(os.path.join(directory, marker)):
+    raise TransferError(f"{flag} {directory} holds no {marker}: {hint}")
+  return [Item(kind + f, os.path.join(directory, f), os.path.getsize(os.path.join(directory, f)))
+          for f in sorted(os.listdir(directory)) if os.path.isfile(os.path.join(directory, f))]
+
+
 def corpus_items(corpus: str) -> list[Item]:
   if not os.path.isfile(os.path.join(corpus, "meta.json")):
     raise TransferError(f"{corpus} has no meta.json: give the directory that "

@@ -8,10 +8,11 @@ import json
 import os
 from typing import Sequence
 
-from train.transfers.common import (BASE, GGUF_FILE, GRAFT_OUT, KINDS, MIB, WHEELS, TransferError,
+from train.transfers.common import (ANSWERS, ANSWERS_OUT, BASE, GGUF_FILE, GRAFT_OUT, KINDS, MIB,
+                                    SUITE, SUITE_OUT, WHEELS, TransferError,
                                     mib)
 from train.transfers.manifest import MANIFEST
-from train.transfers.packing import (Item, corpus_items, graft_items, pack_with_manifest,
+from train.transfers.packing import (Item, corpus_items, dir_items, graft_items, pack_with_manifest,
                                      tree_bytes, write_folders)
 from train.transfers.tree import CODE_LEFT_OUT, check_out, code_tree
 from train.transfers.wheels import WHEELS_CACHE, WINDOW_WHEELS, wheels_for
@@ -80,11 +81,13 @@ class Plan:
 def build(corpus: str, out: str, *, pins: Sequence[str] = WINDOW_WHEELS,
           cache: str = WHEELS_CACHE, download: bool = True, gguf: str | None = None,
           limit_mib: float = LIMIT_MIB, overwrite: bool = False,
-          train_command: str = TRAIN_COMMAND, init_from: str | None = None) -> Plan:
+          train_command: str = TRAIN_COMMAND, init_from: str | None = None,
+          suite: str | None = None, answers_in: Sequence[str] = ()) -> Plan:
   """Writes the folders under `out` (inside the repository, ignored by git) and returns the
   plan of the calls. Everything is checked before anything is written; a failure leaves `out`
   as it was. `init_from`: a graft export that travels too; the training command continues it
-  (`--init-from GRAFT_OUT`)."""
+  (`--init-from GRAFT_OUT`). `suite`: the judge's suite (`--suite SUITE_OUT`); `answers_in`:
+  earlier windows' answers/ directories (`--answers-in ANSWERS_OUT/K`)."""
   from hamburger_jax import assets, files  # pylint: disable=import-outside-toplevel
   out = os.path.abspath(out)
   root, rel = check_out(out, corpus, cache, overwrite, init_from)
@@ -107,6 +110,14 @@ def build(corpus: str, out: str, *, pins: Sequence[str] = WINDOW_WHEELS,
   if init_from:
     items += graft_items(init_from)
     train_command = f"{train_command} --init-from {GRAFT_OUT}"
+  if suite:
+    items += dir_items(SUITE, suite, "suite.json", "--suite",
+                       "write one with python -m infer.eval --write-suite DIR")
+    train_command = f"{train_command} --suite {SUITE_OUT}"
+  for k, d in enumerate(answers_in, 1):
+    items += dir_items(f"{ANSWERS}{k}/", d, "answers-00001.npz", "--answers-in",
+                       "give the answers/ directory of an earlier window's --out")
+    train_command = f"{train_command} --answers-in {ANSWERS_OUT}/{k}"
   folders, reserve = pack_with_manifest(items, capacity)
   if len(folders) > MAX_FOLDERS:
     kinds = {k: b for k in KINDS if (b := sum(i.size for i in items if i.name.startswith(k)))}
