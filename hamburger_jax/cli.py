@@ -241,7 +241,7 @@ def check_peak_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
 def device_peak(args: argparse.Namespace, dtype: str):
   """The device's peaks (peaks.device_peak: a CPU's measured now), or --peak-tflops and
   --peak-gb-s."""
-  from hamburger_jax import peaks
+  from hamburger_jax.costs import peaks
   try:
     return phase("the device's peaks", lambda: peaks.device_peak(
         dtype, tflops=args.peak_tflops, gb_s=args.peak_gb_s))

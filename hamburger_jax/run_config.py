@@ -70,7 +70,7 @@ RECIPES = ("paper", "distill")
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   trainable: str = "graft"  # one of TRAINABLE
-  recipe: str = "paper"  # paper (docs/SPEC.md 2.2) | distill (hamburger_jax.distillation)
+  recipe: str = "paper"  # paper (docs/SPEC.md 2.2) | distill (hamburger_jax.objectives.distillation)
   init_from: str = ""  # a graft export to start from (a stage starts from the previous one's)
   steps: int = 1000  # optimiser steps (the cosine schedule spans them)
   lr_base: float = 5e-5
@@ -138,7 +138,7 @@ class TrainConfig:
 STOP_TARGETS = ("teacher", "segments", "harm")
 # Where the distill recipe's teacher signals come from: "stored" by the data's teacher pass
 # (hamburger_jax.data.teacher_pass), or "online", the frozen base inside the train step
-# (hamburger_jax.online_teacher; the data is token ids only).
+# (hamburger_jax.objectives.online_teacher; the data is token ids only).
 TEACHERS = ("stored", "online")
 # The teacher's top-k next-token distribution the KL reads (train.prepare_data --teacher-top-k).
 DEFAULT_TEACHER_TOP_K = 16
@@ -146,12 +146,12 @@ DEFAULT_TEACHER_TOP_K = 16
 
 @dataclasses.dataclass(frozen=True)
 class DistillConfig:
-  """Loss weights of the distill recipe (hamburger_jax.distillation says what each is)."""
+  """Loss weights of the distill recipe (hamburger_jax.objectives.distillation says what each is)."""
   kl_weight: float = 1.0
   feature_weight: float = 1.0
   stop_weight: float = 0.5
   ce_weight: float = 0.0
-  stop_target: str = "teacher"  # teacher | segments | harm (hamburger_jax.distillation)
+  stop_target: str = "teacher"  # teacher | segments | harm (hamburger_jax.objectives.distillation)
   teacher: str = "stored"  # one of TEACHERS
   top_k: int = DEFAULT_TEACHER_TOP_K  # the online teacher's (a stored one's is in its data)
 

@@ -45,7 +45,7 @@ def bench_base(args) -> None:
   import transformers  # pylint: disable=import-outside-toplevel
   from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.peaks import copy_bandwidth_gb_s  # pylint: disable=C0415
+  from hamburger_jax.costs.peaks import copy_bandwidth_gb_s  # pylint: disable=C0415
 
   model, tok = pretrained.load("base", base=args.base, dtype=args.dtype,
                                param_dtype=args.dtype)

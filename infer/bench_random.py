@@ -18,7 +18,8 @@ def bench_random(args) -> None:
   with its FLOPs counted (ours and XLA's), MFU and the fraction of the memory roofline; and the
   engine's decode speed on random prompts, HAMburger with forced K-token groups (confidence 0:
   random weights make no groups worth stopping)."""
-  from hamburger_jax import peaks, pretrained, roofline  # pylint: disable=C0415
+  from hamburger_jax import pretrained  # pylint: disable=C0415
+  from hamburger_jax.costs import analytic, peaks
   from hamburger_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   from hamburger_jax.model.decode_layout import decode_layout  # pylint: disable=C0415
@@ -54,8 +55,8 @@ def bench_random(args) -> None:
       results.append((mode, b, kv_len, r, engine_s.get(mode)))
   peak = first_peak.best(cli.device_peak(args, cfg.model.dtype))  # measured again, after the steps
 
-  graft = sum(roofline.graft_params(hcfg).values())
-  print(f"{args.config}: random weights, base {roofline.base_params(hcfg.base) / 1e6:.1f}M + "
+  graft = sum(analytic.graft_params(hcfg).values())
+  print(f"{args.config}: random weights, base {analytic.base_params(hcfg.base) / 1e6:.1f}M + "
         f"graft {graft / 1e6:.1f}M params, {cfg.model.param_dtype} weights, {cfg.model.dtype} "
         f"compute; prompts of {args.prompt_len} random tokens, {args.new_tokens} new tokens/row "
         f"(EOS ignored); HAMburger: forced {k}-token groups")
@@ -72,8 +73,8 @@ def bench_random(args) -> None:
   print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for mode, b, kv_len, r, engine_r in results:
     per_step = b * (k if mode == "hamburger" else 1)
-    ours = roofline.decode_step_flops(hcfg, mode, b, kv_len)
-    read = roofline.decode_step_bytes(hcfg, mode, b, kv_len)
+    ours = analytic.decode_step_flops(hcfg, mode, b, kv_len)
+    read = analytic.decode_step_bytes(hcfg, mode, b, kv_len)
     engine_tps, engine_c = "-", "-"
     if engine_r is not None:
       engine_tps, engine_c = f"{engine_r.tokens_per_s:.1f}", f"{engine_r.compile_s:.0f}"

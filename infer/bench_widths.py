@@ -16,7 +16,8 @@ def bench_widths(args) -> None:
   """A base forward of w rows against one of 1 row (hamburger_jax/benchmarks/widths.py): the
   decode loop's cost and bandwidth per width, then the layers' projections alone in other
   layouts and dtypes."""
-  from hamburger_jax import peaks, pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.costs import peaks
   from hamburger_jax.model.decode_layout import decode_layout  # pylint: disable=C0415
   base, _ = cli.load_model("base", None, args.base, dtype=args.dtype, param_dtype=args.dtype)
   bw = cli.phase("copy bandwidth", peaks.copy_bandwidth_gb_s)

@@ -82,14 +82,14 @@ def test_bench_hamburger_against_its_base(tiny, capsys, tmp_path):
   assert launches[:3] == ["base step", "merged step", "micro step"]
   # r where bytes bound a step: the micro step's weights (1 layer, stop head, LM head) over the
   # base step's, from the graft's own config
-  from hamburger_jax import roofline  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.costs import analytic  # pylint: disable=import-outside-toplevel
   hcfg = pretrained.load_hamburger(ckpt, tiny["base"])[0].cfg
-  base_bytes = roofline.decode_step_bytes(hcfg, "base", 1, KV_ENTRIES)
-  r = roofline.micro_step_bytes(hcfg, 1) / base_bytes
+  base_bytes = analytic.decode_step_bytes(hcfg, "base", 1, KV_ENTRIES)
+  r = analytic.micro_step_bytes(hcfg, 1) / base_bytes
   assert 0 < r < 1
   assert re.search(rf"full micro vocab: \d+ MB, r = {r:.3f}; forced groups of 4 at most "
                    rf"{4 / (1 + 3 * r):.2f}x", out)
-  r16 = roofline.micro_step_bytes(hcfg, 1, 16) / base_bytes
+  r16 = analytic.micro_step_bytes(hcfg, 1, 16) / base_bytes
   assert r16 < r and re.search(rf"16 micro vocab: \d+ MB, r = {r16:.3f};", out)
 
 

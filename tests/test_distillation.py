@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hamburger_jax import layout
-from hamburger_jax.distillation import (TRACKED_CONFIDENCES, acceptance, acceptance_metrics,
+from hamburger_jax.objectives.distillation import (TRACKED_CONFIDENCES, acceptance, acceptance_metrics,
                                         distill_loss, micro_distill_loss)
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import causal_segment_mask

@@ -27,7 +27,7 @@ import pytest
 
 from hamburger_jax import pretrained
 from hamburger_jax.data import pipeline
-from hamburger_jax.distillation import TRACKED_CONFIDENCES, micro_step_losses
+from hamburger_jax.objectives.distillation import TRACKED_CONFIDENCES, micro_step_losses
 from hamburger_jax.evaluation import agreement, report, scoring, teacher_forced
 from hamburger_jax.evaluation.scoring import SyntheticTask
 from hamburger_jax.evaluation.statistics import bootstrap_ci, paired_bootstrap_ci

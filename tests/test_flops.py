@@ -1,6 +1,6 @@
-"""hamburger_jax.roofline: the analytic FLOP counts against the traced programs (exactly) and
-XLA's cost analysis (within elementwise work; both counted by hamburger_jax.program_flops), the
-byte counts; hamburger_jax.peaks: peaks, MFU and roofline arithmetic by hand; and both
+"""hamburger_jax.costs.analytic: the analytic FLOP counts against the traced programs (exactly) and
+XLA's cost analysis (within elementwise work; both counted by hamburger_jax.costs.program_flops), the
+byte counts; hamburger_jax.costs.peaks: peaks, MFU and roofline arithmetic by hand; and both
 benches' --random-weights paths end to end on configs/tiny.yaml (their printed columns, never
 their timings)."""
 
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hamburger_jax import layout, peaks, pretrained, program_flops, roofline, testing
+from hamburger_jax import layout, pretrained, testing
+from hamburger_jax.costs import analytic, peaks, program_flops
 from hamburger_jax.data import synthetic
 from hamburger_jax.config import LLAMA_3_2_1B, ConfigError, GraftConfig, HamburgerConfig
 from hamburger_jax.data import pipeline
@@ -47,34 +48,34 @@ def tiny_hamburger(lora_rank: int = 4, max_group: int = 4) -> Hamburger:
 def test_param_counts_match_the_models():
   model = tiny_hamburger()
   hcfg = model.cfg
-  graft = roofline.graft_params(hcfg)
+  graft = analytic.graft_params(hcfg)
   count = lambda f: sum(v.size for _, v in nnx.to_flat_state(nnx.state(model, f)))
-  assert roofline.base_params(hcfg.base) + sum(graft.values()) == count(nnx.Param)
+  assert analytic.base_params(hcfg.base) + sum(graft.values()) == count(nnx.Param)
   assert graft["micro"] + graft["stop_head"] == count(nnx.PathContains("micro"))
   assert graft["embedder"] == count(nnx.PathContains("embedder"))
   # The paper's graft on Llama-3.2-1B (counted part by part in test_hamburger_model).
   paper = HamburgerConfig(LLAMA_3_2_1B, GraftConfig(merger_head_dim=32))
-  assert sum(roofline.graft_params(paper).values()) == testing.LLAMA_3_2_1B_GRAFT_PARAMS
-  assert roofline.base_params(LLAMA_3_2_1B) == 1_235_814_400  # Llama-3.2-1B, tied head
+  assert sum(analytic.graft_params(paper).values()) == testing.LLAMA_3_2_1B_GRAFT_PARAMS
+  assert analytic.base_params(LLAMA_3_2_1B) == 1_235_814_400  # Llama-3.2-1B, tied head
 
 
 def test_layer_and_head_flops_by_hand():
   cfg = load_run_config(TINY).model.random  # D 64, F 128, 4 heads of 16, 2 KV heads
   linears = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128  # q, k, v, o, gate, up, down
   attention = 2 * 2 * 3 * 5 * 4 * 16  # scores and probs @ values: 3 rows x 5 keys x 4 heads
-  assert roofline.layer_flops(cfg, 3, 5).forward == 2 * 3 * linears + attention
-  assert roofline.layer_flops(cfg, 3, 5).backward == 0
+  assert analytic.layer_flops(cfg, 3, 5).forward == 2 * 3 * linears + attention
+  assert analytic.layer_flops(cfg, 3, 5).backward == 0
   # Trained weights and an input that needs a gradient: both gradients of every matmul.
-  full = roofline.layer_flops(cfg, 3, 5, grad_in=True, train_w=True)
+  full = analytic.layer_flops(cfg, 3, 5, grad_in=True, train_w=True)
   assert full.backward == 2 * full.forward
   # A frozen layer on a path that needs gradients: input gradients only.
-  frozen = roofline.layer_flops(cfg, 3, 5, grad_in=True)
+  frozen = analytic.layer_flops(cfg, 3, 5, grad_in=True)
   assert frozen.backward == 2 * 3 * linears + 2 * attention  # dQ, dK, dV and dP all the same
-  assert roofline.head_flops(cfg, 7) == 2 * 7 * 64 * 256
+  assert analytic.head_flops(cfg, 7) == 2 * 7 * 64 * 256
   # 8 rows of 192 tokens in chunks of 1024: 128 of each row a chunk, each row padded to 256.
-  assert roofline.lm_head_rows(8, 192, 1024) == 2048
-  assert roofline.lm_head_rows(8, 192, 1024, loop_once=True) == 1024
-  assert roofline.lm_head_rows(2, 192, 1024) == 384  # one chunk holds every token
+  assert analytic.lm_head_rows(8, 192, 1024) == 2048
+  assert analytic.lm_head_rows(8, 192, 1024, loop_once=True) == 1024
+  assert analytic.lm_head_rows(2, 192, 1024) == 384  # one chunk holds every token
 
 
 def test_base_forward_flops_match_the_traced_and_the_compiled_program():
@@ -82,7 +83,7 @@ def test_base_forward_flops_match_the_traced_and_the_compiled_program():
   graphdef, params = nnx.split(model)
   forward = lambda p, ids: nnx.merge(graphdef, p).base(ids)
   ids = jnp.zeros((2, 48), jnp.int32)
-  ours = roofline.base_forward_flops(model.cfg.base, 2, 48)
+  ours = analytic.base_forward_flops(model.cfg.base, 2, 48)
   assert program_flops.traced_matmul_flops(forward, params, ids) == ours
   xla = program_flops.xla_flops(jax.jit(forward).lower(params, ids).compile())
   assert XLA_ABOVE_OURS[0] <= xla / ours <= XLA_ABOVE_OURS[1]
@@ -93,7 +94,7 @@ def test_base_forward_flops_match_the_traced_and_the_compiled_program():
 def test_decode_step_flops_match_the_traced_program(mode, k):
   model = tiny_hamburger(max_group=k)
   step, args = decode_step_program(model, mode, 3, 20)
-  assert program_flops.traced_matmul_flops(step, *args) == roofline.decode_step_flops(
+  assert program_flops.traced_matmul_flops(step, *args) == analytic.decode_step_flops(
       model.cfg, mode, 3, 20)
 
 
@@ -128,13 +129,13 @@ def test_train_step_flops_match_the_traced_program(trainable, recipe, lora, dtyp
                                f"model.param_dtype={dtype}"])
   trainer = Trainer(cfg)
   batch = _train_batch(trainer, teacher=recipe == "distill")
-  ours = roofline.train_step_flops(trainer.model.cfg, 4, 96, 48, trainable, 512)
+  ours = analytic.train_step_flops(trainer.model.cfg, 4, 96, 48, trainable, 512)
   step = trainer.train_step
   traced = program_flops.traced_matmul_flops(step, trainer.state, trainer.frozen, batch)
   assert traced == ours.executed
   # The LM head's logits are recomputed in the backward pass (two chunks of 512 rows), unless
   # nothing the loss reads through the head trains (the stop head alone).
-  head = roofline.head_flops(cfg.model.random, 1024)
+  head = analytic.head_flops(cfg.model.random, 1024)
   assert ours.remat == (0 if trainable == "stop" else head)
   assert ours.model == ours.executed - ours.remat
 
@@ -144,24 +145,24 @@ def test_decode_bytes_by_hand():
   # Base: 256 x 64 tied embedding/head, 4 layers of 36,864 kernel + 128 norm params, final norm.
   base = 256 * 64 + 4 * (36_864 + 128) + 64
   kv = 2 * 4 * 2 * 10 * 2 * 16  # keys and values, 4 layers, 2 rows, 10 entries, 2 x 16 per head
-  assert roofline.decode_step_bytes(hcfg, "base", 2, 10) == 4 * (base + kv)  # float32
+  assert analytic.decode_step_bytes(hcfg, "base", 2, 10) == 4 * (base + kv)  # float32
   # HAMburger: the head per token (K = 4), the stop head per token but the last (3), the micro
   # layers per micro step after token 0 (3), the embedder once, the base's kernels with the
   # adapters folded in (the base's bytes); the micro cache (F + K - 1 = 7 entries, 2 layers)
   # read by each of the 3 micro steps.
-  g = roofline.graft_params(hcfg)
+  g = analytic.graft_params(hcfg)
   weights = (base - 256 * 64) + 4 * 256 * 64 + g["embedder"] + 3 * g["micro"] \
       + 3 * g["stop_head"]
   micro_kv = 3 * (2 * 2 * 2 * 7 * 2 * 16)
-  assert roofline.decode_step_bytes(hcfg, "hamburger", 2, 10) == 4 * (weights + kv + micro_kv)
+  assert analytic.decode_step_bytes(hcfg, "hamburger", 2, 10) == 4 * (weights + kv + micro_kv)
   # One micro step: its layers, the stop head, the LM head's rows (all 256, or a reduced micro
   # vocabulary's 16) and the micro cache.
   micro = g["micro"] + g["stop_head"] + 256 * 64 + micro_kv // 3
-  assert roofline.micro_step_bytes(hcfg, 2) == 4 * micro
-  assert roofline.micro_step_bytes(hcfg, 2, head_rows=16) == 4 * (micro - (256 - 16) * 64)
+  assert analytic.micro_step_bytes(hcfg, 2) == 4 * micro
+  assert analytic.micro_step_bytes(hcfg, 2, head_rows=16) == 4 * (micro - (256 - 16) * 64)
   bf16 = dataclasses.replace(hcfg, base=dataclasses.replace(hcfg.base, dtype="bfloat16",
                                                             param_dtype="bfloat16"))
-  assert roofline.decode_step_bytes(bf16, "base", 2, 10) == 2 * (base + kv)
+  assert analytic.decode_step_bytes(bf16, "base", 2, 10) == 2 * (base + kv)
 
 
 def test_mfu_roofline_and_bound_by_hand():
@@ -173,7 +174,7 @@ def test_mfu_roofline_and_bound_by_hand():
   assert peaks.bound(1e11, 1e10, peak) == "memory"
   # Batch-1 decode of Llama-3.2-1B in bf16 on an H100 SXM: ~2.5 GB a step at 3.35 TB/s.
   h100 = peaks.ACCELERATORS["H100 SXM"]
-  step_bytes = roofline.decode_step_bytes(HamburgerConfig(dataclasses.replace(
+  step_bytes = analytic.decode_step_bytes(HamburgerConfig(dataclasses.replace(
       LLAMA_3_2_1B, dtype="bfloat16", param_dtype="bfloat16")), "base", 1, 1024)
   assert step_bytes == 2 * (1_235_814_400 + 2 * 16 * 1024 * 8 * 64)
   assert peaks.roofline_fraction(step_bytes, step_bytes / 3.35e12, h100) == pytest.approx(1.0)

@@ -17,7 +17,7 @@ from hamburger_jax import layout
 from hamburger_jax.config import ConfigError, GraftConfig, HamburgerConfig, LlamaConfig
 from hamburger_jax.convert import release
 from hamburger_jax.convert.mapping import WeightsError
-from hamburger_jax.losses import hamburger_loss
+from hamburger_jax.objectives.losses import hamburger_loss
 from hamburger_jax.model import lora
 from hamburger_jax.model.compositional_embedder import CompositionalEmbedder
 from hamburger_jax.model.hamburger import Hamburger

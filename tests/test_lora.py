@@ -93,7 +93,7 @@ def _loss_batch(groups: list[int]) -> dict:
 
 
 def test_training_forward_runs_the_exact_base_where_nothing_is_merged():
-  from hamburger_jax.losses import hamburger_loss  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.objectives.losses import hamburger_loss  # pylint: disable=import-outside-toplevel
   m = _model(perturb=True)
   bare = without_adapters(m, merge=False)
   single = _loss_batch([1] * 6)

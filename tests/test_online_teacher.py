@@ -13,10 +13,10 @@ import pytest
 from hamburger_jax import layout, precision, segmentation
 from hamburger_jax.data import teacher_pass
 from hamburger_jax.data.tokens.online_batch import TokenSample, layout_row, pack_batch, pack_rows
-from hamburger_jax.distillation import distill_loss, micro_distill_loss
-from hamburger_jax.losses import chunked_topk
+from hamburger_jax.objectives.distillation import distill_loss, micro_distill_loss
+from hamburger_jax.objectives.losses import chunked_topk
 from hamburger_jax.model.hamburger import Hamburger
-from hamburger_jax.online_teacher import with_teacher
+from hamburger_jax.objectives.online_teacher import with_teacher
 from hamburger_jax.run_config import DistillConfig
 from hamburger_jax.testing import DECODE_CFG, DISTILL_GRAFT, tiny_distill_model
 

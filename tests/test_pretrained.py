@@ -124,7 +124,7 @@ def test_shipped_checkpoint_loads_is_trained_and_is_the_base_at_confidence_1():
   only)."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from hamburger_jax import layout  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.losses import hamburger_loss  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.objectives.losses import hamburger_loss  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
 
   ckpt = pretrained.DEFAULT_CHECKPOINT

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hamburger_jax import pretrained
-from hamburger_jax.distillation import TRACKED_CONFIDENCES, confidence_tag
+from hamburger_jax.objectives.distillation import TRACKED_CONFIDENCES, confidence_tag
 from hamburger_jax.evaluation import teacher_forced
 from hamburger_jax.model.llama import causal_segment_mask
 from hamburger_jax.run_config import load_run_config

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hamburger_jax import peaks, testing
+from hamburger_jax import testing
+from hamburger_jax.costs import peaks
 from hamburger_jax.benchmarks import train_step
 
 PEAK = peaks.Peak("fake device", 100e12, 1e12, "given")  # one device's

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hamburger_jax import roofline
+from hamburger_jax.costs import analytic
 from hamburger_jax.decode.engine import Engine
 from hamburger_jax.model.decode_layout import decode_layout
 from hamburger_jax.model.hamburger import sharing_weights
@@ -47,7 +47,7 @@ def test_measure_counts_the_weights_once_and_each_sequences_cache(model):
   assert [(c.shape, c.width) for c in costs] == [("slots", 1), ("slots", 2), ("tokens", 1),
                                                   ("tokens", 2)]
   w = widths.weight_bytes(base)
-  kv = roofline.kv_bytes(DECODE_CFG, DECODE_CFG.num_layers, 1, 8)
+  kv = analytic.kv_bytes(DECODE_CFG, DECODE_CFG.num_layers, 1, 8)
   assert [c.bytes_read for c in costs] == [w + kv, w + 2 * kv, w + kv, w + kv]
   assert all(c.step_s > 0 for c in costs)
   lines = widths.report(costs, copy_gb_s=10.0)

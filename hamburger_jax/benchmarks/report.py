@@ -28,15 +28,15 @@ def bytes_bound_lines(hcfg, dtype: str, kv_len: int, head_rows: dict[str, int | 
   """The micro step's cost ratio r where bytes bound a step (every weight read once per pass,
   batch 1, `dtype` weights), per micro-step vocabulary (name -> its LM-head rows; None: the
   whole vocabulary), with the forced-K ceiling it allows: what a measured r compares with."""
-  from hamburger_jax import roofline  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.costs import analytic  # pylint: disable=import-outside-toplevel
   hcfg = dataclasses.replace(hcfg, base=dataclasses.replace(hcfg.base, dtype=dtype,
                                                             param_dtype=dtype))
   k = hcfg.graft.max_group
-  base = roofline.decode_step_bytes(hcfg, "base", 1, kv_len)
+  base = analytic.decode_step_bytes(hcfg, "base", 1, kv_len)
   out = [f"\nr where bytes bound a step (batch 1, KV {kv_len}, {dtype} weights): a base step "
          f"reads {base / 1e6:.0f} MB"]
   for name, rows in head_rows.items():
-    micro = roofline.micro_step_bytes(hcfg, 1, rows)
+    micro = analytic.micro_step_bytes(hcfg, 1, rows)
     r = micro / base
     out.append(f"- micro step, {name} micro vocab: {micro / 1e6:.0f} MB, r = {r:.3f}; forced "
                f"groups of {k} at most {k / (1 + (k - 1) * r):.2f}x the base")

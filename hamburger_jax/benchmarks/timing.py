@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hamburger_jax import program_flops
+from hamburger_jax.costs import program_flops
 from hamburger_jax.benchmarks import widths
 from hamburger_jax.decode import launches
 from hamburger_jax.decode.requests import Generation

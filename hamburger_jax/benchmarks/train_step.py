@@ -17,10 +17,11 @@ import optax
 import tensorflow_datasets as tfds
 from flax import nnx
 
-from hamburger_jax import cli, layout, peaks, program_flops, roofline
+from hamburger_jax import cli, layout
+from hamburger_jax.costs import analytic, peaks, program_flops
 from hamburger_jax.data import pipeline, synthetic
 from hamburger_jax.data.tfds_builder import build_dataset
-from hamburger_jax.losses import sft_loss
+from hamburger_jax.objectives.losses import sft_loss
 from hamburger_jax.training import Trainer
 
 
@@ -191,7 +192,7 @@ def measure_hamburger(trainer: Trainer, cfg, batches: Batches) -> StepRow:
     jax.block_until_ready(metrics)
     if i:
       times.append(time.perf_counter() - t)
-  count = lambda **kw: roofline.train_step_flops(trainer.model.cfg, d.rows, d.entries, d.groups,
+  count = lambda **kw: analytic.train_step_flops(trainer.model.cfg, d.rows, d.entries, d.groups,
                                                  cfg.train.trainable, cfg.train.ce_chunk, **kw)
   return StepRow(min(times), compile_s, count(), xla_view(step, trainer.mesh.size),
                  count(loop_once=True), trainer.mesh.size)
@@ -216,7 +217,7 @@ def measure_sft(base, cfg, batches: Batches) -> StepRow:
     params, opt_state, _ = jax.block_until_ready(step(params, opt_state, batch))
     if i:
       times.append(time.perf_counter() - t)
-  count = lambda **kw: roofline.sft_step_flops(base.cfg, cfg.data.rows, batches.width,
+  count = lambda **kw: analytic.sft_step_flops(base.cfg, cfg.data.rows, batches.width,
                                                cfg.train.ce_chunk, **kw)
   return StepRow(min(times), compile_s, count(), xla_view(step, 1), count(loop_once=True), 1)
 

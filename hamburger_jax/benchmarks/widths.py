@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hamburger_jax import roofline
+from hamburger_jax.costs import analytic
 from hamburger_jax.decode.step import base_of
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.model.llama import Llama
@@ -109,7 +109,7 @@ def measure(base: Llama, widths: list[int], kv_len: int, repeats: int,
       jax.block_until_ready(token)
       best[key] = min(best[key], (time.perf_counter() - t) / STEPS)
   wb = weight_bytes(base)
-  return [WidthCost(s, w, best[(s, w)], wb + roofline.kv_bytes(
+  return [WidthCost(s, w, best[(s, w)], wb + analytic.kv_bytes(
       base.cfg, base.cfg.num_layers, w if s == "slots" else 1, kv_len)) for s, w in runs]
 
 
@@ -194,7 +194,7 @@ def measure_variants(cfg, widths: list[int], repeats: int,
 def report_variants(cfg, best: dict[tuple[str, int], float], copy_gb_s: float) -> list[str]:
   widths = sorted({w for _, w in best})
   variants = list(dict.fromkeys(v for v, _ in best))
-  per_layer = roofline.layer_params(cfg) - 2 * cfg.hidden_size  # the projections (no norms)
+  per_layer = analytic.layer_params(cfg) - 2 * cfg.hidden_size  # the projections (no norms)
   lines = ["| projections | " + " | ".join(f"{w} rows ms (vs 1)" for w in widths) +
            " | GB/s at 1 row (of copy) |", "|---" * (len(widths) + 2) + "|"]
   for v in variants:

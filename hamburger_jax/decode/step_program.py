@@ -1,5 +1,5 @@
 """One macro step at decode as the engine runs it, standalone: a jitted program and its
-arguments, so that its time (benchmarks/timing.py), its XLA cost and roofline.decode_step_flops
+arguments, so that its time (benchmarks/timing.py), its XLA cost and costs.analytic.decode_step_flops
 describe the same program, and so that it can be lowered for devices that are not attached
 (decode/aot.py) or counted for launches (decode/launches.py).
 """

@@ -45,8 +45,8 @@ from tqdm import tqdm
 
 from hamburger_jax.data import pipeline
 from hamburger_jax.data.teacher_pass import base_fingerprint
-from hamburger_jax.distillation import acceptance_metrics, distill_loss
-from hamburger_jax.losses import chunked_cross_entropy, hamburger_loss
+from hamburger_jax.objectives.distillation import acceptance_metrics, distill_loss
+from hamburger_jax.objectives.losses import chunked_cross_entropy, hamburger_loss
 from hamburger_jax.model.llama import causal_segment_mask
 from hamburger_jax.run_config import RECIPES, DistillConfig
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from hamburger_jax import aot, pretrained, roofline, sharding
+from hamburger_jax import aot, pretrained, sharding
+from hamburger_jax.costs import analytic
 from hamburger_jax.config import ConfigError, load_yaml
 from hamburger_jax.data.teacher_pass import (DEFAULT_BATCH_TOKENS, DEFAULT_MAX_LEN,
                                              lower_teacher_pass)
@@ -163,7 +164,7 @@ def check_train(config: str, topology: str, *, headroom: float = aot.DEFAULT_HEA
   stages = []
   for (cfg, mesh, trainer, _), (_, _, state) in zip(low.built, low.state_bytes()):
     name, d = cfg.stage or "train", cfg.data
-    flops = d.accum * roofline.train_step_flops(
+    flops = d.accum * analytic.train_step_flops(
         trainer.model.cfg, d.rows, d.entries, d.groups, cfg.train.trainable,
         cfg.train.ce_chunk).model
     step, evaluation = reports[f"{name}: train step"], reports[f"{name}: evaluation step"]

@@ -81,7 +81,7 @@ def plot_curves(rows: Sequence[dict[str, Any]], path: str, smooth: int = 5) -> s
 
 def compared_panels(confidence: float = 0.8) -> list[tuple[str, str]]:
   """(metric, title) of the comparison's panels; the last two at one tracked confidence."""
-  from hamburger_jax.distillation import (  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.objectives.distillation import (  # pylint: disable=import-outside-toplevel
       TRACKED_CONFIDENCES, confidence_tag)
   if confidence not in TRACKED_CONFIDENCES:
     raise ValueError(f"--confidence {confidence:g}: validation tracks only "

@@ -421,7 +421,7 @@ def hosted_steps(trainer: Trainer, batches, lr: Callable[[int, int], dict[str, f
   learning rate fed by the host (`lr(step, total)`, a schedule fixed after measuring, as a
   budgeted window does), until the batches, `total` or the clock (`stop_at`, time.monotonic())
   end; dispatched ahead, synchronised only to log every `log_every` steps."""
-  from hamburger_jax import peaks  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.costs import peaks  # pylint: disable=import-outside-toplevel
   ended, done = "the plan's last step", first
   t0 = time.monotonic()
   mark = (t0, tokens, first)

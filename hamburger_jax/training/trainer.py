@@ -23,13 +23,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hamburger_jax import precision, pretrained, sharding
 from hamburger_jax.config import ConfigError, HamburgerConfig
-from hamburger_jax.distillation import acceptance_metrics, distill_loss, micro_distill_loss
+from hamburger_jax.objectives.distillation import acceptance_metrics, distill_loss, micro_distill_loss
 from hamburger_jax.evaluation import teacher_forced
-from hamburger_jax.losses import hamburger_loss
+from hamburger_jax.objectives.losses import hamburger_loss
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.attention import choose_attention
 from hamburger_jax.model.llama import GraftParam, set_attention, set_layer_execution
-from hamburger_jax.online_teacher import ONLINE_FIELDS, with_teacher
+from hamburger_jax.objectives.online_teacher import ONLINE_FIELDS, with_teacher
 from hamburger_jax.run_config import DEFAULT_TEACHER_TOP_K, RunConfig
 
 # The params each `train.trainable` optimises (the rest is frozen, and not checkpointed: it is

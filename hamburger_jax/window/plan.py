@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hamburger_jax import roofline
+from hamburger_jax.costs import analytic
 from hamburger_jax.config import HamburgerConfig
 from hamburger_jax.run_config import RunConfig
 
@@ -118,11 +118,11 @@ def make_plan(seconds_left: float, rates: Rates, available_tokens: int, reserve:
 
 def step_flops(cfg: RunConfig, hcfg: HamburgerConfig) -> float:
   """Model FLOPs of one window train step on its static batch: the graft's step
-  (roofline.train_step_flops) and the teacher's forward over the unmerged rows."""
+  (analytic.train_step_flops) and the teacher's forward over the unmerged rows."""
   d = cfg.data
-  student = roofline.train_step_flops(hcfg, d.rows, d.entries, d.groups, cfg.train.trainable,
+  student = analytic.train_step_flops(hcfg, d.rows, d.entries, d.groups, cfg.train.trainable,
                                       cfg.train.ce_chunk).model
-  return student + roofline.base_forward_flops(hcfg.base, d.rows, d.row_tokens)
+  return student + analytic.base_forward_flops(hcfg.base, d.rows, d.row_tokens)
 
 
 def measured_rates(summary: dict) -> Rates:

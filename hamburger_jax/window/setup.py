@@ -10,7 +10,8 @@ import time
 import jax
 import numpy as np
 
-from hamburger_jax import graft_checkpoint, peaks
+from hamburger_jax import graft_checkpoint
+from hamburger_jax.costs import peaks
 from hamburger_jax.benchmarks.op_profile import profile_calls
 from hamburger_jax.data.tokens import answer_files
 from hamburger_jax.data.tokens import boundaries as boundaries_lib

@@ -148,7 +148,7 @@ def train(run: Run, trainer, data: Data, epoch_ids: np.ndarray, progress: Progre
   new = done.steps - progress.steps
   rate = ""
   if new:
-    from hamburger_jax import peaks  # pylint: disable=import-outside-toplevel
+    from hamburger_jax.costs import peaks  # pylint: disable=import-outside-toplevel
     tps = (done.tokens - progress.tokens) / done.seconds
     mfu = peaks.mfu(run.flops, done.seconds / new, run.peak)
     run.summary.setdefault("arms", {})[name] = dict(steps=done.steps, response_tokens=done.tokens,

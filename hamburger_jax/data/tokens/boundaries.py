@@ -2,7 +2,7 @@
 token-id samples gives the probability it assigns each response token, and the segmentation
 rule `confident:p` (hamburger_jax.segmentation.confident_starts) turns those into the
 tokens that open a group. Nothing else is kept: the teacher's signals are computed again inside
-the train step (hamburger_jax.online_teacher), so the pass writes one byte per token.
+the train step (hamburger_jax.objectives.online_teacher), so the pass writes one byte per token.
 
 Rows pack whole samples (segments, positions restarting in each), longest with shortest, so a
 pass over a corpus compiles one program.

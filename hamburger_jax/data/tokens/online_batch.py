@@ -1,4 +1,4 @@
-"""Packed batches of token-id samples for the teacher in the step (hamburger_jax.online_teacher).
+"""Packed batches of token-id samples for the teacher in the step (hamburger_jax.objectives.online_teacher).
 
 A sample is a token sequence with its assistant responses marked (spans) and each response
 token's group start (the boundaries of hamburger_jax.data.tokens.boundaries): a multi-turn

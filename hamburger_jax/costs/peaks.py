@@ -1,7 +1,7 @@
 """What the device can do at best, and how close a measured step comes to it: peak matmul
 FLOP/s and memory bandwidth, MFU, the fraction of the memory roofline, which roof bounds a step.
 
-A module of its own because it describes the machine, not the model: roofline.py counts what a
+A module of its own because it describes the machine, not the model: analytic.py counts what a
 step of the model costs (FLOPs, bytes it must read) and runs nothing; this one measures a CPU,
 looks an accelerator up, and sets the two side by side.
 

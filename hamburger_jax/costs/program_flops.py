@@ -1,9 +1,9 @@
-"""FLOPs counted from a program rather than from the model's shapes (roofline.py counts those):
+"""FLOPs counted from a program rather than from the model's shapes (analytic.py counts those):
 the matmuls of the program a function traces to, and XLA's cost analysis of a compiled one.
 
-The traced count and roofline.py's analytic count see the same matmuls, so tests hold them
+The traced count and analytic.py's analytic count see the same matmuls, so tests hold them
 equal exactly; XLA's figure also counts elementwise work and, on a GPU, none of the matmuls it
-hands to cuBLAS (roofline.py's docstring has the figures).
+hands to cuBLAS (analytic.py's docstring has the figures).
 """
 
 from __future__ import annotations

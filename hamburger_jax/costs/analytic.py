@@ -1,5 +1,5 @@
 """What a step of this model costs: model FLOPs and the bytes a decode step must read (what the
-device can do, MFU and the memory-bandwidth roofline: hamburger_jax/peaks.py).
+device can do, MFU and the memory-bandwidth roofline: costs/peaks.py).
 
 FLOPs are counted analytically: every matmul and attention einsum the model runs, 2 FLOPs per
 multiply-add, at the static shapes a compiled step runs (padded rows and dense attention masks
@@ -29,7 +29,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from hamburger_jax import losses
+from hamburger_jax.objectives import losses
 from hamburger_jax.config import HamburgerConfig, LlamaConfig
 
 # ----------------------------------------------------------------------------- FLOPs

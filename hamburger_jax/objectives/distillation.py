@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from hamburger_jax import layout
-from hamburger_jax.losses import bce_with_logits, chunked_token_stats
+from hamburger_jax.objectives.losses import bce_with_logits, chunked_token_stats
 from hamburger_jax.model.attention import PackedMask
 from hamburger_jax.model.hamburger import Hamburger, continues
 from hamburger_jax.run_config import DistillConfig

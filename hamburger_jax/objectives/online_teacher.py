@@ -18,7 +18,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from hamburger_jax.losses import chunked_topk
+from hamburger_jax.objectives.losses import chunked_topk
 from hamburger_jax.model.attention import PackedMask
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.segmentation import segment_positions
