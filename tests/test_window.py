@@ -31,14 +31,14 @@ def _report(out: str) -> str:
 
 def test_tiny_window_end_to_end_then_continued(tmp_path, capsys):
   first, second = str(tmp_path / "w1"), str(tmp_path / "w2")
-  # 3 minutes: on 2 busy cores the compiles alone (the train step, the judge's and the decode
-  # timing's engine programs) can take two.
-  assert window.main(["--tiny", "--budget-minutes", "3", "--out", first, "--decode-eval"]) == 0
+  # 3 minutes: on 2 busy cores the compiles alone (the train step, the judge's engine programs,
+  # the teacher-forced evaluation) take about two.
+  assert window.main(["--tiny", "--budget-minutes", "3", "--out", first]) == 0
   out = capsys.readouterr().out
   assert re.search(r"step \d+/\d+ .*tokens/s .*MFU", out)  # progress while training
   text = _report(first)
   for part in PARTS:
-    assert f"## {part}\n" in text, part
+    assert (f"## {part}\n" in text) == (part != "decode"), part  # decode: with --decode-eval
   meta = graft_checkpoint.read_meta(os.path.join(first, "export"))
   with open(os.path.join(first, "summary.json"), encoding="utf-8") as f:
     summary = json.load(f)
@@ -70,22 +70,26 @@ def test_tiny_window_end_to_end_then_continued(tmp_path, capsys):
   assert os.path.isfile(os.path.join(first, "answers", "answers-00001.npz"))
   # A second window continues the first: its lineage adds up; it trains on the first's answers
   # too, and shares its minutes between two arms judged on the same suite.
-  assert window.main(["--tiny", "--budget-minutes", "2", "--out", second, "--init-from",
+  # It times decode too (--decode-eval), with what its budget leaves.
+  assert window.main(["--tiny", "--budget-minutes", "3.5", "--out", second, "--init-from",
                       os.path.join(first, "export"), "--answers-in",
                       os.path.join(first, "answers"), "--answers-share", "0",
-                      "--arms", "graft;stop:train.trainable=stop"]) == 0
+                      "--arms", "graft;stop:train.trainable=stop", "--decode-eval"]) == 0
   meta2 = graft_checkpoint.read_meta(os.path.join(second, "export"))
   text2 = _report(second)
   assert meta2["window"]["init_from"] == os.path.join(first, "export")
   assert meta2["trained_tokens"] == meta["trained_tokens"] + meta2["window"]["response_tokens"]
-  assert "answers of earlier windows" in text2 and "## decode" not in text2  # decode: when asked
+  assert "answers of earlier windows" in text2
+  assert "## decode\n" in text2
   assert "## graft\n" in text2 and "## stop\n" in text2
   assert "| graft | 0.8 |" in text2 and "| stop | 0.8 |" in text2
   assert meta2["window"]["arm"] in ("graft", "stop")
-  assert "| batch | base tok/s |" in _report(first)  # the first window timed decode
-  # Prompts of one prefill plan, no prefix caching: per mode and batch size one prefill
-  # program and the decode loops of the views (one here).
-  assert int(re.search(r"(\d+) programs compiled", _report(first)).group(1)) <= 2 * 2 * 2
+  if "| batch | base tok/s |" in text2:  # else skipped for lack of time, which it says
+    # Prompts of one prefill plan, no prefix caching: per mode and batch size one prefill
+    # program and the decode loops of the views (one here).
+    assert int(re.search(r"(\d+) programs compiled", text2).group(1)) <= 2 * 2 * 2
+  else:
+    assert "skipped: too little of the budget left" in text2
 
 
 def _graft(model) -> dict:
