@@ -6,7 +6,6 @@ way transformers sets up its own, so ids and rendered prompts match `AutoTokeniz
 
 from __future__ import annotations
 
-import datetime
 import functools
 import json
 import os
@@ -14,13 +13,11 @@ import re
 from typing import Any, Iterable, Literal, Mapping, Sequence
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
 from hamburger_jax import assets
+from hamburger_jax.chat_template import TokenizerError, check_messages, compile_template
 from hamburger_jax.convert.gguf import ConvertedGGUF, GGUFFile
 
 # llama.cpp token_type values (gguf.TokenType).
@@ -45,14 +42,6 @@ _REGEX_PRES = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": 
 SUPPORTED_GGUF_PRE_TOKENIZERS = tuple(sorted({*_GPT2_PRES, *_REGEX_PRES}))
 
 
-# Chat roles a message may have; anything else is a typo the template would render silently.
-CHAT_ROLES = ("system", "user", "assistant", "tool", "ipython")
-
-
-class TokenizerError(ValueError):
-  """A tokenizer file or an input is unusable; the message says what was wrong and what to do."""
-
-
 @functools.cache
 def _unicode_to_bytes() -> dict[str, int]:
   return {c: b for b, c in _bytes_to_unicode().items()}
@@ -71,49 +60,6 @@ def _bytes_to_unicode() -> dict[int, str]:
       cs.append(256 + n)
       n += 1
   return dict(zip(bs, map(chr, cs)))
-
-
-class _GenerationTag(jinja2.ext.Extension):
-  """Accepts `{% generation %}...{% endgeneration %}` (training templates mark assistant spans
-  with it) and renders the body unchanged, as transformers does when no mask is requested."""
-  tags = {"generation"}
-
-  def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
-    lineno = next(parser.stream).lineno
-    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-    return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-  def _render(self, caller) -> str:
-    return caller()
-
-
-def _raise_exception(message: str):
-  raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-  # jinja's own tojson escapes HTML characters; chat templates want plain JSON.
-  return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                    sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-  return datetime.datetime.now().strftime(fmt)
-
-
-@functools.lru_cache(maxsize=8)
-def _compile_template(source: str) -> jinja2.Template:
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-  env.filters["tojson"] = _tojson
-  env.globals["raise_exception"] = _raise_exception
-  env.globals["strftime_now"] = _strftime_now
-  try:
-    return env.from_string(source)
-  except jinja2.TemplateSyntaxError as e:
-    raise TokenizerError(f"the chat template does not parse (line {e.lineno}: {e.message}); "
-                         "pass a valid jinja template as chat_template=") from None
 
 
 def _bos_eos_processor(bos: tuple[str, int] | None,
@@ -429,12 +375,12 @@ class Tokenizer:
     if template is None:
       raise TokenizerError("this tokenizer has no chat template (none in the GGUF metadata or "
                            "the HF directory); pass one as chat_template=")
-    _check_messages(messages)
+    check_messages(messages)
     context = {"tools": None, "documents": None, **self._special, **template_kwargs}
 
     def render(msgs: list[dict[str, Any]]) -> str:
       try:
-        return _compile_template(template).render(
+        return compile_template(template).render(
             messages=msgs, add_generation_prompt=add_generation_prompt, **context)
       except jinja2.TemplateError as e:
         raise TokenizerError(f"the chat template refused these messages: {e}") from None
@@ -483,29 +429,6 @@ class Tokenizer:
         ids.append(self._tok.token_to_id(match.group(0)))
         pos = match.end()
     return ids
-
-
-def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
-  if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence):
-    raise TokenizerError(f"messages must be a list of dicts, got {type(messages).__name__}; "
-                         "e.g. [{'role': 'user', 'content': 'hi'}]")
-  if not messages:
-    raise TokenizerError("messages is empty; pass at least one, e.g. "
-                         "[{'role': 'user', 'content': 'hi'}]")
-  for i, m in enumerate(messages):
-    if not isinstance(m, Mapping):
-      raise TokenizerError(f"message {i} is a {type(m).__name__}, not a dict with 'role' and "
-                           "'content'")
-    missing = [k for k in ("role", "content") if k not in m]
-    if missing:
-      raise TokenizerError(f"message {i} has no {' or '.join(map(repr, missing))} key; each "
-                           "message needs both, e.g. {'role': 'user', 'content': 'hi'}")
-    if not isinstance(m["role"], str):
-      raise TokenizerError(f"message {i} has role {m['role']!r}; roles are strings "
-                           "('system', 'user', 'assistant', ...)")
-    if m["role"] not in CHAT_ROLES:
-      raise TokenizerError(f"message {i} has unknown role {m['role']!r}; use one of "
-                           f"{', '.join(CHAT_ROLES)}")
 
 
 def _read_json(path: str) -> dict[str, Any]:

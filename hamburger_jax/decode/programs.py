@@ -1,0 +1,266 @@
+"""The engine's programs: the traced prefill and decode loop, their lowering and compilation
+(cached by layout on the engine), and prefilling a request through them. `EnginePrograms` is the
+part of decode/engine.Engine that owns programs; the engine owns the weights' placement and the
+requests (its docstring is the contract a scheduler uses)."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Sequence
+
+import jax
+import jax.experimental
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from hamburger_jax import precision
+from hamburger_jax.decode import serving, shapes
+from hamburger_jax.decode import step as decode_step
+from hamburger_jax.decode.prefix_cache import CachedPrefix, cacheable_prefix
+from hamburger_jax.decode.requests import Request
+from hamburger_jax.decode.shapes import LENGTH_BUCKETS, Layout, bucket, prefill_chunks
+from hamburger_jax.decode.step import DecodeState
+
+
+class EnginePrograms:
+  """Programs of an engine (decode/engine.Engine sets what they read: graphdef, params, mesh,
+  precision, stop_ids, variant, block_size, turn_end_ids, prefix_cache, programs, and its
+  `put`, `_empty_state` and `max_group`)."""
+
+  def _abstract_state(self, layout: Layout):
+    state = jax.eval_shape(lambda: self._empty_state(layout))
+    if self.mesh is None:
+      return state
+    rep = NamedSharding(self.mesh, P())
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), state)
+
+  def _jit(self, fn, **kw):
+    if self.mesh is not None:  # the state stays replicated from one program to the next
+      kw["out_shardings"] = NamedSharding(self.mesh, P())
+    return jax.jit(fn, donate_argnames=("state",), **kw)
+
+  def _prefill_impl(self, params, state: DecodeState, ids_c, start, n_valid, slot, last,
+                    request: dict[str, jax.Array], *, mode: str) -> DecodeState:
+    """Writes one prompt chunk's KV entries into `slot`'s blocks; the last chunk also takes the
+    slot's predicting features and the request's settings (the slot goes live)."""
+    model = nnx.merge(self.graphdef, params)
+    cache = state.cache
+    row = cache.replace(table=cache.table[slot][None], length=cache.length[slot][None])
+    slots = (start + jnp.arange(ids_c.shape[0]))[None]
+    feats, row = decode_step.forward_features(model, mode, decode_step.base_of(model).embed(
+        ids_c[None]), slots, row, slots)
+    state = state.replace(cache=cache.replace(k=row.k, v=row.v))
+
+    def insert(state: DecodeState) -> DecodeState:
+      at = lambda x, v: x.at[slot].set(v)
+      zero = lambda x: x.at[slot].set(jnp.zeros_like(x[slot]))
+      prompt_len = start + n_valid
+      return state.replace(
+          cache=state.cache.replace(length=at(state.cache.length, prompt_len)),
+          features=at(state.features, feats[0, n_valid - 1]),
+          prompt_len=at(state.prompt_len, prompt_len), tokens=zero(state.tokens),
+          n_tokens=zero(state.n_tokens), groups=zero(state.groups), n_steps=zero(state.n_steps),
+          done=at(state.done, False), **{k: at(getattr(state, k), v) for k, v in request.items()})
+
+    # The pool stays out of the cond, which would copy it (see _decode_impl).
+    k, v = state.cache.k, state.cache.v
+    small = state.replace(cache=state.cache.replace(k=None, v=None))
+    small = jax.lax.cond(last, insert, lambda s: s, small)
+    return small.replace(cache=small.cache.replace(k=k, v=v))
+
+  def _decode_impl(self, params, state: DecodeState, refill, limit, sink, *, mode: str,
+                   stochastic: bool, stream: bool, view: int) -> DecodeState:
+    """Macro steps until every slot is done, or (with `refill`) a slot finishes so the host can
+    give it the next request, or a live slot's blocks are full so the host can add one, or
+    `limit` macro steps have run, or (with `stream`) the sink asks for the host.
+
+    Attention reads the first `view` blocks of each slot's table (the host picks a view that
+    holds every live slot's blocks): its cost follows the live lengths, not the layout's.
+    `sink`: with `stream`, each macro step goes to serving.deliver_step with it, whose answer
+    can end the call after that step (a server with requests waiting to be admitted)."""
+    full_table = state.cache.table
+    state = state.replace(cache=state.cache.replace(table=full_table[:, :view]))
+    model = nnx.merge(self.graphdef, params)
+    offset = model.cfg.graft.position_offset if mode == "hamburger" else 0
+    n_max = state.groups.shape[1]
+    stop_ids = jnp.asarray(self.stop_ids, jnp.int32)
+    done_at_start = state.done
+
+    def body(carry):
+      step, state, _ = carry
+      asked = []  # the sink's answer to this step: return to the host after it
+      report = None
+      if stream:
+        report = lambda group, count: asked.append(jax.experimental.io_callback(
+            serving.deliver_step, jax.ShapeDtypeStruct((), jnp.bool_), sink, group, count,
+            ordered=True))
+      # Unconditional: a branch around the step would copy the whole KV pool (XLA cannot
+      # update a buffer in place through a conditional). When every slot is done this one
+      # step is wasted (done slots write only their own unused entries or the trash block),
+      # and the loop ends.
+      state = decode_step.macro_step(
+          model, mode, state, stop_ids=stop_ids, stochastic=stochastic, offset=offset,
+          variant=self.variant, report=report)
+      return step + 1, state, asked[0] if asked else jnp.bool_(False)
+
+    def cond(carry):
+      step, state, host = carry
+      finished = jnp.any(state.done & ~done_at_start)
+      full = jnp.any(~state.done & (state.cache.length >= state.cache.capacity()))
+      return (step < jnp.minimum(n_max, limit)) & ~jnp.all(state.done) & ~(
+          refill & finished) & ~full & ~host
+
+    _, state, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), state, jnp.bool_(False)))
+    return state.replace(cache=state.cache.replace(table=full_table))
+
+  # ------------------------------------------------------------------ programs
+
+  def layout(self, mode: str, slots: int, max_new: int, longest_prompt: int,
+             kv_blocks: int | None = None) -> Layout:
+    """The static shapes for requests up to `longest_prompt` + `max_new` tokens, in this
+    engine's blocks (shapes.plan_layout)."""
+    return shapes.plan_layout(mode, slots, max_new, longest_prompt, self.block_size, kv_blocks)
+
+  def _spec(self, shape: tuple, dtype) -> jax.ShapeDtypeStruct:
+    """An abstract argument, replicated over the mesh if there is one (as `put` places it)."""
+    if self.mesh is None:
+      return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, P()))
+
+  def lower_prefill(self, layout: Layout, chunk: int) -> jax.stages.Lowered:
+    """The prefill program of one `chunk`-token prompt chunk, lowered (`prefill` runs it)."""
+    state = self._abstract_state(layout)
+    i32 = self._spec((), jnp.int32)
+    request = {k: self._spec((), getattr(state, k).dtype)
+               for k in ("max_new", "confidence", "max_group", "temperature", "top_k", "top_p")}
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    request["key"] = self._spec(key.shape, key.dtype)
+    fn = self._jit(self._prefill_impl, static_argnames=("mode",))
+    with precision.matmuls(self.precision):
+      return fn.lower(self.params, state, self._spec((chunk,), jnp.int32), i32, i32, i32,
+                      self._spec((), bool), request, mode=layout.mode)
+
+  def _prefill_program(self, layout: Layout, chunk: int):
+    key = ("prefill", layout, chunk)
+    if key not in self.programs:
+      self.programs[key] = self.lower_prefill(layout, chunk).compile()
+    return self.programs[key]
+
+  def lower_prefix(self, layout: Layout, size: int) -> tuple[jax.stages.Lowered, ...]:
+    """(read, write) of a `size`-entry prefix of one slot (prefix caching), lowered."""
+    state = self._abstract_state(layout)
+    i32 = self._spec((), jnp.int32)
+    cache = state.cache
+    kv = self._spec((cache.k.shape[0], size, *cache.k.shape[3:]), cache.k.dtype)
+    # Not self._jit: reading must not donate the state, which goes on decoding.
+    read = jax.jit(lambda state, slot: state.cache.read_row(slot, size), **(
+        {} if self.mesh is None else {"out_shardings": NamedSharding(self.mesh, P())}))
+    write = self._jit(lambda state, slot, k, v, n: state.replace(
+        cache=state.cache.write_row(slot, k, v, n)))
+    return read.lower(state, i32), write.lower(state, i32, kv, kv, i32)
+
+  def _prefix_programs(self, layout: Layout, size: int):
+    """(read, write) of a `size`-entry prefix of one slot (prefix caching)."""
+    key = ("prefix", layout, size)
+    if key not in self.programs:
+      self.programs[key] = tuple(p.compile() for p in self.lower_prefix(layout, size))
+    return self.programs[key]
+
+  def prompt_plan(self, ids: Sequence[int]) -> tuple[int, list[tuple[int, int, int]]]:
+    """(cacheable prefix length, prefill chunks) of a prompt: with prefix caching on, the
+    prefix's chunks come first and end at its last token, whether it is cached or not."""
+    p0 = cacheable_prefix(ids, self.turn_end_ids) if self.prefix_cache.enabled else 0
+    return p0, (prefill_chunks(p0) if p0 else []) + prefill_chunks(len(ids) - p0, p0)
+
+  def decode_program(self, layout: Layout, stochastic: bool, stream: bool, view: int):
+    """The compiled decode loop (compiled on first use): `fn(params, state, refill, limit, sink)
+    -> state`, taking `params`, a DecodeState of `layout` (donated), and scalars put on the
+    engine's devices: `refill` (bool: return when a slot finishes), `limit` (int32: the most
+    macro steps) and `sink` (int32: the stream sink of serving.stream_sink; 0 for none).
+    `stochastic`: sample the slots with temperature > 0 (False: every slot greedy). `stream`:
+    report each macro step's (group [B, K], count [B]) to the sink's callback. `view`: the
+    blocks of each slot's table that attention reads (one of `views(layout)`)."""
+    key = ("decode", layout, stochastic, stream, view)
+    if key not in self.programs:
+      self.programs[key] = self.lower_decode(layout, stochastic, stream, view).compile()
+    return self.programs[key]
+
+  def lower_decode(self, layout: Layout, stochastic: bool, stream: bool,
+                   view: int) -> jax.stages.Lowered:
+    """The decode loop of `decode_program`, lowered."""
+    state = self._abstract_state(layout)
+    fn = self._jit(self._decode_impl, static_argnames=("mode", "stochastic", "stream", "view"))
+    i32 = self._spec((), jnp.int32)
+    with precision.matmuls(self.precision):
+      return fn.lower(self.params, state, self._spec((), bool), i32, i32, mode=layout.mode,
+                      stochastic=stochastic, stream=stream, view=view)
+
+  def views(self, layout: Layout) -> list[int]:
+    """The decode programs' views of a slot's table, in blocks (shapes.views)."""
+    return shapes.views(layout)
+
+  def view_for(self, layout: Layout, blocks: int) -> int:
+    """The smallest view that holds `blocks` blocks of every live slot."""
+    return next(v for v in self.views(layout) if v >= blocks)
+
+  def prefill(self, layout: Layout, state: DecodeState, r: Request, slot: int) -> DecodeState:
+    """Prefills request `r` (checked: its `ids` set) into `slot` (its blocks already in the
+    state's table), chunk by chunk; the slot then decodes with the request's settings."""
+    request = self.put({
+        "max_new": np.int32(r.max_new_tokens), "confidence": np.float32(r.confidence),
+        "max_group": np.int32(r.max_group or self.max_group or 1),
+        "temperature": np.float32(r.sampling.temperature), "top_k": np.int32(r.sampling.top_k),
+        "top_p": np.float32(r.sampling.top_p), "key": r.key()})
+    p0, chunks = self.prompt_plan(r.ids)
+    prefix = self.prefix_cache.get(layout.mode, r.ids[:p0]) if p0 else None
+    read, write = self._prefix_programs(layout, bucket(p0, LENGTH_BUCKETS)) if p0 else (None,) * 2
+    if prefix is not None:
+      state = write(state, self.put(np.int32(slot)), prefix.k, prefix.v, self.put(np.int32(p0)))
+    for j, (start, valid, size) in enumerate(chunks):
+      if start < p0 and prefix is not None:
+        continue
+      ids = np.zeros((size,), np.int32)
+      ids[:valid] = r.ids[start:start + valid]
+      args = self.put((ids, np.int32(start), np.int32(valid), np.int32(slot),
+                       np.bool_(j == len(chunks) - 1)))
+      state = self._prefill_program(layout, size)(self.params, state, *args, request)
+      if start + valid == p0:  # a miss: the prefix's entries are all written now
+        k, v = read(state, self.put(np.int32(slot)))
+        self.prefix_cache.put(layout.mode, r.ids[:p0], CachedPrefix(k, v, p0))
+    return state
+
+  def compile_programs(self, layout: Layout, prompts: Iterable[Sequence[int]], stochastic: bool,
+                       stream: bool = False) -> float:
+    """Compiles what serving these prompts (token ids) in `layout` runs; returns the seconds
+    spent (0 when all were compiled already; a load from JAX's persistent compilation cache
+    counts as compiling)."""
+    t = time.perf_counter()
+    before = len(self.programs)
+    plans = [self.prompt_plan(ids) for ids in prompts]
+    for chunk in sorted({c for _, chunks in plans for _, _, c in chunks}):
+      self._prefill_program(layout, chunk)
+    for size in sorted({bucket(p0, LENGTH_BUCKETS) for p0, _ in plans if p0}):
+      self._prefix_programs(layout, size)
+    for view in self.views(layout):
+      self.decode_program(layout, stochastic, stream, view)
+    return time.perf_counter() - t if len(self.programs) > before else 0.0
+
+  def compile_for(self, layout: Layout, longest_prompt: int, stochastic: bool,
+                  stream: bool = False) -> float:
+    """Compiles what any prompt of up to `longest_prompt` tokens runs in `layout` (every
+    prefill chunk size and prefix size it can use), for a server that cannot know its prompts
+    before they arrive; returns the seconds spent, as compile_programs."""
+    t = time.perf_counter()
+    before = len(self.programs)
+    for chunk in shapes.PREFILL_BUCKETS:
+      if chunk == shapes.PREFILL_BUCKETS[0] or chunk // 2 < longest_prompt:
+        self._prefill_program(layout, chunk)
+    if self.prefix_cache.enabled:
+      for size in shapes.LENGTH_BUCKETS:
+        if size == shapes.LENGTH_BUCKETS[0] or size // 2 < longest_prompt:
+          self._prefix_programs(layout, size)
+    for view in self.views(layout):
+      self.decode_program(layout, stochastic, stream, view)
+    return time.perf_counter() - t if len(self.programs) > before else 0.0
