@@ -17,6 +17,7 @@ from hamburger_jax.model.hamburger import sharing_weights
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.testing import DECODE_CFG, DECODE_STOP, tiny_decode_model
 from hamburger_jax.benchmarks import widths
+from hamburger_jax.decode import step_costs
 from infer import ablate_step
 
 
@@ -27,7 +28,7 @@ def model():
 
 @pytest.mark.parametrize("shape,width", [("slots", 3), ("tokens", 3), ("slots", 1)])
 def test_forward_loop_runs_the_base_forward_and_its_head(model, monkeypatch, shape, width):
-  monkeypatch.setattr(widths, "STEPS", 1)
+  monkeypatch.setattr(step_costs, "STEPS", 1)
   base = model.base
   fn, (params, cache, x) = widths.forward_loop(base, shape, width, kv_len=5)
   batch, rows = (width, 1) if shape == "slots" else (1, width)
@@ -103,7 +104,7 @@ def test_step_costs_times_each_step_in_a_loop(model):
   from hamburger_jax.benchmarks.timing import step_costs  # pylint: disable=C0415
   for m in (model, sharing_weights(model, micro_vocab=np.arange(7))):
     cost = step_costs(decode_layout(m), repeats=1, batch=2)
-    assert set(cost) == {"base", "merged", "micro"} and all(v > 0 for v in cost.values())
+    assert set(cost) == {"base", "merged", "mixed", "micro"} and all(v > 0 for v in cost.values())
 
 
 def test_ablate_step_without_micro_steps_decodes_the_base(model):

@@ -9,11 +9,9 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from hamburger_jax.costs import program_flops
-from hamburger_jax.benchmarks import widths
-from hamburger_jax.decode import launches
+from hamburger_jax.decode.step_costs import step_costs  # noqa: F401  (the benches' API)
 from hamburger_jax.decode.requests import Generation
 from hamburger_jax.decode.step_program import decode_step_program
 
@@ -70,35 +68,6 @@ def time_batches(engine, ids, n_new: int, repeats: int, runs: dict[str, dict],
       if name not in best or t.tokens_per_s > best[name].tokens_per_s:
         best[name] = t
   return best
-
-def step_costs(runner, repeats: int, batch: int = 1,
-               names: Sequence[str] = tuple(launches.TIMED_STEPS)) -> dict[str, float]:
-  """Seconds of one decode step at this batch size (decode/launches.py's unit steps, in the
-  decoding layout `runner`, each with its LM head): "base" (an unmerged input: the exact
-  base), "merged" (a merged input: the adapters folded into the kernels; equal to "base"
-  without adapters), "mixed" (every other row's input merged: both forms of each projection
-  run, as in a macro step whose rows' entries differ) and "micro" (one micro step, with the
-  model's micro-step head: the full one, or its reduced vocabulary). Each runs in
-  widths.step_loop (steps in one jitted loop, its token fed back: no host dispatch between
-  them, which would weigh most on the small micro step). r = micro / base is docs/SPEC.md 6's
-  cost ratio in the ceiling k / (1 + (k - 1) r). `names`: which of them to time (default
-  all)."""
-
-  graphdef, params = nnx.split(runner)
-  out = {}
-  for name in names:
-    fn = launches.TIMED_STEPS[name]
-    x, cache = launches.unit_args(runner, name, batch, widths.KV_ENTRIES)
-    loop = widths.step_loop(graphdef, fn)
-    state = {"cache": jax.tree.map(jnp.copy, cache)}  # each loop donates its own copy
-
-    def call():
-      token, state["cache"] = loop(params, state["cache"], x)
-      jax.block_until_ready(token)
-
-    call()
-    out[name] = min(timed(call) for _ in range(max(3, repeats))) / widths.STEPS
-  return out
 
 def time_decode_step(model, mode: str, batch: int, kv_len: int, repeats: int) -> dict[str, float]:
   """decode_step_program compiled (seconds) and timed (the best mean step time of

@@ -21,12 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hamburger_jax.costs import analytic
-from hamburger_jax.decode.step import base_of
+from hamburger_jax.decode.step_costs import KV_ENTRIES, STEPS, step_loop  # noqa: F401  (the benches')
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.model.llama import Llama
 
-STEPS = 8  # steps per timed call: the call's dispatch is spread over them
-KV_ENTRIES = 200  # each sequence's cache: a chat prompt and a short answer
 SHAPES = ("slots", "tokens")
 
 
@@ -45,29 +43,6 @@ class WidthCost:
 def weight_bytes(base: Llama) -> int:
   """Bytes of the base's weights a forward streams (a tied head counted once: one matrix)."""
   return sum(v.size * v.dtype.itemsize for _, v in nnx.to_flat_state(nnx.state(base, nnx.Param)))
-
-
-def step_loop(graphdef, step):
-  """A jitted `fn(params, cache, x) -> (token, cache)` that runs `step(model, x, cache) ->
-  (token [B], cache)` STEPS times in one `fori_loop`, the cache donated, as the engine's decode
-  loop runs its steps (no host dispatch between them). Each step's last input row becomes the
-  embedding of the token it chose, so each step depends on the last and none can be skipped or
-  hoisted."""
-
-  def run(params, cache, x):
-    m = nnx.merge(graphdef, params)
-    embed = base_of(m).embed
-
-    def body(_, carry):
-      x, cache, _ = carry
-      token, cache = step(m, x, cache)
-      return x.at[:, -1].set(embed(token).astype(x.dtype)), cache, token
-
-    _, cache, token = jax.lax.fori_loop(0, STEPS, body,
-                                        (x, cache, jnp.zeros((x.shape[0],), jnp.int32)))
-    return token, cache
-
-  return jax.jit(run, donate_argnums=(1,))
 
 
 def forward_loop(base: Llama, shape: str, width: int, kv_len: int):

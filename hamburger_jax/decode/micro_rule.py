@@ -8,7 +8,7 @@ whose rows' entries are merged and unmerged costs over a plain one (micro step 1
           section 3 alone; tokens do not depend on the batch mates);
   "auto"  r and m measured: each micro batch's micro step and the batch's base steps (plain,
           and half of its rows merged) timed once, in jitted loops of the decoding layout
-          (benchmarks/timing.py: step_costs), per engine and slot count; m = 0 without
+          (decode/step_costs.py), per engine and slot count; m = 0 without
           merged-entry adapters, which make a mixed step cost more;
   a number r >= 0: the same r at every micro batch, m = 0 (a lone row is never cut: `pays`
           takes r at most 1).
@@ -49,7 +49,7 @@ def measure(runner, slots: int, repeats: int = PROBE_REPEATS) -> np.ndarray:
   """DecodeState.micro_cost measured: r at each of micro_sizes(slots) (one micro step of that
   many rows / one base step of `slots` rows), then m (a base step of `slots` rows, every other
   one merged, / a plain one - 1, at least 0). `runner`: a HAMburger in the decoding layout."""
-  from hamburger_jax.benchmarks.timing import step_costs  # pylint: disable=C0415
+  from hamburger_jax.decode.step_costs import step_costs  # pylint: disable=C0415
   mixed = slots > 1 and has_adapters(runner)
   base = step_costs(runner, repeats, slots, names=("base", "mixed") if mixed else ("base",))
   r = [step_costs(runner, repeats, n, names=("micro",))["micro"] / base["base"]
