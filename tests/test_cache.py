@@ -78,8 +78,8 @@ def test_a_program_with_host_callbacks_comes_from_the_cache(tmp_path):
   assert first[:-2] == ["4", "2.742", "[1,", "2,", "3]"]
   assert int(first[-1]) >= 1  # at least the loop itself compiled
   second = _run_program(CALLBACK_PROGRAM, **env).split()
-  # The same answer, the callback called at each step, and nothing compiled: every program of
-  # the first run, the one with the callback included, read back.
+  # The same answer, the callback called at each step, and nothing compiled: every program the
+  # first process compiled, the one with the callback included, is read back.
   assert second[:-2] == first[:-2]
   assert (int(second[-2]), int(second[-1])) == (int(first[-2]) + int(first[-1]), 0)
   assert os.listdir(tmp_path / "user-cache" / "jax" / cache.CALLBACK_PROGRAMS_DIR)

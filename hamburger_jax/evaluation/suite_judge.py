@@ -86,6 +86,10 @@ class Judgement:
   def merit(self) -> float:
     return float(np.mean([v["merit"] for v in self.by_c.values()]))
 
+  def numbers(self) -> dict[str, Any]:
+    """What results files keep: each confidence's summary ("c0.5", ...) and the merit."""
+    return {f"c{c:g}": v for c, v in self.by_c.items()} | {"merit": self.merit()}
+
 
 @dataclasses.dataclass
 class BaseRun:
@@ -224,8 +228,7 @@ def judge_grafts(models: dict[str, Any], tokenizer, suite: Suite,
     engine.set_model(models[name])
     judgements.append(judge(engine, suite, base, name, confidences, batch, micro_share, log))
   out: dict[str, Any] = {"base_same_as_suite": base.same_as_suite,
-                         "grafts": {j.name: {f"c{c:g}": v for c, v in j.by_c.items()} |
-                                    {"merit": j.merit()} for j in judgements}}
+                         "grafts": {j.name: j.numbers() for j in judgements}}
   lines = table(judgements)
   if GUARD_CONFIDENCE in confidences:
     for j in judgements[1:]:

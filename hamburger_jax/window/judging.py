@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any
 
 import jax
 
@@ -55,7 +54,7 @@ def judge_init(run: Run, model) -> Judge | None:
   run.summary["judge_init_decode_s"] = init.seconds
   run.summary["judge"] = {"suite": {"items": len(suite.items), "tasks": suite.tasks,
                                     "base_same_as_suite": base.same_as_suite},
-                          "init": _numbers(init)}
+                          "init": init.numbers()}
   run.report.part("judge init", [
       f"suite {run.s.suite}: {len(suite.items)} items ({', '.join(suite.tasks)}); the base "
       f"decoded here in {base_s:.0f} s (compiles included), {base.same_as_suite:.0%} of its "
@@ -64,16 +63,12 @@ def judge_init(run: Run, model) -> Judge | None:
   return Judge(suite, engine, base, [init])
 
 
-def _numbers(j: suite_judge.Judgement) -> dict[str, Any]:
-  return {f"c{c:g}": v for c, v in j.by_c.items()} | {"merit": j.merit()}
-
-
 def judge_graft(run: Run, judge: Judge, model, name: str) -> suite_judge.Judgement:
   judge.engine.set_model(model)
   j = suite_judge.judge(judge.engine, judge.suite, judge.base, name, batch=run.s.judge_batch,
                         log=run.log)
   judge.judgements.append(j)
-  run.summary["judge"][name] = _numbers(j)
+  run.summary["judge"][name] = j.numbers()
   return j
 
 
