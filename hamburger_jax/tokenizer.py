@@ -74,6 +74,92 @@ def _bos_eos_processor(bos: tuple[str, int] | None,
                                        special_tokens=list(dict.fromkeys(specials)))
 
 
+@functools.cache
+def _byte_alphabet() -> frozenset[str]:
+  """The characters a byte-level BPE vocabulary is spelled in."""
+  return frozenset(_bytes_to_unicode().values())
+
+
+class _GGUFTokenizerMetadata:
+  """A GGUF file's tokenizer.* metadata, read the way `Tokenizer.from_gguf` builds from it; every
+  error names the file (`where`)."""
+
+  def __init__(self, meta: Mapping[str, Any], where: Any):
+    self.meta, self.where = meta, where
+
+  def key(self, name: str, default: Any = KeyError) -> Any:
+    """tokenizer.`name`; without a `default`, a file lacking it cannot be tokenized."""
+    if f"tokenizer.{name}" in self.meta:
+      return self.meta[f"tokenizer.{name}"]
+    if default is KeyError:
+      raise TokenizerError(f"{self.where} has no tokenizer.{name} metadata; it cannot be "
+                           "tokenized from the GGUF alone: use Tokenizer.from_hf_dir on the HF "
+                           "files")
+    return default
+
+  def pre_tokenizer_name(self) -> str:
+    """tokenizer.ggml.pre, once the model is known to be byte-level BPE and the pre-tokenizer
+    one of SUPPORTED_GGUF_PRE_TOKENIZERS."""
+    model = self.key("ggml.model")
+    if model != "gpt2":
+      raise TokenizerError(
+          f"{self.where}: tokenizer.ggml.model={model!r} is not supported; only byte-level BPE "
+          "('gpt2') is. Load the model's HF tokenizer.json with Tokenizer.from_hf_dir instead")
+    pre = self.key("ggml.pre", "gpt2")  # files older than the key: transformers reads them as GPT-2
+    if pre not in SUPPORTED_GGUF_PRE_TOKENIZERS:
+      raise TokenizerError(
+          f"{self.where}: tokenizer.ggml.pre={pre!r} is not supported; supported are "
+          f"{', '.join(SUPPORTED_GGUF_PRE_TOKENIZERS)}. Load the model's HF tokenizer.json with "
+          "Tokenizer.from_hf_dir instead")
+    return pre
+
+  def vocabulary(self) -> tuple[list[str], list[int], list[str]]:
+    """(tokens as stored, their token types, tokens spelled in the byte alphabet)."""
+    tokens: list[str] = list(self.key("ggml.tokens"))
+    types: list[int] = list(self.key("ggml.token_type", [1] * len(tokens)))
+    if len(types) != len(tokens):
+      raise TokenizerError(f"{self.where}: {len(tokens)} tokens but {len(types)} token types")
+    # A byte-level vocabulary is spelled in GPT-2's byte alphabet; the rare token that is not
+    # (a mislabelled control token) gets respelled, as transformers does, so the ids line up.
+    spelling = _bytes_to_unicode()
+    alphabet = _byte_alphabet()
+    spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
+               for t in tokens]
+    return tokens, types, spelled
+
+  def merges(self) -> list[tuple[str, str]]:
+    merges = []
+    for m in self.key("ggml.merges"):
+      parts = m.split(" ")
+      if len(parts) != 2:
+        raise TokenizerError(f"{self.where}: merge {m!r} is not two space-separated tokens")
+      merges.append((parts[0], parts[1]))
+    return merges
+
+  def special_token(self, name: str, spelled: Sequence[str]) -> str | None:
+    """The token tokenizer.ggml.`name`_token_id names (None: the file names none)."""
+    i = self.key(f"ggml.{name}_token_id", None)
+    if i is None:
+      return None
+    if not 0 <= int(i) < len(spelled):
+      raise TokenizerError(f"{self.where}: tokenizer.ggml.{name}_token_id={i} is outside the "
+                           f"vocabulary of {len(spelled)} tokens")
+    return spelled[int(i)]
+
+
+def _gguf_pre_tokenizer(pre: str, semantics: str) -> pre_tokenizers.PreTokenizer:
+  """The pre-tokenizer that tokenizer.ggml.pre `pre` names, read with `semantics` (see
+  Tokenizer.from_gguf)."""
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  if pre in _REGEX_PRES:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_REGEX_PRES[pre]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  if pre in _DIGIT_PRES and semantics == "llama.cpp":
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+  return byte_level
+
+
 class Tokenizer:
   """A tokenizer with the ids, special tokens and chat template of one model.
 
@@ -120,85 +206,33 @@ class Tokenizer:
       raise TokenizerError(f"semantics={semantics!r}: use 'transformers' or 'llama.cpp'")
     if isinstance(source, (str, os.PathLike)):
       source = GGUFFile(os.fspath(source))
-    meta, where = source.metadata, getattr(source, "path", "GGUF file")
-
-    def key(name: str, default: Any = KeyError) -> Any:
-      if f"tokenizer.{name}" in meta:
-        return meta[f"tokenizer.{name}"]
-      if default is KeyError:
-        raise TokenizerError(f"{where} has no tokenizer.{name} metadata; it cannot be tokenized "
-                             "from the GGUF alone: use Tokenizer.from_hf_dir on the HF files")
-      return default
-
-    model = key("ggml.model")
-    if model != "gpt2":
-      raise TokenizerError(
-          f"{where}: tokenizer.ggml.model={model!r} is not supported; only byte-level BPE "
-          "('gpt2') is. Load the model's HF tokenizer.json with Tokenizer.from_hf_dir instead")
-    pre = key("ggml.pre", "gpt2")  # files older than the key: transformers reads them as GPT-2
-    if pre not in SUPPORTED_GGUF_PRE_TOKENIZERS:
-      raise TokenizerError(
-          f"{where}: tokenizer.ggml.pre={pre!r} is not supported; supported are "
-          f"{', '.join(SUPPORTED_GGUF_PRE_TOKENIZERS)}. Load the model's HF tokenizer.json with "
-          "Tokenizer.from_hf_dir instead")
-    tokens: list[str] = list(key("ggml.tokens"))
-    types: list[int] = list(key("ggml.token_type", [1] * len(tokens)))
-    if len(types) != len(tokens):
-      raise TokenizerError(f"{where}: {len(tokens)} tokens but {len(types)} token types")
-
-    # A byte-level vocabulary is spelled in GPT-2's byte alphabet; the rare token that is not
-    # (a mislabelled control token) gets respelled, as transformers does, so the ids line up.
-    spelling = _bytes_to_unicode()
-    alphabet = set(spelling.values())
-    spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
-               for t in tokens]
+    meta = _GGUFTokenizerMetadata(source.metadata, getattr(source, "path", "GGUF file"))
+    pre = meta.pre_tokenizer_name()
+    tokens, types, spelled = meta.vocabulary()
     vocab = {t: i for i, t in enumerate(spelled)}
-    merges = []
-    for m in key("ggml.merges"):
-      parts = m.split(" ")
-      if len(parts) != 2:
-        raise TokenizerError(f"{where}: merge {m!r} is not two space-separated tokens")
-      merges.append((parts[0], parts[1]))
-    tok = _Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _REGEX_PRES:
-      tok.pre_tokenizer = pre_tokenizers.Sequence([
-          pre_tokenizers.Split(Regex(_REGEX_PRES[pre]), behavior="isolated"),
-          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    elif pre in _DIGIT_PRES and semantics == "llama.cpp":
-      tok.pre_tokenizer = pre_tokenizers.Sequence(
-          [pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
-      tok.pre_tokenizer = byte_level
+    tok = _Backend(models.BPE(vocab=vocab, merges=meta.merges(), fuse_unk=False))
+    tok.pre_tokenizer = _gguf_pre_tokenizer(pre, semantics)
     tok.decoder = decoders.ByteLevel()
 
     # Control tokens are matched whole in text and dropped by skip_special_tokens; user-defined
     # ones are matched whole but kept. Control tokens outside the byte alphabet are llama.cpp
     # mislabels and stay ordinary vocabulary entries (transformers skips them too).
+    alphabet = _byte_alphabet()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types)
                             if ty == _CONTROL and set(t) <= alphabet])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab])
 
-    def special(name: str) -> str | None:
-      i = key(f"ggml.{name}_token_id", None)
-      if i is None:
-        return None
-      if not 0 <= int(i) < len(tokens):
-        raise TokenizerError(f"{where}: tokenizer.ggml.{name}_token_id={i} is outside the "
-                             f"vocabulary of {len(tokens)} tokens")
-      return spelled[int(i)]
-
-    bos, eos = special("bos"), special("eos")
-    add_bos = bool(key("ggml.add_bos_token", False))
-    add_eos = bool(key("ggml.add_eos_token", False))
+    bos, eos = meta.special_token("bos", spelled), meta.special_token("eos", spelled)
+    add_bos = bool(meta.key("ggml.add_bos_token", False))
+    add_eos = bool(meta.key("ggml.add_eos_token", False))
     tok.post_processor = _bos_eos_processor(
         (bos, vocab[bos]) if add_bos and bos is not None else None,
         (eos, vocab[eos]) if add_eos and eos is not None else None)
-    return cls(tok, chat_template=key("chat_template", None), bos_token=bos, eos_token=eos,
-               pad_token=special("padding"), unk_token=special("unknown"))
+    return cls(tok, chat_template=meta.key("chat_template", None), bos_token=bos, eos_token=eos,
+               pad_token=meta.special_token("padding", spelled),
+               unk_token=meta.special_token("unknown", spelled))
 
   @classmethod
   def from_hf_dir(cls, path: str | os.PathLike) -> "Tokenizer":

@@ -209,14 +209,8 @@ def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, to
   """
   start = time.perf_counter()
   strategy_fn = segmentation.get_strategy(strategy)
-  if not 0.0 <= val_fraction < 1.0:
-    raise ValueError(f"val_fraction={val_fraction} must be in [0, 1)")
-  if max_len < 2:
-    raise ValueError(f"max_len={max_len} must be at least 2 (a prompt and a response token)")
-  if chunk_size < 1:
-    raise ValueError(f"chunk_size={chunk_size} (samples per shard) must be positive")
-  if not 0 <= process_id < num_processes:
-    raise ValueError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
+  _check_settings(val_fraction=val_fraction, max_len=max_len, chunk_size=chunk_size,
+                  process_id=process_id, num_processes=num_processes)
   out = os.path.abspath(out_dir)
   check_output_dir(out, overwrite)  # before hours of work, not after
   stats = PrepareStats(process_id=process_id, num_processes=num_processes)
@@ -226,23 +220,68 @@ def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, to
   if not samples:
     raise ValueError(f"no samples to write: {stats.conversations} conversations read, "
                      f"{stats.dropped_too_long} longer than max_len={max_len}")
+  val = _validation_samples(samples, keep_split, val_fraction, seed, stats)
+  # One row length for every forward pass: a single compilation for the whole dataset.
+  row_len = row_length(max_len)
+  plan = _plan(samples, val, stats, model=model, tokenizer=tokenizer, strategy=strategy,
+               max_group=max_group, max_len=max_len, row_len=row_len, val_fraction=val_fraction,
+               seed=seed, chunk_size=chunk_size, batch_tokens=batch_tokens, metadata=metadata,
+               teacher=teacher, keep_split=keep_split)
+  plan_id = shardlib.plan_id(plan)
+  shards = shardlib.shards_dir_of(out)
+  os.makedirs(shards, exist_ok=True)
+  stats.num_shards = plan["num_shards"]
+  with shardlib.process_lock(shards, process_id):
+    shardlib.open_plan(shards, plan, may_discard=num_processes == 1)
+    _compute_own_shards(
+        shards, plan, plan_id, samples, val, stats,
+        build_forward=lambda: Forward.build(model, rows_per_device(batch_tokens, row_len), mesh),
+        strategy=strategy_fn, teacher=teacher, progress=progress)
+  stats = _join_if_complete(out, overwrite, shards, plan_id, stats)
+  stats.seconds = time.perf_counter() - start
+  return stats
+
+
+def _check_settings(*, val_fraction: float, max_len: int, chunk_size: int, process_id: int,
+                    num_processes: int) -> None:
+  if not 0.0 <= val_fraction < 1.0:
+    raise ValueError(f"val_fraction={val_fraction} must be in [0, 1)")
+  if max_len < 2:
+    raise ValueError(f"max_len={max_len} must be at least 2 (a prompt and a response token)")
+  if chunk_size < 1:
+    raise ValueError(f"chunk_size={chunk_size} (samples per shard) must be positive")
+  if not 0 <= process_id < num_processes:
+    raise ValueError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
+
+
+def _validation_samples(samples: Sequence[TokenizedSample],
+                        keep_split: Mapping[bytes, str] | None, val_fraction: float, seed: int,
+                        stats: PrepareStats) -> set[int]:
+  """Indices of the samples in the validation split, chosen by prompt: a prompt in `keep_split`
+  keeps its split there, a new one is drawn at `val_fraction`. Counts the kept ones in `stats`."""
   known = keep_split or {}
   keys = [prompt_key(s.prompt_ids) for s in samples]  # the split goes by prompt
   new = list(dict.fromkeys(k for k in keys if k not in known))  # new prompts, in order
   val_keys = {new[j] for j in validation_indices(len(new), val_fraction, seed)}
-  val = {i for i, k in enumerate(keys) if k in val_keys or known.get(k) == "validation"}
   stats.kept_split = sum(k in known for k in keys)
+  return {i for i, k in enumerate(keys) if k in val_keys or known.get(k) == "validation"}
 
-  # One row length for every forward pass: a single compilation for the whole dataset.
-  row_len = row_length(max_len)
+
+def _plan(samples: Sequence[TokenizedSample], val: set[int], stats: PrepareStats, *,
+          model: nnx.Module, tokenizer, strategy: str, max_group: int, max_len: int,
+          row_len: int, val_fraction: float, seed: int, chunk_size: int, batch_tokens: int,
+          metadata: Mapping[str, Any] | None, teacher: segmentation.TeacherSpec | None,
+          keep_split: Mapping[bytes, str] | None) -> dict[str, Any]:
+  """What every process writing the shards must agree on (shards.open_plan), as it reads back
+  from plan.json: the inputs, the settings, and the dataset's metadata."""
   base_meta, shapes = teacher_metadata(model, teacher)
   eot = end_of_turn_id(tokenizer)
   meta = {"strategy": strategy, "max_len": max_len, "val_fraction": val_fraction, "seed": seed,
           "end_of_turn_id": eot, **base_meta, **dict(metadata or {})}
-  num_shards = -(-len(samples) // chunk_size)
-  plan = shardlib.canonical({
-      "format": shardlib.PLAN_FORMAT, "num_processes": num_processes, "shard_size": chunk_size,
-      "num_shards": num_shards, "samples": len(samples), "validation_samples": len(val),
+  return shardlib.canonical({
+      "format": shardlib.PLAN_FORMAT, "num_processes": stats.num_processes,
+      "shard_size": chunk_size, "num_shards": -(-len(samples) // chunk_size),
+      "samples": len(samples), "validation_samples": len(val),
       "conversations": stats.conversations, "dropped_too_long": stats.dropped_too_long,
       "kept_split": stats.kept_split, "inputs": _inputs_hash(samples, val),
       "settings": {"strategy": strategy, "max_len": max_len, "row_len": row_len,
@@ -250,40 +289,49 @@ def prepare_dataset(conversations: Iterable[Conversation], model: nnx.Module, to
                    "keep_split": _keep_split_hash(keep_split),
                    "teacher": dataclasses.asdict(teacher) if teacher else None},
       "max_group": max_group, "metadata": meta, "teacher_shapes": shapes})
-  plan_id = shardlib.plan_id(plan)
-  shards = shardlib.shards_dir_of(out)
-  os.makedirs(shards, exist_ok=True)
-  stats.num_shards = num_shards
-  with shardlib.process_lock(shards, process_id):
-    shardlib.open_plan(shards, plan, may_discard=num_processes == 1)
-    forward = None
-    for k in range(process_id, num_shards, num_processes):
-      first = k * chunk_size
-      chunk = samples[first:first + chunk_size]
-      if shardlib.shard_marker(shards, k, plan_id) is not None:
-        stats.shards_skipped.append(k)
-        if progress is not None:
-          progress(len(chunk))
-        continue
-      if forward is None:  # a run with every shard done loads nothing onto the devices
-        forward = Forward.build(model, rows_per_device(batch_tokens, row_len), mesh)
-        stats.devices = forward.devices
-      write_shard(shards, k, plan, plan_id, chunk, first, val, forward, strategy_fn, teacher,
-                   (process_id, num_processes), progress)
-      stats.shards_computed.append(k)
-  missing = [k for k in range(num_shards) if shardlib.shard_marker(shards, k, plan_id) is None]
+
+
+def _compute_own_shards(shards: str, plan: Mapping[str, Any], plan_id: str,
+                        samples: Sequence[TokenizedSample], val: set[int], stats: PrepareStats, *,
+                        build_forward: Callable[[], Forward], strategy: segmentation.Strategy,
+                        teacher: segmentation.TeacherSpec | None,
+                        progress: Callable[[int], None] | None) -> None:
+  """Computes the shards of this process (stats.process_id), skipping those already done."""
+  chunk_size, process = plan["shard_size"], (stats.process_id, stats.num_processes)
+  forward = None
+  for k in range(stats.process_id, plan["num_shards"], stats.num_processes):
+    first = k * chunk_size
+    chunk = samples[first:first + chunk_size]
+    if shardlib.shard_marker(shards, k, plan_id) is not None:
+      stats.shards_skipped.append(k)
+      if progress is not None:
+        progress(len(chunk))
+      continue
+    if forward is None:  # a run with every shard done loads nothing onto the devices
+      forward = build_forward()
+      stats.devices = forward.devices
+    write_shard(shards, k, plan, plan_id, chunk, first, val, forward, strategy, teacher, process,
+                progress)
+    stats.shards_computed.append(k)
+
+
+def _join_if_complete(out: str, overwrite: bool, shards: str, plan_id: str,
+                      stats: PrepareStats) -> PrepareStats:
+  """The joined dataset's stats once every shard is done (this process's own counts kept), else
+  `stats` naming the missing shards."""
+  missing = [k for k in range(stats.num_shards)
+             if shardlib.shard_marker(shards, k, plan_id) is None]
   if missing:
     stats.shards_missing = missing
     add_markers(stats, filter(None, (shardlib.shard_marker(shards, k, plan_id)
                                       for k in stats.shards_computed)))
-  else:
-    joined = _join_once(out, overwrite)
-    if joined is not None:
-      joined.process_id, joined.num_processes = process_id, num_processes
-      joined.shards_computed, joined.shards_skipped = stats.shards_computed, stats.shards_skipped
-      stats = joined
-  stats.seconds = time.perf_counter() - start
-  return stats
+    return stats
+  joined = _join_once(out, overwrite)
+  if joined is None:
+    return stats
+  joined.process_id, joined.num_processes = stats.process_id, stats.num_processes
+  joined.shards_computed, joined.shards_skipped = stats.shards_computed, stats.shards_skipped
+  return joined
 
 
 def _join_once(out: str, overwrite: bool) -> PrepareStats | None:

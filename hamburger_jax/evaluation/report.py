@@ -21,95 +21,132 @@ def fmt_ci(x: float | None, ci: Sequence[float] | None, digits: int = 3) -> str:
 
 
 def markdown(results: dict[str, Any]) -> str:
+  """results.md: the run's header, the generation tasks' tables, then the nll task's."""
   cs = results["config"]["confidence"]
   gen_tasks = {n: r for n, r in results["tasks"].items() if r["metric"] != "nll"}
-  lines = ["# HAMburger evaluation", "",
-           f"Model: base {results['model']['base']}, checkpoint "
-           f"{results['model']['checkpoint'] or 'NONE (untrained graft)'}; greedy; "
-           f"batches of up to {results['config']['batch']} prompts"
-           + (f"; HAMburger groups of at most {results['config']['max_group']} tokens"
-              if results["config"].get("max_group") else "")
-           + f"; {results['created']}.", "",
-           f"`{results['command']}`", ""]
+  lines = _header(results)
   if gen_tasks:
-    head = (["task", "base"] + [f"HAMburger @ {c:g}" for c in cs] +
-            [f"KV compression @ {c:g}" for c in cs] + [f"speed ratio @ {c:g}" for c in cs])
-    lines += ["Scores: exact match / pass@1 / token match; mt_bench and sharegpt_heldout: ROUGE-L "
-              "against the base's own answers (so the base scores 1 by definition); in brackets "
-              "the 95% bootstrap interval over the examples. KV compression = generated "
-              "tokens / macro steps; speed ratio = HAMburger / base decode tokens/s "
-              "(compilation excluded).", "",
-              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, r in gen_tasks.items():
-      ham = [r["hamburger"][ckey(c)] for c in cs]
-      row = ([f"{name} ({r['metric']}, n={r['n']})",
-              fmt_ci(r["base"]["score"], r["base"].get("ci95"))] +
-             [fmt_ci(h["score"], h.get("ci95")) for h in ham] +
-             [f"{h['kv_compression']:.2f}x" for h in ham] +
-             [f"{h['speed_ratio']:.2f}x" for h in ham])
-      lines.append("| " + " | ".join(row) + " |")
-    head = ([f"delta @ {c:g}" for c in cs] + [f"identical @ {c:g}" for c in cs] +
-            [f"prefix agreement @ {c:g}" for c in cs])
-    lines += ["", "HAMburger against the base on the same examples: delta = HAMburger's score "
-              "minus the base's [paired 95% bootstrap interval]; identical = fraction of examples "
-              "where HAMburger emits exactly the base's greedy tokens; prefix agreement = mean "
-              "share of the base's tokens HAMburger reproduces before its first different one.",
-              "", "| task | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
-    for name, r in gen_tasks.items():
-      ham = [r["hamburger"][ckey(c)] for c in cs]
-      row = ([fmt_ci(h.get("delta"), h.get("delta_ci95")) for h in ham] +
-             [fmt(h.get("identical")) for h in ham] + [fmt(h.get("prefix_agreement")) for h in ham])
-      lines.append(f"| {name} | " + " | ".join(row) + " |")
-    head = [f"{k.replace('_', ' ')} @ {c:g}" for c in cs for k in DIVERGENCE_KINDS]
-    lines += ["", "Where HAMburger's answer first leaves the base's (fraction of the examples): at "
-              "a micro token (chosen by the micro decoder, accepted by the stop head), or at a "
-              "group's first token right after a merged entry, or after a single-token entry "
-              "(with merged entries further back).", "",
-              "| task | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
-    for name, r in gen_tasks.items():
-      row = [fmt(r["hamburger"][ckey(c)].get(f"diverge_{k}")) for c in cs
-             for k in DIVERGENCE_KINDS]
-      lines.append(f"| {name} | " + " | ".join(row) + " |")
-    lines += ["", "Decode tokens/s (whole batches):", "",
-              "| task | base | " + " | ".join(f"HAMburger @ {c:g}" for c in cs) + " |",
-              "|---|---|" + "---|" * len(cs)]
-    for name, r in gen_tasks.items():
-      lines.append(f"| {name} | {r['base']['tokens_per_s']:.1f} | " + " | ".join(
-          f"{r['hamburger'][ckey(c)]['tokens_per_s']:.1f}" for c in cs) + " |")
+    lines += _scores_table(gen_tasks, cs)
+    lines += _paired_table(gen_tasks, cs)
+    lines += _divergence_table(gen_tasks, cs)
+    lines += _speed_table(gen_tasks, cs)
   if "nll" in results["tasks"]:
     r = results["tasks"]["nll"]
-    h = r["hamburger"]
-    accs = sorted((n for n in h if n.startswith("acc_s")), key=lambda n: int(n[5:]))
-    lines += ["", f"Teacher-forced NLL on {r['data']} ({r['split']}, {r['n']} records, "
-              f"{r['tokens']} response tokens; nats/token, lower is better):", "",
-              "| base NLL | HAMburger NLL | base acc | " + " | ".join(accs) +
-              " | stop acc | data tokens/group |", "|---|---|---|" + "---|" * (len(accs) + 2),
-              f"| {fmt(r['base']['score'])} | {fmt(h['score'])} | "
-              f"{fmt(r['base']['accuracy'])} | " + " | ".join(fmt(h[a]) for a in accs) +
-              f" | {fmt(h.get('stop_acc'))} | {r['data_kv_compression']:.2f} |"]
-    agree = r.get("teacher_agreement")
-    if agree and "skipped" in agree:
-      lines += ["", f"Teacher agreement: not measured ({agree['skipped']})."]
-    elif agree:
-      names = [n for n in agree if n != "groups"]
-      lines += ["", "Teacher-forced agreement of HAMburger's micro-step argmax with the teacher's "
-                "greedy token (the base on the unmerged sequence, stored in the data): merged / "
-                "unmerged = the first token of groups predicted from a merged / an unmerged "
-                "entry; s_i = micro step i of each group's window (in parentheses: the groups "
-                "counted).",
-                "", "| " + " | ".join(names) + " |", "|" + "---|" * len(names),
-                "| " + " | ".join(f"{fmt(agree[n])} ({agree['groups'][n]})" for n in names) +
-                " |"]
-    accept = r.get("teacher_acceptance")
-    if accept:
-      tags = sorted({n.rsplit("_", 1)[1] for n in accept}, key=lambda t: int(t[1:]))
-      lines += ["", "Teacher-forced acceptance: what decoding at each confidence would do on "
-                "these windows, without generating (tokens per macro step; share of the "
-                "accepted micro-step tokens that are the teacher's greedy token).", "",
-                "| confidence | " + " | ".join(f"{int(t[1:]) / 100:g}" for t in tags) + " |",
-                "|---|" + "---|" * len(tags),
-                "| tokens per step | " + " | ".join(
-                    fmt(accept[f"tf_tokens_per_step_{t}"]) for t in tags) + " |",
-                "| accepted tokens that are the base's | " + " | ".join(
-                    fmt(accept[f"tf_accepted_agree_{t}"]) for t in tags) + " |"]
+    lines += _nll_table(r)
+    lines += _teacher_agreement_table(r.get("teacher_agreement"))
+    lines += _teacher_acceptance_table(r.get("teacher_acceptance"))
   return "\n".join(lines) + "\n"
+
+
+def _header(results: dict[str, Any]) -> list[str]:
+  return ["# HAMburger evaluation", "",
+          f"Model: base {results['model']['base']}, checkpoint "
+          f"{results['model']['checkpoint'] or 'NONE (untrained graft)'}; greedy; "
+          f"batches of up to {results['config']['batch']} prompts"
+          + (f"; HAMburger groups of at most {results['config']['max_group']} tokens"
+             if results["config"].get("max_group") else "")
+          + f"; {results['created']}.", "",
+          f"`{results['command']}`", ""]
+
+
+def _scores_table(gen_tasks: dict[str, Any], cs: Sequence[float]) -> list[str]:
+  head = (["task", "base"] + [f"HAMburger @ {c:g}" for c in cs] +
+          [f"KV compression @ {c:g}" for c in cs] + [f"speed ratio @ {c:g}" for c in cs])
+  lines = ["Scores: exact match / pass@1 / token match; mt_bench and sharegpt_heldout: ROUGE-L "
+           "against the base's own answers (so the base scores 1 by definition); in brackets "
+           "the 95% bootstrap interval over the examples. KV compression = generated "
+           "tokens / macro steps; speed ratio = HAMburger / base decode tokens/s "
+           "(compilation excluded).", "",
+           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for name, r in gen_tasks.items():
+    ham = [r["hamburger"][ckey(c)] for c in cs]
+    row = ([f"{name} ({r['metric']}, n={r['n']})",
+            fmt_ci(r["base"]["score"], r["base"].get("ci95"))] +
+           [fmt_ci(h["score"], h.get("ci95")) for h in ham] +
+           [f"{h['kv_compression']:.2f}x" for h in ham] +
+           [f"{h['speed_ratio']:.2f}x" for h in ham])
+    lines.append("| " + " | ".join(row) + " |")
+  return lines
+
+
+def _paired_table(gen_tasks: dict[str, Any], cs: Sequence[float]) -> list[str]:
+  head = ([f"delta @ {c:g}" for c in cs] + [f"identical @ {c:g}" for c in cs] +
+          [f"prefix agreement @ {c:g}" for c in cs])
+  lines = ["", "HAMburger against the base on the same examples: delta = HAMburger's score "
+           "minus the base's [paired 95% bootstrap interval]; identical = fraction of examples "
+           "where HAMburger emits exactly the base's greedy tokens; prefix agreement = mean "
+           "share of the base's tokens HAMburger reproduces before its first different one.",
+           "", "| task | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+  for name, r in gen_tasks.items():
+    ham = [r["hamburger"][ckey(c)] for c in cs]
+    row = ([fmt_ci(h.get("delta"), h.get("delta_ci95")) for h in ham] +
+           [fmt(h.get("identical")) for h in ham] + [fmt(h.get("prefix_agreement")) for h in ham])
+    lines.append(f"| {name} | " + " | ".join(row) + " |")
+  return lines
+
+
+def _divergence_table(gen_tasks: dict[str, Any], cs: Sequence[float]) -> list[str]:
+  head = [f"{k.replace('_', ' ')} @ {c:g}" for c in cs for k in DIVERGENCE_KINDS]
+  lines = ["", "Where HAMburger's answer first leaves the base's (fraction of the examples): at "
+           "a micro token (chosen by the micro decoder, accepted by the stop head), or at a "
+           "group's first token right after a merged entry, or after a single-token entry "
+           "(with merged entries further back).", "",
+           "| task | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+  for name, r in gen_tasks.items():
+    row = [fmt(r["hamburger"][ckey(c)].get(f"diverge_{k}")) for c in cs
+           for k in DIVERGENCE_KINDS]
+    lines.append(f"| {name} | " + " | ".join(row) + " |")
+  return lines
+
+
+def _speed_table(gen_tasks: dict[str, Any], cs: Sequence[float]) -> list[str]:
+  lines = ["", "Decode tokens/s (whole batches):", "",
+           "| task | base | " + " | ".join(f"HAMburger @ {c:g}" for c in cs) + " |",
+           "|---|---|" + "---|" * len(cs)]
+  for name, r in gen_tasks.items():
+    lines.append(f"| {name} | {r['base']['tokens_per_s']:.1f} | " + " | ".join(
+        f"{r['hamburger'][ckey(c)]['tokens_per_s']:.1f}" for c in cs) + " |")
+  return lines
+
+
+def _nll_table(r: dict[str, Any]) -> list[str]:
+  h = r["hamburger"]
+  accs = sorted((n for n in h if n.startswith("acc_s")), key=lambda n: int(n[5:]))
+  return ["", f"Teacher-forced NLL on {r['data']} ({r['split']}, {r['n']} records, "
+          f"{r['tokens']} response tokens; nats/token, lower is better):", "",
+          "| base NLL | HAMburger NLL | base acc | " + " | ".join(accs) +
+          " | stop acc | data tokens/group |", "|---|---|---|" + "---|" * (len(accs) + 2),
+          f"| {fmt(r['base']['score'])} | {fmt(h['score'])} | "
+          f"{fmt(r['base']['accuracy'])} | " + " | ".join(fmt(h[a]) for a in accs) +
+          f" | {fmt(h.get('stop_acc'))} | {r['data_kv_compression']:.2f} |"]
+
+
+def _teacher_agreement_table(agree: dict[str, Any] | None) -> list[str]:
+  if agree and "skipped" in agree:
+    return ["", f"Teacher agreement: not measured ({agree['skipped']})."]
+  if not agree:
+    return []
+  names = [n for n in agree if n != "groups"]
+  return ["", "Teacher-forced agreement of HAMburger's micro-step argmax with the teacher's "
+          "greedy token (the base on the unmerged sequence, stored in the data): merged / "
+          "unmerged = the first token of groups predicted from a merged / an unmerged "
+          "entry; s_i = micro step i of each group's window (in parentheses: the groups "
+          "counted).",
+          "", "| " + " | ".join(names) + " |", "|" + "---|" * len(names),
+          "| " + " | ".join(f"{fmt(agree[n])} ({agree['groups'][n]})" for n in names) +
+          " |"]
+
+
+def _teacher_acceptance_table(accept: dict[str, Any] | None) -> list[str]:
+  if not accept:
+    return []
+  tags = sorted({n.rsplit("_", 1)[1] for n in accept}, key=lambda t: int(t[1:]))
+  return ["", "Teacher-forced acceptance: what decoding at each confidence would do on "
+          "these windows, without generating (tokens per macro step; share of the "
+          "accepted micro-step tokens that are the teacher's greedy token).", "",
+          "| confidence | " + " | ".join(f"{int(t[1:]) / 100:g}" for t in tags) + " |",
+          "|---|" + "---|" * len(tags),
+          "| tokens per step | " + " | ".join(
+              fmt(accept[f"tf_tokens_per_step_{t}"]) for t in tags) + " |",
+          "| accepted tokens that are the base's | " + " | ".join(
+              fmt(accept[f"tf_accepted_agree_{t}"]) for t in tags) + " |"]
