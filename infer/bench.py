@@ -33,6 +33,37 @@ from infer import bench_decode, bench_random, bench_serve, bench_server, bench_w
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  _add_run_flags(p)
+  _add_random_weights_flags(p)
+  cli.add_confidence_flag(p)
+  cli.add_micro_rule_flag(p, several=True)
+  p.add_argument("--max-group", type=int, default=None,
+                 help="hamburger / serve: cap HAMburger's groups at this many tokens (1..K)")
+  _add_serve_flags(p)
+  args = p.parse_args(argv)
+  _check_args(p, args)
+  from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
+  cache.enable_compilation_cache()
+  if args.random_weights:
+    args.batches = args.batches or [1, 8]
+    bench_random.bench_random(args)
+    return 0
+  args.dtype = args.dtype or "float32"
+  default_batches = {"base": [1, 8], "widths": list(bench_widths.WIDTHS)}.get(args.mode,
+                                                                             [1, 8, 32])
+  args.batches = args.batches or default_batches
+  try:
+    {"base": bench_decode.bench_base, "hamburger": bench_decode.bench_hamburger,
+     "serve": bench_serve.bench_serve, "server": bench_server.bench_server,
+     "widths": bench_widths.bench_widths}[args.mode](args)
+  except cli.ModelLoadError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  return 0
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+  """Which benchmark, its batches and lengths, and the weights it loads."""
   p.add_argument("--mode", choices=("base", "hamburger", "serve", "server", "widths"),
                  default=None,
                  help="default: base (with --random-weights: base and hamburger)")
@@ -46,6 +77,10 @@ def main(argv=None) -> int:
                  help="weights and compute (default float32; --random-weights: the config's)")
   cli.add_model_flags(p, checkpoint_help="hamburger / serve: graft checkpoint (default: the "
                      "shipped one, else an untrained graft)", micro_vocab=True)
+
+
+def _add_random_weights_flags(p: argparse.ArgumentParser) -> None:
+  """--random-weights: a config's model without weight files, its FLOPs and roofline."""
   p.add_argument("--config", default=None,
                  help="--random-weights: the run config whose model (base architecture, graft) "
                  "to build, e.g. configs/llama3_2_1b.yaml")
@@ -61,10 +96,10 @@ def main(argv=None) -> int:
   p.add_argument("--no-tpu-fusions", action="store_true",
                  help="skip compiling the timed programs for a TPU v5e chip (their fusions; "
                  "the lowered dots are always counted)")
-  cli.add_confidence_flag(p)
-  cli.add_micro_rule_flag(p, several=True)
-  p.add_argument("--max-group", type=int, default=None,
-                 help="hamburger / serve: cap HAMburger's groups at this many tokens (1..K)")
+
+
+def _add_serve_flags(p: argparse.ArgumentParser) -> None:
+  """--mode serve and server: the request stream, the slots and the KV pool."""
   p.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], default=None,
                  help="serve: comma-separated slot counts (default 8,16,32); server: the "
                  "server's slots (default 8)")
@@ -82,7 +117,11 @@ def main(argv=None) -> int:
                       "on); c runs with --round-steps")
   p.add_argument("--round-steps", type=lambda s: [int(x) for x in s.split(",")], default=[],
                  help="serve (c): refill every K macro steps, against refill at each finish")
-  args = p.parse_args(argv)
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """Checks the flags, filling in the defaults that depend on --mode and --random-weights, and
+  parses --micro-rule."""
   bench_random.check_random_weights_flags(p, args)
   if not args.random_weights:
     args.mode = args.mode or "base"
@@ -105,24 +144,6 @@ def main(argv=None) -> int:
     args.micro_rule = cli.parse_micro_rules(args.micro_rule)
   except (GenerationError, ValueError) as e:
     p.error(str(e))
-  from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
-  cache.enable_compilation_cache()
-  if args.random_weights:
-    args.batches = args.batches or [1, 8]
-    bench_random.bench_random(args)
-    return 0
-  args.dtype = args.dtype or "float32"
-  default_batches = {"base": [1, 8], "widths": list(bench_widths.WIDTHS)}.get(args.mode,
-                                                                             [1, 8, 32])
-  args.batches = args.batches or default_batches
-  try:
-    {"base": bench_decode.bench_base, "hamburger": bench_decode.bench_hamburger,
-     "serve": bench_serve.bench_serve, "server": bench_server.bench_server,
-     "widths": bench_widths.bench_widths}[args.mode](args)
-  except cli.ModelLoadError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
-  return 0
 
 
 if __name__ == "__main__":

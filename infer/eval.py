@@ -50,6 +50,32 @@ from hamburger_jax.evaluation.run import (ALL_TASKS, MAX_NEW_TOKENS, EvalSetting
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="python -m infer.eval", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  _add_task_flags(p)
+  _add_model_flags(p)
+  _add_data_flags(p)
+  _add_suite_flags(p)
+  p.add_argument("--out", default="runs/eval", help="output directory")
+  p.add_argument("--no-plots", action="store_true")
+  p.add_argument("--unsafe-exec", action="store_true",
+                 help="humaneval: run model-written code as a plain subprocess when no OS sandbox "
+                 "(namespaces through util-linux's unshare) is available; only for trusted code")
+  args = p.parse_args(argv)
+  _check_suite_flags(p, args)
+  _check_decode_flags(p, args)
+  _check_paths(p, args)
+  if args.tasks == "none":
+    args.tasks = None
+  elif (args.tasks is None or "humaneval" in args.tasks) and not args.unsafe_exec:
+    from hamburger_jax.evaluation import sandbox
+    isolated, reason = sandbox.isolation_status()
+    if not isolated:
+      p.error(f"humaneval runs model-written code, and there is no OS sandbox here ({reason}): "
+              "leave humaneval out of --tasks, or pass --unsafe-exec to run it without isolation")
+  return args
+
+
+def _add_task_flags(p: argparse.ArgumentParser) -> None:
+  """The tasks, the confidences they are decoded at, and how much of each."""
   p.add_argument("--tasks", default=None,
                  help=f"comma-separated, from: {','.join(ALL_TASKS)} (default: the text tasks, "
                  "or synthetic for a model without tokenizer; plus nll when --data is given)")
@@ -62,6 +88,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                        ", ".join(f"{k} {v}" for k, v in MAX_NEW_TOKENS.items()) + ")")
   p.add_argument("--limit", type=int, default=None,
                  help="examples per task (nll: validation records); default: the whole task")
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+  """The model evaluated and how it decodes."""
   cli.add_model_flags(p, checkpoint_help="HAMburger graft checkpoint directory (default: the "
                       "shipped one if present, else an UNTRAINED graft, for smoke tests only)",
                      micro_vocab=True)
@@ -69,11 +99,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  help="build the model of this run config (e.g. configs/tiny.yaml) instead")
   p.add_argument("--batch", type=int, default=8, help="prompts decoded together")
   cli.add_micro_rule_flag(p)
+
+
+def _add_data_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--data", default=None, help="tfds dataset directory for the nll task")
   p.add_argument("--split", default="validation", help="split of --data for nll")
   p.add_argument("--train-data", default=None,
                  help="training data (a token corpus, a tfds directory or JSONL): check that no "
                       "eval prompt is in it")
+
+
+def _add_suite_flags(p: argparse.ArgumentParser) -> None:
+  """Writing the free-generation suite, or judging grafts on one."""
   p.add_argument("--write-suite", metavar="DIR",
                  help="write the free-generation suite (the four number tasks, --suite-examples "
                       "each, and 128 held-out chat prompts, as token ids with their checkers and "
@@ -90,12 +127,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--against", action="append", default=[], metavar="CHECKPOINT",
                  help="--suite: another graft judged on the same suite and base answers; each is "
                       "compared with --checkpoint at c = 0.8 (paired interval)")
-  p.add_argument("--out", default="runs/eval", help="output directory")
-  p.add_argument("--no-plots", action="store_true")
-  p.add_argument("--unsafe-exec", action="store_true",
-                 help="humaneval: run model-written code as a plain subprocess when no OS sandbox "
-                 "(namespaces through util-linux's unshare) is available; only for trusted code")
-  args = p.parse_args(argv)
+
+
+def _check_suite_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """Checks --write-suite, --suite and --against; a suite's tasks become "none"."""
   suite_mode = args.write_suite or args.suite
   if args.write_suite and args.suite:
     p.error("give --write-suite DIR (write a suite) or --suite DIR (judge on one), not both")
@@ -113,7 +148,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not os.path.isfile(os.path.join(path, "hamburger.json")):
       p.error(f"--against {path} is not a graft checkpoint (no hamburger.json there)")
   if suite_mode:
-    args.tasks = "none"  # no humaneval sandbox check below
+    args.tasks = "none"  # parse_args then skips the humaneval sandbox check
+
+
+def _check_decode_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """Parses --confidence (its default depends on --suite), --tasks and --micro-rule, and checks
+  the counts."""
   if args.confidence is None:
     args.confidence = "0.5,0.7,0.8" if args.suite else "0.6,0.7,0.8,0.9"
   try:
@@ -129,6 +169,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     value = getattr(args, name)
     if value is not None and value < 1:
       p.error(f"--{name.replace('_', '-')}={value} must be a positive integer")
+
+
+def _check_paths(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """Checks --checkpoint, --out, --data and --train-data."""
   from hamburger_jax import files
   from hamburger_jax.run_config import DATASET_READER
   try:  # a bucket that cannot be reached fails here, before the model loads
@@ -149,15 +193,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.error(f"--data {args.data} does not exist")
   if args.train_data is not None and not os.path.exists(args.train_data):
     p.error(f"--train-data {args.train_data} does not exist")
-  if args.tasks == "none":
-    args.tasks = None
-  elif (args.tasks is None or "humaneval" in args.tasks) and not args.unsafe_exec:
-    from hamburger_jax.evaluation import sandbox
-    isolated, reason = sandbox.isolation_status()
-    if not isolated:
-      p.error(f"humaneval runs model-written code, and there is no OS sandbox here ({reason}): "
-              "leave humaneval out of --tasks, or pass --unsafe-exec to run it without isolation")
-  return args
 
 
 def model_to_evaluate(args) -> tuple[Any, Any, dict[str, Any]]:

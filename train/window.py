@@ -56,6 +56,26 @@ TINY_OVERRIDES = ("data.tokens=128", "data.entries=128", "data.groups=64", "data
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="python -m train.window", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  _add_run_flags(p)
+  _add_data_flags(p)
+  _add_judge_flags(p)
+  _add_answer_flags(p)
+  p.add_argument("--decode-eval", action="store_true",
+                 help="also time decode against the base at batch 1 and 32 (its compiles cost "
+                      "minutes a window could train)")
+  p.add_argument("--decode-tokens", type=int, default=64, help="new tokens a row when timing")
+  _add_plan_flags(p)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="config override, e.g. --set data.rows=32 (repeatable)")
+  args = p.parse_args(argv)
+  _check_settings(p, args)
+  _check_inputs(p, args)
+  return args
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+  """What the window trains, from where, into where, in how long."""
   p.add_argument("--config", help="YAML run config (configs/smollm2_135m_window.yaml)")
   p.add_argument("--tiny", action="store_true",
                  help="configs/tiny.yaml on a synthetic corpus: a rehearsal on a CPU")
@@ -65,6 +85,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--out", help="where report.md, metrics.jsonl, summary.json and export/ go")
   p.add_argument("--work", help="scratch files (default: OUT/work)")
   p.add_argument("--init-from", help="an earlier window's (or run's) graft export to continue")
+
+
+def _add_data_flags(p: argparse.ArgumentParser) -> None:
+  """The training data: group boundaries, and the share of it that is the base's own answers."""
   p.add_argument("--threshold", type=float,
                  help="group boundaries: a token joins its group where the base gives it at "
                       f"least this probability (segmentation confident:p; default "
@@ -76,6 +100,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--answers-in", action="append", default=[], metavar="DIR",
                  help="an earlier window's answers/ directory: trained on beside the answers "
                       "made here, whose prompts are not answered again (repeatable)")
+
+
+def _add_judge_flags(p: argparse.ArgumentParser) -> None:
+  """The suite that judges the grafts, and the arms it chooses between."""
   p.add_argument("--suite", metavar="DIR",
                  help="the free-generation suite (python -m infer.eval --write-suite DIR) that "
                       "judges the init graft and the trained ones, and picks the export "
@@ -86,6 +114,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       "same data and judged by the suite: 'NAME[:KEY=VALUE[,KEY=VALUE]];...', "
                       "e.g. 'frozen;all:train.trainable=all' (2-3 arms; an arm without "
                       "overrides is the config as it is)")
+
+
+def _add_answer_flags(p: argparse.ArgumentParser) -> None:
+  """The sizes the base's own answers are made in (defaults: ANSWER_SIZES, TINY_ANSWER_SIZES)."""
   p.add_argument("--answer-rows", type=int,
                  help=f"answers made at once (default {ANSWER_SIZES[0]}, --tiny "
                       f"{TINY_ANSWER_SIZES[0]})")
@@ -95,10 +127,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--answer-prompt-tokens", type=int,
                  help=f"the longest prompt answered (default {ANSWER_SIZES[1]}, --tiny "
                       f"{TINY_ANSWER_SIZES[1]})")
-  p.add_argument("--decode-eval", action="store_true",
-                 help="also time decode against the base at batch 1 and 32 (its compiles cost "
-                      "minutes a window could train)")
-  p.add_argument("--decode-tokens", type=int, default=64, help="new tokens a row when timing")
+
+
+def _add_plan_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--plan", action="store_true",
                  help="print the parts and the tokens each would see at assumed rates, and exit")
   p.add_argument("--rates-from", metavar="SUMMARY",
@@ -106,10 +137,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       "of assumed ones")
   p.add_argument("--peak-tflops", type=float, default=989.5,
                  help="--plan: the accelerator's dense bf16 TFLOP/s (default: an H100/H200)")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                 help="config override, e.g. --set data.rows=32 (repeatable)")
-  args = p.parse_args(argv)
+
+
+def _check_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """Checks --config or --tiny and the numbers, filling in the defaults that depend on --tiny."""
   if bool(args.config) == args.tiny:
     p.error("give either --config CONFIG or --tiny")
   if not 0 < args.budget_minutes:
@@ -126,6 +157,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
       setattr(args, name, default)
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
+def _check_inputs(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """Checks the directories read and written, the judge's batch and the arms (parsed in place)."""
   if not args.plan:
     if not args.out:
       p.error("--out is required (where the graft and the report go)")
@@ -146,7 +181,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.arms = parse_arms(args.arms) if args.arms else ()
   except ValueError as e:
     p.error(str(e))
-  return args
 
 
 def parse_arms(spec: str):
