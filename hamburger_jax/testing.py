@@ -184,13 +184,16 @@ def reference_hamburger(model, prompt: list[int], max_new: int, confidence: floa
 
 def reference_hamburger_batch(model, prompts: list[list[int]], max_new: list[int],
                               confidences: list[float], stop: int, r: float, m: float = 0.0,
-                              pad: int = 64) -> list[tuple[list[int], list[int]]]:
-  """HAMburger decoding of rows in lockstep with the batch-aware micro loop at cost ratio `r`
-  (decode/step.py: pays, the same r at every micro batch) and merge cost `m`, as plain Python:
-  each macro step, every live row's group by the per-row rule (reference_hamburger's), then
-  micro step i + 1 runs only while n_go >= min(c, 1) * n_live rows go on (n_go: the rows whose
-  group has more than i + 1 tokens; c = r, plus m for micro step 1 when some live row stops at
-  token 0), so each group is cut to 1 + the micro steps run. (tokens, groups) a row."""
+                              r1: float | None = None, pad: int = 64
+                              ) -> list[tuple[list[int], list[int]]]:
+  """HAMburger decoding of rows in lockstep with the batch-aware micro loop at cost ratios `r`
+  (micro steps 2 and later) and `r1` (micro step 1; default r) (decode/step.py: pays, the same
+  at every micro batch) and merge cost `m`, as plain Python: each macro step, every live row's
+  group by the per-row rule (reference_hamburger's), then micro step i + 1 runs only while
+  n_go >= min(c, 1) * n_live rows go on (n_go: the rows whose group has more than i + 1
+  tokens; c = r, or for micro step 1 r1, plus m when some live row stops at token 0), so each
+  group is cut to 1 + the micro steps run. (tokens, groups) a row."""
+  r1 = r if r1 is None else r1
   rows = [_reference_row(model, p) for p in prompts]
   while not all(row["done"] for row in rows):
     live = [i for i, row in enumerate(rows) if not row["done"]]
@@ -199,7 +202,7 @@ def reference_hamburger_batch(model, prompts: list[list[int]], max_new: list[int
     length = 1
     while any(len(g) > length for g in groups.values()):
       n_go = sum(len(g) > length for g in groups.values())
-      c = r + (m if length == 1 and n_go < len(live) else 0.0)
+      c = r if length > 1 else r1 + (m if n_go < len(live) else 0.0)
       if n_go < min(c, 1.0) * len(live):
         break
       length += 1

@@ -167,13 +167,15 @@ def bench_hamburger(args) -> None:
         if rule == "auto":
           slots = generate_slots(b)
           costs = settings[f"{name} {rule}"].micro_costs(eng.layout("hamburger", slots, 1, 1))
-          measured.append(f"- batch {b}, {vocab} micro vocab: r " + ", ".join(
-              f"{m} rows {c:.3f}" for m, c in zip(micro_sizes(slots), costs)) +
-                          f"; m {costs[-1]:.3f}")
+          sizes = micro_sizes(slots)
+          measured.append(f"- batch {b}, {vocab} micro vocab: r (r1) " + ", ".join(
+              f"{m} rows {c:.3f} ({c1:.3f})" for m, c, c1 in
+              zip(sizes, costs, costs[len(sizes):])) + f"; m {costs[-1]:.3f}")
   if measured:
-    print("\nmicro rule auto, measured (r by micro batch: a micro step of that many rows / a "
-          "base step of the batch's slots; m: a base step of them, every other row merged, / "
-          "a plain one - 1):\n" + "\n".join(measured))
+    print("\nmicro rule auto, measured (r by micro batch: a later micro step of that many rows "
+          "/ a base step of the batch's slots; r1: micro step 1, which reads the F features "
+          "too; m: a base step of them, every other row merged, / a plain one - 1):\n"
+          + "\n".join(measured))
   rows = {"full": None}
   if args.micro_vocab is not None:
     rows[str(args.micro_vocab)] = int(engines["reduced"].model.micro_ids.shape[0])

@@ -64,17 +64,21 @@ def test_cut_groups_follow_the_lockstep_reference(model, engine):
   assert sum(map(len, (g.groups for g in got))) > sum(map(len, (g.groups for g in off)))
 
 
-def test_merge_cost_weighs_on_micro_step_1(model, engine, monkeypatch):
-  """auto with r = 0.1 at every micro batch and m = 0.4 (what a mixed base step costs over a
-  plain one): micro step 1 runs only while half the live rows go on, or all of them."""
-  costs = lambda runner, slots: np.asarray([0.1] * len(step_lib.micro_sizes(slots)) + [0.4])
+def test_micro_step_1_pays_its_own_cost_and_the_merge(model, engine, monkeypatch):
+  """auto with r = 0.1 at every micro batch for the later micro steps, r1 = 0.25 for micro
+  step 1 and m = 0.25 (what a mixed base step costs over a plain one): micro step 1 runs only
+  while half the live rows go on, or all of them at r1 alone."""
+  sizes = len(step_lib.micro_sizes(8))
+  costs = lambda runner, slots: np.asarray([0.1] * sizes + [0.25] * sizes + [0.25])
   monkeypatch.setattr(micro_rule, "measure", costs)
   got = Engine(model, None, stop_ids=[DECODE_STOP], micro_rule="auto").generate(requests())
   want = testing.reference_hamburger_batch(model, PROMPTS, MAX_NEW, CONFIDENCES, DECODE_STOP,
-                                           0.1, 0.4)
+                                           0.1, 0.25, r1=0.25)
   assert [(g.token_ids, g.groups) for g in got] == want
   assert want != testing.reference_hamburger_batch(model, PROMPTS, MAX_NEW, CONFIDENCES,
-                                                   DECODE_STOP, 0.1)
+                                                   DECODE_STOP, 0.1, 0.25)
+  assert want != testing.reference_hamburger_batch(model, PROMPTS, MAX_NEW, CONFIDENCES,
+                                                   DECODE_STOP, 0.1, r1=0.25)
 
 
 def test_a_lone_row_is_never_cut(engine):
@@ -97,7 +101,7 @@ def test_auto_measures_a_ratio_per_micro_batch(engine):
   auto = engine.with_micro_rule("auto")
   layout = auto.layout("hamburger", 8, 16, 32)
   costs = auto.micro_costs(layout)
-  assert costs.shape == (len(step_lib.micro_sizes(8)) + 1,) == (4,)
+  assert costs.shape == (2 * len(step_lib.micro_sizes(8)) + 1,) == (7,)
   assert np.all(np.isfinite(costs)) and np.all(costs[:-1] > 0)
   assert costs[-1] == 0  # the tiny model has no merged-entry adapters: a mixed step is plain
   assert auto.micro_costs(layout) is costs  # measured once per slot count

@@ -129,8 +129,8 @@ class Engine(EnginePrograms):
     return self.put(state.replace(micro_cost=self.micro_costs(layout)))
 
   def micro_costs(self, layout: Layout) -> np.ndarray:
-    """DecodeState.micro_cost under the engine's micro_rule at `layout`'s slots: r at each
-    micro batch size (decode/step.py: pays); 0 in base mode, which has no micro steps. "auto"
+    """DecodeState.micro_cost under the engine's micro_rule at `layout`'s slots: the cost
+    ratios at each micro batch size (decode/step.py: pays); 0 in base mode, which has no micro steps. "auto"
     times the steps the first time a slot count asks (decode/micro_rule.py: measure)."""
     if layout.mode != "hamburger":
       return micro_rules.costs("off", layout.slots)

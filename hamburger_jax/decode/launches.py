@@ -51,8 +51,9 @@ def _base_step(merged) -> UnitStep:
 
 
 def _micro_step(m: Hamburger, x_btd: jax.Array, cache: KVCache):
-  """The engine's micro step on one new input, with the micro head's choice and the stop
-  head (its decision folded into the token so that it is computed)."""
+  """The engine's micro step 1 on new inputs x (one; or the F features and e(t0)), with the
+  micro head's choice and the stop head (its decision folded into the token so that it is
+  computed)."""
   h, cache = m.micro_step(1, x_btd, cache)
   token = m.micro_token(jnp.argmax(m.micro_logits(h), axis=-1)).astype(jnp.int32)
   return token + (m.stop_logits(h) > 1e9).astype(jnp.int32), cache
@@ -60,17 +61,22 @@ def _micro_step(m: Hamburger, x_btd: jax.Array, cache: KVCache):
 
 UNIT_STEPS: dict[str, UnitStep] = {"base": _base_step(None), "merged": _base_step(ALL_MERGED),
                                    "micro": _micro_step}
-# Timed, not counted: "mixed", a base step whose batch holds merged and unmerged entries (both
-# forms of each projection run, decode/step.py: advance).
-TIMED_STEPS: dict[str, UnitStep] = {**UNIT_STEPS, "mixed": _base_step(ALTERNATE_ROWS)}
+# Timed, not counted: "mixed", a base step whose batch holds merged and unmerged entries (the
+# plain kernels, and the adapters' factors on the merged rows: decode/step.py: advance); "first
+# micro", micro step 1, which reads the F features and e(t0) in one pass (the micro step's
+# program with F + 1 inputs a row).
+TIMED_STEPS: dict[str, UnitStep] = {**UNIT_STEPS, "mixed": _base_step(ALTERNATE_ROWS),
+                                    "first micro": _micro_step}
 
 
 def unit_args(model: Hamburger, name: str, batch: int, kv_len: int):
-  """(x [B, 1, D], cache) of a unit step: the base cache holds `kv_len` entries per row with
-  the step's one written last; the micro cache is the micro decoder's own."""
+  """(x [B, 1, D], cache) of a unit step (first micro: x [B, F + 1, D]): the base cache holds
+  `kv_len` entries per row with the step's one written last; the micro cache is the micro
+  decoder's own."""
   cfg = decode_step.base_of(model).cfg
-  x = jnp.zeros((batch, 1, cfg.hidden_size), jnp.dtype(cfg.dtype))
-  if name == "micro":
+  inputs = model.num_features + 1 if name == "first micro" else 1
+  x = jnp.zeros((batch, inputs, cfg.hidden_size), jnp.dtype(cfg.dtype))
+  if name in ("micro", "first micro"):
     return x, model.micro_cache(batch)
   cache = KVCache.init(cfg.num_layers, batch, kv_len, cfg.num_kv_heads, cfg.head_dim,
                        jnp.dtype(cfg.dtype))

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from hamburger_jax.config import LlamaConfig
 from hamburger_jax.decode.paged_kv import PagedKVCache, blocks_for
 from hamburger_jax.decode.requests import GenerationError
-from hamburger_jax.decode.step import DecodeState, micro_sizes
+from hamburger_jax.decode.step import DecodeState, micro_cost_size
 
 # Prompts are prefilled in chunks, each padded to one of these sizes (one program per size).
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -134,4 +134,4 @@ def decode_state(cache, cfg: LlamaConfig, *, slots: int, max_new: int, max_group
       temperature=zeros(b, dt=jnp.float32),
       top_k=zeros(b), top_p=jnp.ones((b,), jnp.float32),
       key=jax.random.split(jax.random.key(0), b),
-      micro_cost=jnp.zeros((len(micro_sizes(b)) + 1,), jnp.float32))
+      micro_cost=jnp.zeros((micro_cost_size(b),), jnp.float32))

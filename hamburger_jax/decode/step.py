@@ -55,9 +55,11 @@ class DecodeState:
   top_k: jax.Array  # [B] 0 = off
   top_p: jax.Array  # [B] 1 = off
   key: jax.Array  # [B] the slot's request key; token keys fold in the step and micro index
-  # [len(micro_sizes(B)) + 1] r = micro step / base step at each micro batch, then m = what a
-  # base step of merged and unmerged entries costs over a plain one (`pays`); all 0: off. A
-  # runtime operand: each value, measured or given, runs the same compiled program.
+  # [micro_cost_size(B)] the micro steps' cost ratios (`pays`; all 0: off), each a time over a
+  # base step's of the batch: micro step 2 and later at each of micro_sizes(B) rows, then micro
+  # step 1 (it reads the F features and e(t0): more inputs) at each, then m, what a base step
+  # of merged and unmerged entries costs over a plain one. A runtime operand: each value,
+  # measured or given, runs the same compiled program.
   micro_cost: jax.Array
 
 
@@ -127,22 +129,28 @@ def micro_sizes(slots: int) -> tuple[int, ...]:
   return (*micro_batch_sizes(slots), slots)
 
 
+def micro_cost_size(slots: int) -> int:
+  """DecodeState.micro_cost's length at `slots` slots: two ratios at each micro size, and m."""
+  return 2 * len(micro_sizes(slots)) + 1
+
+
 def pays(n_go: jax.Array, n_live: jax.Array, r: jax.Array) -> jax.Array:
   """Whether the next micro step pays for itself: `n_go` rows would emit a token in it, out of
   `n_live` rows still decoding, at a cost of r base steps (r = micro step / base step at the
-  batch, both timed at the same slots).
+  batch, timed in the same loops).
 
   The next micro step costs r T (T: one base step of the batch) and yields n_go tokens: r T /
   n_go a token. Not running it, each of those rows ends its group there and emits that token
   in a later macro step, whose base step yields one token for each live row: T / n_live a
   token. So it runs while n_go >= r n_live. (A macro step yields k >= 1 tokens a row, so T /
   n_live overstates what a token costs there: the rule errs toward running micro steps.)
-  Micro step 1 also decides the next base step's form: its rows' entries merge, the others'
-  do not, and a base step of both runs each projection in both forms (`advance`), m T more
-  than a plain one; so micro step 1 runs while n_go >= (r + m) n_live when some live rows stop
-  at token 0 (`propose` passes r + m as `r`). r is taken at most 1, so that one row going on, alone in the batch, always goes on: batch 1 is the
-  paper's rule unchanged. r = 0 (off): every micro step a row goes on for runs, as without the
-  rule."""
+  Micro step 1 costs more than a later one (its ratio r1: it reads F + 1 inputs a row) and
+  decides the next base step's form: its rows' entries merge, the others' do not, and a base
+  step of both adds the adapters' change on the merged rows (`advance`), m T more than a plain
+  one; so micro step 1 runs while n_go >= (r1 + m) n_live when some live rows stop at token 0
+  (`propose` passes r1 + m as `r`). r is taken at most 1, so that one row going on, alone in
+  the batch, always goes on: batch 1 is the paper's rule unchanged. r = 0 (off): every micro
+  step a row goes on for runs, as without the rule."""
   return n_go.astype(jnp.float32) >= jnp.minimum(r, 1.0) * n_live.astype(jnp.float32)
 
 
@@ -227,14 +235,15 @@ def propose(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids
 
   # Rows whose stop head fired after token 0 need no micro decoder work at all; when few rows
   # go on, the smallest micro batch that holds them runs the micro steps, at that batch's cost
-  # ratio; when too few go on to pay for micro step 1 (and for the mixed base step it makes
+  # ratios; when too few go on to pay for micro step 1 (and for the mixed base step it makes
   # when others stop), every group ends at token 0.
   n_cont = jnp.sum(cont)
   branch = micro_branch(n_cont, b)
   costs = state.micro_cost
-  merge = jnp.where(n_cont < n_live, costs[-1], 0.0)
-  branch = jnp.where(pays(n_cont, n_live, costs[jnp.maximum(branch - 1, 0)] + merge), branch, 0)
   sizes = micro_batch_sizes(b)
+  merge = jnp.where(n_cont < n_live, costs[-1], 0.0)
+  first = costs[len(sizes) + jnp.maximum(branch, 1)]  # micro step 1's ratio at that batch
+  branch = jnp.where(pays(n_cont, n_live, first + merge), branch, 0)
   return jax.lax.switch(branch,
                         [lambda o: o[:2], *(compact(n, costs[j]) for j, n in enumerate(sizes)),
                          lambda o: micro(rows_state, *o, r=costs[len(sizes)])],

@@ -6,7 +6,10 @@ use (one kernel per projection, merged-entry adapters as LoRA):
   decoder. Fewer, wider matmuls: on a GPU or TPU a small model's decode step is bound by how
   many kernels it launches.
 - folded adapters: each adapted kernel also stored with its adapter folded in (W + scale a b),
-  so a merged entry costs one matmul like any other entry (model/lora.py: FoldedAdapter).
+  so a step whose live entries are all merged costs one matmul a projection like any other;
+  and its factors (a, scale b; block-diagonal in a fused kernel's projections), so a step of
+  merged and plain entries reads the kernel once: x W, plus (x a) b on the merged rows
+  (model/lora.py: FoldedAdapter).
 - a dtype: e.g. bfloat16 weights and activations on an accelerator (norms, softmax and logits
   stay float32 in the model code).
 
@@ -17,7 +20,9 @@ adapted one: as far from it as the bfloat16 base from the float32 base, and with
 W (round(W + BA) - round(W) is BA on average over W's low bits). Teacher-forced, bfloat16
 HAMburger follows float32 as closely as the bfloat16 base does, after merged entries as after
 the others (docs/results/fidelity.md), so the fold stays: BA kept apart would cost two more
-matmuls a projection in every merged step, a float32 folded kernel twice its bytes.
+matmuls a projection in every merged step, a float32 folded kernel twice its bytes. A mixed
+step's merged rows take the factors' change unrounded into W: they differ from the folded
+kernel's output by that rounding (float32: last bits; bfloat16: as above).
 
 The model the engine decodes is `decode_layout(model)`; the model given stays as it is. What
 decode_layout makes is marked (`is_decoding_layout`), fused or not: exports refuse it
@@ -71,11 +76,13 @@ def decode_layout(model: Llama | Hamburger, *, fused: bool = True,
     return model  # nothing to change: decode the model's own arrays
   src = {tuple(p): v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   # Each adapted projection's kernel with its adapter folded in, by the projection's path.
-  folded = {tuple(p): fold(node.kernel[...], node.lora, dtype_of(cfg.param_dtype))
-            for p, node in nnx.iter_graph(model)
-            if isinstance(node, Linear) and node.lora is not None}
+  adapted = [(tuple(p), node) for p, node in nnx.iter_graph(model)
+             if isinstance(node, Linear) and node.lora is not None]
+  folded = {p: fold(node.kernel[...], node.lora, dtype_of(cfg.param_dtype))
+            for p, node in adapted}
+  factors = {p: factors_of(node.lora, dtype_of(cfg.param_dtype)) for p, node in adapted}
   for path, var in nnx.to_flat_state(nnx.state(out)):
-    var.set_value(jnp.asarray(_value(src, folded, tuple(path), cfg), var.dtype))
+    var.set_value(jnp.asarray(_value(src, folded, factors, tuple(path), cfg), var.dtype))
   if hamburger and model.micro_ids is not None:
     out.set_micro_vocab(np.asarray(model.micro_ids[...]))
   for _, node in nnx.iter_graph(out):
@@ -99,6 +106,14 @@ def fold(kernel: jax.Array, adapter: lora.LoRA, dtype) -> jax.Array:
   return (kernel.astype(jnp.float32) + delta).astype(dtype)
 
 
+def factors_of(adapter: lora.LoRA, dtype) -> tuple[jax.Array, jax.Array]:
+  """The adapter's factors as a mixed step multiplies by them, in `dtype`: a, and scale b."""
+  if isinstance(adapter, lora.FoldedAdapter):
+    raise ValueError("the adapter is folded already: lay out the LoRA it was made from")
+  b = adapter.scale * adapter.b[...].astype(jnp.float32)
+  return adapter.a[...].astype(dtype), b.astype(dtype)
+
+
 def fold_errors(model: Hamburger, dtype: str) -> dict[str, float]:
   """{dotted path of each adapted projection: ||F - W' - BA|| / ||BA||}, where F is its folded
   kernel and W' its plain kernel as the decoding layout in `dtype` holds them: how much of the
@@ -119,28 +134,48 @@ def fold_errors(model: Hamburger, dtype: str) -> dict[str, float]:
   return out
 
 
-def _value(src: dict, folded: dict, path: tuple, cfg: LlamaConfig):
-  """The decoding layout's value at `path`, from the source model's params `src` and folded
-  kernels `folded`."""
+# The projections a fused kernel holds, in its order (model/llama.py).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _value(src: dict, folded: dict, factors: dict, path: tuple, cfg: LlamaConfig):
+  """The decoding layout's value at `path`, from the source model's params `src`, folded
+  kernels `folded` and adapter factors `factors` (a, scale b), each by its projection's path."""
   *prefix, name = path
-  adapter = name == "kernel" and len(prefix) >= 2 and prefix[-1] == "lora"  # a folded kernel
-  if adapter:
-    prefix = prefix[:-1]  # the projection the adapter belongs to
+  part = None  # of an adapter: "kernel" (folded), "a" or "b"
+  if len(prefix) >= 2 and prefix[-1] == "lora":
+    part, prefix = name, prefix[:-1]  # the projection the adapter belongs to
   if not prefix:
     return src[path]
   *owner, proj = prefix
+  parts = [(*owner, p) for p in FUSED.get(proj, (proj,))]
+  if part is None:
+    if proj not in FUSED:
+      return src[path]
+    mats = [src[(*p, "kernel")] for p in parts]
+  elif part == "kernel":
+    mats = [folded[p] for p in parts]
+  elif part == "a":
+    return jnp.concatenate([factors[p][0] for p in parts], axis=1)
+  else:  # b: block-diagonal, so each projection's outputs see only its own adapter's a
+    bs = [factors[p][1] for p in parts]
+    r = bs[0].shape[0]
+    mats = [jnp.zeros((r * len(bs), b.shape[1]), b.dtype).at[i * r:(i + 1) * r].set(b)
+            for i, b in enumerate(bs)]
+  return _fused(proj, mats, cfg)
 
-  def kernel(p: str):
-    """Projection `p` beside this one, [in, out]: folded for an adapter's kernel."""
-    return folded[(*owner, p)] if adapter else src[(*owner, p, "kernel")]
 
+def _fused(proj: str, mats: list, cfg: LlamaConfig):
+  """The [n, out] matrices of `proj`'s projections (FUSED) as its decoding kernel lays them out
+  (n: the input size of a kernel, the rank of a factor b)."""
   if proj == "qkv_proj":
     h, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    d, g = cfg.hidden_size, h // hkv
-    q, k, v = (kernel(p) for p in ("q_proj", "k_proj", "v_proj"))
+    g = h // hkv
+    q, k, v = mats
+    n = q.shape[0]
     # Query head h = kv * G + g goes to [g, kv]: each group's heads at one index of the KV axis.
-    q = q.reshape(d, hkv, g, dh).transpose(0, 2, 1, 3)
-    return jnp.concatenate([q, k.reshape(d, 1, hkv, dh), v.reshape(d, 1, hkv, dh)], axis=1)
+    q = q.reshape(n, hkv, g, dh).transpose(0, 2, 1, 3)
+    return jnp.concatenate([q, k.reshape(n, 1, hkv, dh), v.reshape(n, 1, hkv, dh)], axis=1)
   if proj == "gate_up_proj":
-    return jnp.stack([kernel("gate_proj"), kernel("up_proj")], axis=1)
-  return kernel(proj) if adapter else src[path]
+    return jnp.stack(mats, axis=1)
+  return mats[0]

@@ -57,34 +57,57 @@ class Folded(nnx.Variable):
 
 
 class FoldedAdapter(nnx.Module):
-  """A merged-entry adapter as decoding runs it: one folded kernel, so a merged entry costs one
-  matmul like any other (x @ folded), not three (x @ W, then (x @ a) @ b)."""
+  """A merged-entry adapter as decoding runs it. Where every live entry is merged, one folded
+  kernel: a merged entry costs one matmul like any other (x @ folded), not three. Where merged
+  and plain entries share a step, the plain kernel's output plus the low-rank factors' change
+  on the merged rows ((x @ a) @ b, scale in b): the base's weights are read once, not twice
+  (a second full kernel made a mixed base step cost a third to a half more than a plain one).
 
-  def __init__(self, kernel: jax.Array, axes: tuple):
+  a [in, R], b [R, *out]: R = rank x the projections a fused kernel holds (q|k|v: 3, gate|up:
+  2), b block-diagonal in them (model/decode_layout.py lays it out like the kernel)."""
+
+  def __init__(self, kernel: jax.Array, axes: tuple, rank: int):
     self.kernel = Folded(kernel, logical_axes=axes)
+    self.a = Folded(jnp.zeros((kernel.shape[0], rank), kernel.dtype),
+                    logical_axes=(axes[0], None))
+    self.b = Folded(jnp.zeros((rank, *kernel.shape[1:]), kernel.dtype),
+                    logical_axes=(None, *axes[1:]))
 
   def folded(self, kernel: jax.Array) -> jax.Array:
     del kernel  # stored folded already
     return self.kernel[...]
 
   def per_row(self, x: jax.Array, y: jax.Array, merged: jax.Array) -> jax.Array:
-    """Where `merged`, the folded kernel's output; elsewhere y (the plain kernel's). Both
-    matmuls run over every row: used where some rows are merged and some not."""
-    return rows_where(merged, matmul(x, self.kernel[...], y.dtype), y)
+    """Where `merged`, y (the plain kernel's output) plus the low-rank change; elsewhere y.
+    Used where some rows are merged and some not."""
+    delta = matmul(matmul(x, self.a[...], y.dtype), self.b[...], y.dtype)
+    return rows_where(merged, y + delta, y)
+
+
+# How many projections a fused kernel holds, by its name in the layer (model/llama.py): its
+# adapter's low-rank factors stack that many adapters.
+FUSED_PROJECTIONS = {"qkv_proj": 3, "gate_up_proj": 2}
 
 
 def base_linears(base: nnx.Module) -> list[Linear]:
-  return [m for _, m in nnx.iter_graph(base.decoder) if isinstance(m, Linear)]
+  return [lin for _, lin in _named_linears(base)]
+
+
+def _named_linears(base: nnx.Module) -> list[tuple[str, Linear]]:
+  """(name in its layer, module) of each projection of the base's decoder layers."""
+  return [(str(path[-1]), m) for path, m in nnx.iter_graph(base.decoder)
+          if isinstance(m, Linear)]
 
 
 def attach(base: nnx.Module, rank: int, alpha: float, rngs: nnx.Rngs,
            folded: bool = False) -> None:
   """Adds an adapter to every projection of the base's decoder layers, in place: a LoRA to
   train, or (`folded`) a FoldedAdapter to be filled from one (model/decode_layout.py)."""
-  for lin in base_linears(base):
+  for name, lin in _named_linears(base):
     axes = lin.kernel.get_metadata()["logical_axes"]
     if folded:
-      lin.lora = FoldedAdapter(jnp.zeros(lin.kernel.shape, lin.kernel.dtype), axes)
+      lin.lora = FoldedAdapter(jnp.zeros(lin.kernel.shape, lin.kernel.dtype), axes,
+                               rank * FUSED_PROJECTIONS.get(name, 1))
       continue
     n_in, n_out = lin.kernel.shape
     lin.lora = LoRA(n_in, n_out, rank, alpha, axes, rngs=rngs, param_dtype=lin.kernel.dtype,
