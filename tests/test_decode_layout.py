@@ -45,12 +45,13 @@ def _inputs(model, b=2, t=9):
   return model.base.embed(ids), pos, causal_segment_mask(jnp.ones((b, t), jnp.int32))
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_decoding_layout_computes_the_training_layouts_forward(adapted, fused):
+@pytest.mark.parametrize("fused,mixed", [(True, "factors"), (True, "kernels"),
+                                         (False, "factors")])
+def test_decoding_layout_computes_the_training_layouts_forward(adapted, fused, mixed):
   """Plain entries: the same features (to float32 rounding: one matmul of q|k|v is three
-  matmuls' columns). Merged entries, per row or all: the folded kernels give what the
-  adapters give unfolded."""
-  runner = decode_layout(adapted, fused=fused)
+  matmuls' columns). Merged entries, per row (in either mixed form) or all: the folded
+  kernels and the factors give what the adapters give unfolded."""
+  runner = decode_layout(adapted, fused=fused, mixed=mixed)
   assert runner.cfg.base.fused_projections == fused
   x, pos, mask = _inputs(adapted)
   feats = lambda m, merged: np.asarray(m.base_features(x, pos, mask, merged_bt=merged)[0])
@@ -178,12 +179,14 @@ def test_engine_decodes_in_the_backends_layout(adapted):
     assert [(g.token_ids, g.groups) for g in a] == [(g.token_ids, g.groups) for g in b]
 
 
-@pytest.mark.parametrize("platform,dtype", [("cpu", "float32"), ("gpu", "bfloat16"),
-                                            ("tpu", "bfloat16"), ("metal", "float32")])
-def test_each_backend_decodes_in_its_own_dtype(platform, dtype):
+@pytest.mark.parametrize("platform,dtype,mixed", [
+    ("cpu", "float32", "factors"), ("gpu", "bfloat16", "kernels"), ("tpu", "bfloat16", "factors"),
+    ("metal", "float32", "factors")])
+def test_each_backend_decodes_in_its_own_dtype(platform, dtype, mixed):
   """The policy as stated (precision.py), not read back from the function under test."""
   with precision.backend_policy():
-    assert precision.decode_defaults(platform) == {"dtype": dtype, "fused": True}
+    assert precision.decode_defaults(platform) == {"dtype": dtype, "fused": True,
+                                                   "mixed": mixed}
 
 
 def test_a_pin_overrides_every_backend_and_can_be_undone():
@@ -205,17 +208,20 @@ def test_a_pin_overrides_every_backend_and_can_be_undone():
   assert (precision.decode_defaults("gpu"), jax.config.jax_default_matmul_precision) == before
 
 
-@pytest.mark.parametrize("platform,dtype", [("cpu", "float32"), ("gpu", "bfloat16"),
-                                            ("tpu", "bfloat16")])
-def test_an_engine_takes_its_devices_dtype(adapted, monkeypatch, platform, dtype):
+@pytest.mark.parametrize("platform,dtype,mixed", [("cpu", "float32", "factors"),
+                                                  ("gpu", "bfloat16", "kernels"),
+                                                  ("tpu", "bfloat16", "factors")])
+def test_an_engine_takes_its_devices_dtype(adapted, monkeypatch, platform, dtype, mixed):
   """An engine whose device is on `platform` (a stand-in device: the engine reads only its
-  platform here) decodes that platform's dtype, its weights laid out in it."""
+  platform here) decodes that platform's dtype and mixed form, its weights laid out in it."""
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   device = types.SimpleNamespace(platform=platform)
   with precision.backend_policy(), monkeypatch.context() as patch:
     patch.setattr(jax, "devices", lambda *args, **kwargs: [device])
     engine = Engine(adapted, None, stop_ids=())
   assert (engine.fused, engine.dtype) == (True, dtype)
+  assert {a.mixed for _, a in nnx.iter_graph(engine.runner)
+          if isinstance(a, lora.FoldedAdapter)} == {mixed}
   kernels = [v for p, v in nnx.to_flat_state(nnx.state(engine.runner)) if p[-1] == "kernel"]
   assert kernels and {v.dtype for v in kernels} == {jnp.dtype(dtype)}
 
@@ -284,7 +290,7 @@ def test_a_mixed_step_reads_each_kernel_once(adapted):
   adapters' low-rank factors on the merged rows: not a second full kernel a projection (which
   cost a mixed step on SmolLM2 at 16 rows 1.39x a plain step, against 1.01x). Here rank 4 in
   a width of 64 (factors 1.17x the plain step's flops; two full kernels 1.82x)."""
-  runner = decode_layout(adapted)
+  runner = decode_layout(adapted, mixed="factors")
   graphdef, params = nnx.split(runner)
   flops = {}
   for name in ("base", "mixed"):
@@ -293,3 +299,5 @@ def test_a_mixed_step_reads_each_kernel_once(adapted):
     cost = step.lower(params, *launches.unit_args(runner, name, 4, 32)).compile().cost_analysis()
     flops[name] = (cost[0] if isinstance(cost, list) else cost)["flops"]
   assert flops["base"] < flops["mixed"] < 1.3 * flops["base"]
+  with pytest.raises(ValueError, match="mixed='both': use one of factors, kernels"):
+    decode_layout(adapted, mixed="both")

@@ -73,11 +73,11 @@ class Engine(EnginePrograms):
                block_size: int = DEFAULT_BLOCK_SIZE, mesh: jax.sharding.Mesh | None = None,
                prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
                turn_end_ids: Sequence[int] | None = None, fused: bool | None = None,
-               dtype: str | None = None, variant: StepVariant = StepVariant(),
+               dtype: str | None = None, mixed: str | None = None, variant: StepVariant = StepVariant(),
                matmul_precision: str = precision.DEFAULT_PRECISION,
                micro_rule: str | float = micro_rules.DEFAULT_MICRO_RULE):
-    """`fused`, `dtype`: the decoding layout (model/decode_layout.py; None: the backend's
-    default, precision.decode_defaults). `variant`: what each macro step computes
+    """`fused`, `dtype`, `mixed`: the decoding layout (model/decode_layout.py; None: the
+    backend's default, precision.decode_defaults). `variant`: what each macro step computes
     (decode/step.py; the default is HAMburger as specified). `matmul_precision`: of float32
     matmuls (hamburger_jax/precision.py: "highest" for the same greedy tokens on any
     backend). `micro_rule`: when a batch's next micro step runs (decode/micro_rule.py: "off",
@@ -87,6 +87,7 @@ class Engine(EnginePrograms):
     defaults = precision.decode_defaults(platform)
     self.fused = defaults["fused"] if fused is None else fused
     self.dtype = defaults["dtype"] if dtype is None else dtype
+    self.mixed = defaults["mixed"] if mixed is None else mixed
     self.variant = variant
     self.precision = precision.check(matmul_precision)
     self.micro_rule = micro_rules.parse(micro_rule)
@@ -297,7 +298,8 @@ class Engine(EnginePrograms):
     is a merged entry, so mode "base" (which never marks an input merged) is the base model,
     exactly. An abstract model (nnx.eval_shape) gives an engine whose programs can be lowered
     and compiled (for a mesh of devices that are not attached) but not run."""
-    runner, abstract = decode_runner(model, fused=self.fused, dtype=self.dtype)
+    runner, abstract = decode_runner(model, fused=self.fused, dtype=self.dtype,
+                                     mixed=self.mixed)
     graphdef, params = nnx.split(runner)
     if getattr(self, "graphdef", graphdef) != graphdef:
       raise GenerationError("set_model needs a model of the same architecture as the engine's")

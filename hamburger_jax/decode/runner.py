@@ -20,10 +20,10 @@ def is_abstract(model: Llama | Hamburger) -> bool:
   return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model)))
 
 
-def decode_runner(model: Llama | Hamburger, *, fused: bool = True,
-                  dtype: str | None = None) -> tuple[Llama | Hamburger, bool]:
-  """(`model` in the decoding layout, whether it is abstract): `fused` projections and `dtype`
-  as decode_layout takes them. The model given stays as it is."""
-  layout = lambda m: decode_layout(m, fused=fused, dtype=dtype)
+def decode_runner(model: Llama | Hamburger, *, fused: bool = True, dtype: str | None = None,
+                  mixed: str = "factors") -> tuple[Llama | Hamburger, bool]:
+  """(`model` in the decoding layout, whether it is abstract): `fused` projections, `dtype`
+  and the `mixed` form as decode_layout takes them. The model given stays as it is."""
+  layout = lambda m: decode_layout(m, fused=fused, dtype=dtype, mixed=mixed)
   abstract = is_abstract(model)
   return (nnx.eval_shape(layout, model) if abstract else layout(model)), abstract

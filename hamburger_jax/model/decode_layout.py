@@ -8,8 +8,8 @@ use (one kernel per projection, merged-entry adapters as LoRA):
 - folded adapters: each adapted kernel also stored with its adapter folded in (W + scale a b),
   so a step whose live entries are all merged costs one matmul a projection like any other;
   and its factors (a, scale b; block-diagonal in a fused kernel's projections), so a step of
-  merged and plain entries reads the kernel once: x W, plus (x a) b on the merged rows
-  (model/lora.py: FoldedAdapter).
+  merged and plain entries can read the kernel once: x W, plus (x a) b on the merged rows
+  (model/lora.py: FoldedAdapter; the form is the backend's, hamburger_jax/precision.py).
 - a dtype: e.g. bfloat16 weights and activations on an accelerator (norms, softmax and logits
   stay float32 in the model code).
 
@@ -20,9 +20,10 @@ adapted one: as far from it as the bfloat16 base from the float32 base, and with
 W (round(W + BA) - round(W) is BA on average over W's low bits). Teacher-forced, bfloat16
 HAMburger follows float32 as closely as the bfloat16 base does, after merged entries as after
 the others (docs/results/fidelity.md), so the fold stays: BA kept apart would cost two more
-matmuls a projection in every merged step, a float32 folded kernel twice its bytes. A mixed
-step's merged rows take the factors' change unrounded into W: they differ from the folded
-kernel's output by that rounding (float32: last bits; bfloat16: as above).
+matmuls a projection in every merged step, a float32 folded kernel twice its bytes. In the
+"factors" form a mixed step's merged rows take the factors' change unrounded into W: they
+differ from the folded kernel's output by that rounding (float32: last bits; bfloat16: as
+above).
 
 The model the engine decodes is `decode_layout(model)`; the model given stays as it is. What
 decode_layout makes is marked (`is_decoding_layout`), fused or not: exports refuse it
@@ -50,14 +51,17 @@ MARKER = "decoding_layout"
 
 
 def decode_layout(model: Llama | Hamburger, *, fused: bool = True,
-                  dtype: str | None = None) -> Llama | Hamburger:
+                  dtype: str | None = None, mixed: str = "factors") -> Llama | Hamburger:
   """`model` in the decoding layout (the module docstring): fused projections unless
-  `fused=False`, folded adapters, weights and compute in `dtype` (None: the model's). The
+  `fused=False`, folded adapters whose steps of merged and plain entries run in the form
+  `mixed` (lora.MIXED_FORMS), weights and compute in `dtype` (None: the model's). The
   same math: equal outputs up to rounding (model/llama.py: Linear, ALL_MERGED). Marked
   (`is_decoding_layout`) whatever `fused` is; a model with nothing to change (no adapters,
   separate projections, its own dtype) comes back as it is, unmarked: it is its own layout."""
   if dtype is not None and dtype not in DTYPES:
     raise ValueError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
+  if mixed not in lora.MIXED_FORMS:
+    raise ValueError(f"mixed={mixed!r}: use one of {', '.join(lora.MIXED_FORMS)}")
   hamburger = isinstance(model, Hamburger)
   base_cfg = model.cfg.base if hamburger else model.cfg
   if base_cfg.fused_projections or is_decoding_layout(model):
@@ -68,7 +72,7 @@ def decode_layout(model: Llama | Hamburger, *, fused: bool = True,
   if hamburger:
     adapters = model.cfg.graft.base_lora_rank > 0
     out = nnx.eval_shape(lambda: Hamburger(HamburgerConfig(cfg, model.cfg.graft),
-                                           rngs=nnx.Rngs(0), folded_adapters=True))
+                                           rngs=nnx.Rngs(0), folded_adapters=mixed))
   else:
     adapters = False
     out = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))

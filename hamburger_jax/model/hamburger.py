@@ -32,10 +32,11 @@ class MicroVocab(nnx.Variable):
 class Hamburger(nnx.Module):
 
   def __init__(self, cfg: HamburgerConfig, *, rngs: nnx.Rngs, base: Llama | None = None,
-               folded_adapters: bool = False):
+               folded_adapters: str | None = None):
     """`base`: an already loaded base model to graft onto (else a randomly initialised one);
     with graft.base_lora_rank > 0 it gets merged-entry adapters attached in place (LoRA, or
-    with `folded_adapters` their decoding form: model/decode_layout.py)."""
+    with `folded_adapters` their decoding form, whose mixed steps run in that form
+    (lora.MIXED_FORMS): model/decode_layout.py)."""
     self.cfg = cfg
     b, g = cfg.base, cfg.graft
     if base is not None and base.cfg != b:

@@ -51,6 +51,10 @@ class LoRA(nnx.Module):
     return rows_where(merged, y + self(x).reshape(y.shape), y)
 
 
+# How a step of merged and plain entries runs the adapters (FoldedAdapter).
+MIXED_FORMS = ("factors", "kernels")
+
+
 class Folded(nnx.Variable):
   """A kernel with its merged-entry adapter folded in (W + scale * a @ b): derived from a
   trained LoRA for decoding (hamburger_jax/model/decode_layout.py), never trained or saved."""
@@ -59,27 +63,35 @@ class Folded(nnx.Variable):
 class FoldedAdapter(nnx.Module):
   """A merged-entry adapter as decoding runs it. Where every live entry is merged, one folded
   kernel: a merged entry costs one matmul like any other (x @ folded), not three. Where merged
-  and plain entries share a step, the plain kernel's output plus the low-rank factors' change
-  on the merged rows ((x @ a) @ b, scale in b): the base's weights are read once, not twice
-  (a second full kernel made a mixed base step cost a third to a half more than a plain one).
+  and plain entries share a step (`per_row`), in the form `mixed` (MIXED_FORMS) names:
+  "factors", the plain kernel's output plus the low-rank factors' change on the merged rows
+  ((x @ a) @ b, scale in b): the base's weights read once (a second full kernel made a mixed
+  base step on 2 CPU cores cost a third more than a plain one, against 1%); "kernels", the
+  folded kernel's output on the merged rows: one matmul fewer a projection, the weights read
+  twice (for a GPU, where a small model's step is bound by the kernels it launches).
 
   a [in, R], b [R, *out]: R = rank x the projections a fused kernel holds (q|k|v: 3, gate|up:
   2), b block-diagonal in them (model/decode_layout.py lays it out like the kernel)."""
 
-  def __init__(self, kernel: jax.Array, axes: tuple, rank: int):
+  def __init__(self, kernel: jax.Array, axes: tuple, rank: int, mixed: str = "factors"):
+    if mixed not in MIXED_FORMS:
+      raise ValueError(f"mixed={mixed!r}: use one of {', '.join(MIXED_FORMS)}")
     self.kernel = Folded(kernel, logical_axes=axes)
     self.a = Folded(jnp.zeros((kernel.shape[0], rank), kernel.dtype),
                     logical_axes=(axes[0], None))
     self.b = Folded(jnp.zeros((rank, *kernel.shape[1:]), kernel.dtype),
                     logical_axes=(None, *axes[1:]))
+    self.mixed = mixed
 
   def folded(self, kernel: jax.Array) -> jax.Array:
     del kernel  # stored folded already
     return self.kernel[...]
 
   def per_row(self, x: jax.Array, y: jax.Array, merged: jax.Array) -> jax.Array:
-    """Where `merged`, y (the plain kernel's output) plus the low-rank change; elsewhere y.
-    Used where some rows are merged and some not."""
+    """Where `merged`, the adapted layer's output (in the form `mixed`); elsewhere y (the plain
+    kernel's). Used where some rows are merged and some not."""
+    if self.mixed == "kernels":
+      return rows_where(merged, matmul(x, self.kernel[...], y.dtype), y)
     delta = matmul(matmul(x, self.a[...], y.dtype), self.b[...], y.dtype)
     return rows_where(merged, y + delta, y)
 
@@ -100,14 +112,15 @@ def _named_linears(base: nnx.Module) -> list[tuple[str, Linear]]:
 
 
 def attach(base: nnx.Module, rank: int, alpha: float, rngs: nnx.Rngs,
-           folded: bool = False) -> None:
+           folded: str | None = None) -> None:
   """Adds an adapter to every projection of the base's decoder layers, in place: a LoRA to
-  train, or (`folded`) a FoldedAdapter to be filled from one (model/decode_layout.py)."""
+  train, or (`folded`: its mixed form, MIXED_FORMS) a FoldedAdapter to be filled from one
+  (model/decode_layout.py)."""
   for name, lin in _named_linears(base):
     axes = lin.kernel.get_metadata()["logical_axes"]
     if folded:
       lin.lora = FoldedAdapter(jnp.zeros(lin.kernel.shape, lin.kernel.dtype), axes,
-                               rank * FUSED_PROJECTIONS.get(name, 1))
+                               rank * FUSED_PROJECTIONS.get(name, 1), folded)
       continue
     n_in, n_out = lin.kernel.shape
     lin.lora = LoRA(n_in, n_out, rank, alpha, axes, rngs=rngs, param_dtype=lin.kernel.dtype,
