@@ -39,6 +39,9 @@ def main(argv=None) -> int:
   cli.add_micro_rule_flag(p, several=True)
   p.add_argument("--max-group", type=int, default=None,
                  help="hamburger / serve: cap HAMburger's groups at this many tokens (1..K)")
+  p.add_argument("--profile", action="store_true",
+                 help="hamburger: after the table, where one decode of each batch and setting "
+                      "spends the device's time, by kind of operation (a profiler trace)")
   _add_serve_flags(p)
   args = p.parse_args(argv)
   _check_args(p, args)
@@ -133,6 +136,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     p.error(f"--batches {args.batches}: each batch size must be >= 1")
   if args.repeats < 1:
     p.error(f"--repeats {args.repeats} must be >= 1")
+  if args.profile and args.mode != "hamburger":
+    p.error("--profile is for --mode hamburger")
   args.new_tokens = args.new_tokens or (32 if args.random_weights else 128)
   server = args.mode == "server"
   args.slots = args.slots or ([8] if server else [8, 16, 32])

@@ -104,6 +104,25 @@ def with_micro_vocab(model, checkpoint: str | None, size: int):
     raise SystemExit(f"error: {e}") from None
   return sharing_weights(model, micro_vocab=ids)
 
+def profile_lines(engine, ids: list, n_new: int, settings: dict, ham: dict) -> list[str]:
+  """Where a decode of the batch spends the device's time (--profile): base mode, then each
+  HAMburger setting, device time by kind of operation a macro step (one decode each, traced;
+  benchmarks/op_profile.py), with the macro steps the batch ran."""
+  import tempfile  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.benchmarks import report, timing  # pylint: disable=C0415
+  out = []
+  for name, eng, kw in (("base", engine, {"mode": "base"}),
+                        *((name, eng, ham) for name, eng in settings.items())):
+    with tempfile.TemporaryDirectory() as trace_dir:
+      prof, steps, gens = timing.profile_decode(eng, ids, n_new, trace_dir, **kw)
+    k = sum(g.new_tokens for g in gens) / sum(g.macro_steps for g in gens)
+    out += ["", f"- batch {len(ids)}, {name}: {steps} macro steps (k {k:.2f}, micro steps/step "
+            f"{timing.micro_steps_per_step(gens):.2f}); device {prof.device_s * 1e3 / steps:,.1f}"
+            f" ms a macro step, {prof.wall_s * 1e3 / steps:,.1f} ms wall, prefills included "
+            f"({prof.where})", "", *report.kind_lines(prof, steps, "a macro step", 8)]
+  return out
+
+
 def bench_hamburger(args) -> None:
   from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
@@ -125,21 +144,23 @@ def bench_hamburger(args) -> None:
   print(f"engine layout: {'fused' if engine.fused else 'separate'} projections, "
         f"{engine.dtype}; adapter cost = a base step reading a merged entry (the adapters "
         "folded into the kernels) vs an unmerged one, and one of a batch whose every other row "
-        "reads a merged entry (mixed: both forms of each projection run) vs none; micro vocab "
+        f"reads a merged entry (mixed, in the {engine.mixed} form) vs none; micro vocab "
         "= the ids micro steps choose among (full: the whole vocabulary); micro rule = when a "
         "batch's next micro step runs (decode/micro_rule.py; off: whenever a row goes on); "
-        "micro steps/step = micro steps a macro step ran (its largest group's); same tokens = "
+        "micro steps/step = micro steps a macro step ran (its largest group's); last row's "
+        "steps = the macro steps of the row that finished last (a batch decodes until it "
+        "does; the base's: one a token); same tokens = "
         "rows whose tokens equal the full "
         f"vocabulary's with micro rule {rules[0]}; tok/s = tokens all rows generated / the time "
         "the batch decoded (the prefills apart); every setting of a batch is timed in the same "
         "rounds as its base")
   print("\n| batch | micro vocab | micro rule | base tok/s | HAMburger tok/s | ratio | "
-        "tokens/step k | micro steps/step | KV entries/token | r | adapter cost (merged, mixed) | "
-        "ceiling | "
+        "tokens/step k | micro steps/step | last row's steps | KV entries/token | r | "
+        "adapter cost (merged, mixed) | ceiling | "
         "of ceiling | same tokens | prefill s (base, ham) | compile s (base, ham) |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   ham = {"mode": "hamburger", "confidence": args.confidence, "max_group": args.max_group}
-  measured = []
+  measured, profiles = [], []
   for b in args.batches:
     ids = chat_ids(tok, (PROMPTS * (b // len(PROMPTS) + 1))[:b])
     settings = {f"{name} {rule}": eng.with_micro_rule(rule) for name, eng in engines.items()
@@ -160,7 +181,8 @@ def bench_hamburger(args) -> None:
         same = sum(g.token_ids == f for g, f in zip(t.gens, first))
         mixed = "-" if b == 1 else f"{cost['mixed'] / cost['base'] - 1:+.1%}"
         print(f"| {b} | {vocab} | {rule} | {base.tokens_per_s:.1f} | {t.tokens_per_s:.1f} | "
-              f"{ratio:.2f}x | {k:.2f} | {micro_steps_per_step(t.gens):.2f} | {1 / k:.2f} | "
+              f"{ratio:.2f}x | {k:.2f} | {micro_steps_per_step(t.gens):.2f} | "
+              f"{max(g.macro_steps for g in t.gens)} | {1 / k:.2f} | "
               f"{r:.3f} | {cost['merged'] / cost['base'] - 1:+.1%}, {mixed} | {ceiling:.2f}x | "
               f"{ratio / ceiling:.0%} | {same}/{b} | {base.prefill_s:.2f}, {t.prefill_s:.2f} | "
               f"{base.compile_s:.0f}, {t.compile_s:.0f} |")
@@ -171,11 +193,14 @@ def bench_hamburger(args) -> None:
           measured.append(f"- batch {b}, {vocab} micro vocab: r (r1) " + ", ".join(
               f"{m} rows {c:.3f} ({c1:.3f})" for m, c, c1 in
               zip(sizes, costs, costs[len(sizes):])) + f"; m {costs[-1]:.3f}")
+    if args.profile:
+      profiles.extend(profile_lines(engine, ids, args.new_tokens, settings, ham))
   if measured:
     print("\nmicro rule auto, measured (r by micro batch: a later micro step of that many rows "
           "/ a base step of the batch's slots; r1: micro step 1, which reads the F features "
           "too; m: a base step of them, every other row merged, / a plain one - 1):\n"
           + "\n".join(measured))
+  print("\n".join(profiles))
   rows = {"full": None}
   if args.micro_vocab is not None:
     rows[str(args.micro_vocab)] = int(engines["reduced"].model.micro_ids.shape[0])

@@ -68,17 +68,25 @@ def test_bench_hamburger_against_its_base(tiny, capsys, tmp_path):
   micro_vocab.save(ckpt, np.arange(64, 0, -1), 16, ["test"])  # ids 0..15
   out = _bench(capsys, "--mode", "hamburger", "--base", tiny["base"], "--checkpoint", ckpt,
                "--batches", "1,2", "--new-tokens", "4", "--confidence", "0", "--micro-vocab",
-               "16", "--micro-rule", "off,auto")
+               "16", "--micro-rule", "off,auto", "--profile")
   rows = _tables(out)[0]
   assert len(rows) == 8 and all("4.00" in r.values() for r in rows)  # forced groups of K = 4
   assert [r["micro vocab"] for r in rows] == ["full", "full", "16", "16"] * 2
   assert [r["micro rule"] for r in rows] == ["off", "auto"] * 4
   # every row goes on: the rule cuts nothing, so 3 micro steps a macro step and the same tokens
-  assert all(r["micro steps/step"] == "3.00" for r in rows)
+  assert all(r["micro steps/step"] == "3.00" and r["last row's steps"] == "1" for r in rows)
   assert [r["same tokens"] for r in rows[:2]] == ["1/1"] * 2
-  assert re.search(r"batch 2, full micro vocab: r 1 rows \d+\.\d{3}, 2 rows \d+\.\d{3}; "
-                   r"m \d+\.\d{3}", out)
-  launches = _first_column(_tables(out)[1])
+  assert re.search(r"batch 2, full micro vocab: r \(r1\) 1 rows \d+\.\d{3} \(\d+\.\d{3}\), "
+                   r"2 rows \d+\.\d{3} \(\d+\.\d{3}\); m \d+\.\d{3}", out)
+  # --profile: base and each setting of each batch, one decode traced, by kind of operation
+  profiled = re.findall(r"^- batch (\d), ([\w ]+): (\d+) macro steps", out, re.M)
+  assert [(b, name) for b, name, _ in profiled] == [
+      (b, name) for b in "12" for name in ("base", "full off", "full auto", "reduced off",
+                                           "reduced auto")]
+  assert [steps for b, name, steps in profiled if name != "base"] == ["1"] * 8
+  tables = _tables(out)
+  assert all(t and "kind of operation" in t[0] for t in tables[1:11])
+  launches = _first_column(tables[11])
   assert launches[:3] == ["base step", "merged step", "micro step"]
   # r where bytes bound a step: the micro step's weights (1 layer, stop head, LM head) over the
   # base step's, from the graft's own config
