@@ -7,9 +7,8 @@ Decoding (Engine; model/decode_layout.py):
            float32 in the model code), fused projections.
 A step of merged and plain entries runs the adapters as low-rank factors beside the plain
 kernels ("factors": the weights read once), but on a GPU as a second, folded kernel ("kernels":
-one matmul fewer a projection, where a small model's step is bound by kernel launches; SmolLM2's
-mixed step at 32 rows lowers 301 dots against 421, compiled for a TPU v5e chip 1,248 fusions
-against 1,488 but 7% more bytes and 57% more flops: model/lora.py, FoldedAdapter).
+one matmul fewer a projection, where a small model's step is bound by kernel launches: SmolLM2's
+mixed step lowers 301 dots against 421; model/lora.py, FoldedAdapter).
 float32 matmuls (`precision`: Engine(matmul_precision=...), train.precision, the benches'
 --precision): "highest" computes them in full float32 on every backend (a TPU otherwise runs
 them as bfloat16 passes, a GPU as TF32); "default" leaves the backend's own choice (faster on

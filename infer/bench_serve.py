@@ -44,20 +44,26 @@ def bench_serve(args) -> None:
                                tpu_fusions=not args.no_tpu_fusions)))
 
 def serve_slots(args, engine, workload, variants) -> None:
+  """Part (a): each slot count, the base and each HAMburger variant (HAMburger at the
+  confidence once per --micro-rule)."""
   print("\n(a) KV pool holds every slot's longest request\n")
   print("| slots | variant | tok/s | vs base | p50 latency s | p95 latency s | tokens/step | "
         "KV entries/token | decode calls | prefill s | wall s |")
   print("|---|---|---|---|---|---|---|---|---|---|---|")
   curve = {}
+  rules = args.micro_rule
   for slots in args.slots:
     base_tps = None
     for name, mode, c, g in variants:
-      r = run_serve(engine, workload, mode, slots, c, max_group=g)
-      base_tps = base_tps or r["tok_s"]
-      curve.setdefault(name, []).append(r["tok_s"])
-      print(f"| {slots} | {name} | {r['tok_s']:.1f} | {r['tok_s'] / base_tps:.2f}x | "
-            f"{r['p50']:.1f} | {r['p95']:.1f} | {r['k']:.2f} | {r['kv_per_token']:.2f} | "
-            f"{r['rounds']} | {r['prefill']:.1f} | {r['wall']:.1f} |", flush=True)
+      ruled = mode == "hamburger" and c > 0  # forced groups go on whatever the rule
+      for rule in (rules if ruled else ["off"]):
+        label = f"{name}, micro rule {rule}" if ruled and rules != ["off"] else name
+        r = run_serve(engine.with_micro_rule(rule), workload, mode, slots, c, max_group=g)
+        base_tps = base_tps or r["tok_s"]
+        curve.setdefault(label, []).append(r["tok_s"])
+        print(f"| {slots} | {label} | {r['tok_s']:.1f} | {r['tok_s'] / base_tps:.2f}x | "
+              f"{r['p50']:.1f} | {r['p95']:.1f} | {r['k']:.2f} | {r['kv_per_token']:.2f} | "
+              f"{r['rounds']} | {r['prefill']:.1f} | {r['wall']:.1f} |", flush=True)
   if args.plot:
     plot_serve(args.slots, curve, args.plot)
     print(f"\nplot: {args.plot}")

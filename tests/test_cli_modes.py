@@ -104,10 +104,15 @@ def test_bench_hamburger_against_its_base(tiny, capsys, tmp_path):
 def test_bench_serve_every_part(tiny, capsys):
   out = _bench(capsys, "--mode", "serve", "--base", tiny["base"], "--checkpoint",
                tiny["checkpoint"], "--requests", "4", "--slots", "2", "--new-range", "2,4",
-               "--kv-blocks", "40", "--parts", "abp", "--round-steps", "2")
+               "--kv-blocks", "40", "--parts", "abp", "--round-steps", "2", "--micro-rule",
+               "off,auto")
   assert "(a) KV pool" in out and "(b) one fixed KV pool" in out and "(p) prefix cache" in out
   assert "(c) when slots are refilled" in out
-  assert len(_tables(out)) == 5  # a, b, p, c and the launch figures
+  tables = _tables(out)
+  assert len(tables) == 5  # a, b, p, c and the launch figures
+  assert [r["variant"] for r in tables[1]] == [  # (a): HAMburger at c once per micro rule
+      "base", "HAMburger c=0.8, micro rule off", "HAMburger c=0.8, micro rule auto",
+      "HAMburger forced 4-token groups"]
 
 
 def test_bench_widths(tiny, capsys):

@@ -5,6 +5,7 @@ what the targets ask on SmolLM2's shapes (lowered dots, counted without weights)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from pathlib import Path
 
@@ -160,6 +161,12 @@ def test_smollm2_step_launches_meet_their_targets():
   figs = launches.figures(runner, 1, 512, model, tpu=False)
   dots = {name: f["dots"] for name, f in figs.items()}
   assert dots["base step"] == dots["merged step"] == 30 * 6 + 1 <= 190
+  # A mixed step: each of the 4 projections of a layer adds the factors' 2 matmuls, or in the
+  # GPU's form one more full kernel.
+  assert dots["mixed step"] == dots["base step"] + 30 * 4 * 2
+  kernels = nnx.eval_shape(functools.partial(decode_layout, mixed="kernels"), model)
+  mixed = launches.programs(kernels, 1, 512)["mixed step"]
+  assert launches.lowered_dots(*mixed) == dots["base step"] + 30 * 4
   assert dots["macro step, HAMburger forced K"] <= 1.6 * dots["macro step, base mode"]
   assert dots["micro step"] == 4 * 6 + 1 + 3  # 4 micro layers, the head, the stop head
 

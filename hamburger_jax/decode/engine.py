@@ -18,14 +18,12 @@ import dataclasses
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hamburger_jax import precision, sharding
+from hamburger_jax import precision
 from hamburger_jax.config import DEFAULT_CONFIDENCE, DEFAULT_PREFIX_CACHE_TOKENS
-from hamburger_jax.decode import micro_rule as micro_rules, serving, shapes
+from hamburger_jax.decode import micro_rule as micro_rules, placement, serving, shapes
 from hamburger_jax.decode.prefix_cache import PrefixCache
 from hamburger_jax.decode.programs import EnginePrograms
 from hamburger_jax.decode.requests import Generation, GenerationError, Request
@@ -45,7 +43,7 @@ class Engine(EnginePrograms):
 
   Mode "base" on a Hamburger model decodes with its base weights only (base adapters never act),
   so the two modes of one engine compare the same base in the same code. `mesh`: decode under
-  a device mesh, weights placed by the inference rules (tensor axis; `sharding.INFER_RULES`).
+  a device mesh, weights placed by the inference rules (decode/placement.py).
 
   Users call `requests`, `compile`, `generate` and `serve`.
 
@@ -83,8 +81,7 @@ class Engine(EnginePrograms):
     backend). `micro_rule`: when a batch's next micro step runs (decode/micro_rule.py: "off",
     "auto" or a cost ratio; with "off", a row's tokens do not depend on its batch mates)."""
     self.tokenizer = tokenizer
-    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-    defaults = precision.decode_defaults(platform)
+    defaults = precision.decode_defaults(placement.platform(mesh))
     self.fused = defaults["fused"] if fused is None else fused
     self.dtype = defaults["dtype"] if dtype is None else dtype
     self.mixed = defaults["mixed"] if mixed is None else mixed
@@ -150,11 +147,8 @@ class Engine(EnginePrograms):
     return other
 
   def put(self, tree):
-    """Host values onto the engine's devices: replicated over the mesh, if there is one (the
-    decode state is small next to the weights, which the mesh splits)."""
-    if self.mesh is None:
-      return jax.tree.map(jnp.asarray, tree)
-    return jax.device_put(tree, NamedSharding(self.mesh, P()))
+    """Host values onto the engine's devices (decode/placement.py: replicate)."""
+    return placement.replicate(tree, self.mesh)
 
   @property
   def max_group(self) -> int | None:
@@ -303,10 +297,7 @@ class Engine(EnginePrograms):
     graphdef, params = nnx.split(runner)
     if getattr(self, "graphdef", graphdef) != graphdef:
       raise GenerationError("set_model needs a model of the same architecture as the engine's")
-    if self.mesh is not None:
-      shardings = sharding.state_shardings(params, self.mesh, sharding.INFER_RULES)
-      params = (jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                             params, shardings) if abstract else jax.device_put(params, shardings))
+    params = placement.place_weights(params, self.mesh, abstract)
     self.model, self.runner = model, runner
     self.base_cfg = base_of(runner).cfg
     self.graphdef, self.params = graphdef, params

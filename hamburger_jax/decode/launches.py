@@ -7,6 +7,7 @@ The unit steps (the decode benches time the same functions, in a loop):
   base:   a base forward of one entry per row with its LM head (the exact base weights);
   merged: the same reading a merged entry (the adapters acting: folded kernels);
   micro:  one micro step (the micro decoder on one new input) with its LM head and stop head;
+  mixed:  a base step of merged and plain entries (every other row merged);
 and the whole macro steps of decode/step_program.py: base mode, and HAMburger with forced
 K-token groups.
 """
@@ -59,14 +60,13 @@ def _micro_step(m: Hamburger, x_btd: jax.Array, cache: KVCache):
   return token + (m.stop_logits(h) > 1e9).astype(jnp.int32), cache
 
 
+# "mixed": a base step whose batch holds merged and unmerged entries (the adapters in the
+# layout's mixed form on the merged rows: decode/step.py: advance, model/lora.py).
 UNIT_STEPS: dict[str, UnitStep] = {"base": _base_step(None), "merged": _base_step(ALL_MERGED),
-                                   "micro": _micro_step}
-# Timed, not counted: "mixed", a base step whose batch holds merged and unmerged entries (the
-# plain kernels, and the adapters' factors on the merged rows: decode/step.py: advance); "first
-# micro", micro step 1, which reads the F features and e(t0) in one pass (the micro step's
-# program with F + 1 inputs a row).
-TIMED_STEPS: dict[str, UnitStep] = {**UNIT_STEPS, "mixed": _base_step(ALTERNATE_ROWS),
-                                    "first micro": _micro_step}
+                                   "micro": _micro_step, "mixed": _base_step(ALTERNATE_ROWS)}
+# Timed, not counted: "first micro", micro step 1, which reads the F features and e(t0) in one
+# pass (the micro step's program with F + 1 inputs a row).
+TIMED_STEPS: dict[str, UnitStep] = {**UNIT_STEPS, "first micro": _micro_step}
 
 
 def unit_args(model: Hamburger, name: str, batch: int, kv_len: int):
