@@ -235,8 +235,8 @@ def test_infer_bench_random_weights_end_to_end(capsys):
     assert r["bound"] in ("compute", "memory")
   # Beside the timings, the launch figures of the programs timed.
   launches = {r["program"]: r for r in testing.markdown_tables(out)[1]}
-  assert list(launches) == ["base step", "merged step", "micro step", "macro step, base mode",
-                            "macro step, HAMburger forced K"]
+  assert list(launches) == ["base step", "merged step", "micro step", "mixed step",
+                            "macro step, base mode", "macro step, HAMburger forced K"]
   dots = {name: int(r["lowered dots"]) for name, r in launches.items()}
   # Tiny config, 4 layers: q|k|v, o, gate|up, down and attention's two einsums, and the head.
   assert dots["base step"] == dots["merged step"] == 4 * 6 + 1

@@ -53,9 +53,10 @@ def step_costs(runner, repeats: int, batch: int = 1,
   """Seconds of one decode step at this batch size (decode/launches.py's unit steps, in the
   decoding layout `runner`, each with its LM head): "base" (an unmerged input: the exact
   base), "merged" (a merged input: the adapters folded into the kernels; equal to "base"
-  without adapters), "mixed" (every other row's input merged: both forms of each projection
-  run, as in a macro step whose rows' entries differ) and "micro" (one micro step, with the
-  model's micro-step head: the full one, or its reduced vocabulary). Each runs in
+  without adapters), "mixed" (every other row's input merged, as in a macro step whose rows'
+  entries differ: the adapters in the layout's mixed form on those rows), "micro" (one micro
+  step, with the model's micro-step head: the full one, or its reduced vocabulary) and "first
+  micro" (micro step 1: the F features and e(t0) in one pass). Each runs in
   step_loop (steps in one jitted loop, its token fed back: no host dispatch between
   them, which would weigh most on the small micro step). r = micro / base is docs/SPEC.md 6's
   cost ratio in the ceiling k / (1 + (k - 1) r). `names`: which of them to time (default
