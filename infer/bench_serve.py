@@ -58,7 +58,9 @@ def serve_slots(args, engine, workload, variants) -> None:
       ruled = mode == "hamburger" and c > 0  # forced groups go on whatever the rule
       for rule in (rules if ruled else ["off"]):
         label = f"{name}, micro rule {rule}" if ruled and rules != ["off"] else name
-        r = run_serve(engine.with_micro_rule(rule), workload, mode, slots, c, max_group=g)
+        eng = engine.with_micro_rule(rule)
+        eng.micro_costs(eng.layout(mode, slots, 1, 1))  # "auto" times its steps here, untimed
+        r = run_serve(eng, workload, mode, slots, c, max_group=g)
         base_tps = base_tps or r["tok_s"]
         curve.setdefault(label, []).append(r["tok_s"])
         print(f"| {slots} | {label} | {r['tok_s']:.1f} | {r['tok_s'] / base_tps:.2f}x | "
