@@ -71,7 +71,8 @@ class Engine(EnginePrograms):
                block_size: int = DEFAULT_BLOCK_SIZE, mesh: jax.sharding.Mesh | None = None,
                prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
                turn_end_ids: Sequence[int] | None = None, fused: bool | None = None,
-               dtype: str | None = None, mixed: str | None = None, variant: StepVariant = StepVariant(),
+               dtype: str | None = None, mixed: str | None = None,
+               variant: StepVariant = StepVariant(),
                matmul_precision: str = precision.DEFAULT_PRECISION,
                micro_rule: str | float = micro_rules.DEFAULT_MICRO_RULE):
     """`fused`, `dtype`, `mixed`: the decoding layout (model/decode_layout.py; None: the
@@ -128,8 +129,9 @@ class Engine(EnginePrograms):
 
   def micro_costs(self, layout: Layout) -> np.ndarray:
     """DecodeState.micro_cost under the engine's micro_rule at `layout`'s slots: the cost
-    ratios at each micro batch size (decode/step.py: pays); 0 in base mode, which has no micro steps. "auto"
-    times the steps the first time a slot count asks (decode/micro_rule.py: measure)."""
+    ratios at each micro batch size (decode/step.py: pays); 0 in base mode, which has no micro
+    steps. "auto" times the steps the first time a slot count asks (decode/micro_rule.py:
+    measure)."""
     if layout.mode != "hamburger":
       return micro_rules.costs("off", layout.slots)
     key = (self.micro_rule, layout.slots)

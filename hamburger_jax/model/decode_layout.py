@@ -42,7 +42,7 @@ from flax import nnx
 from hamburger_jax.config import HamburgerConfig, LlamaConfig
 from hamburger_jax.model import lora
 from hamburger_jax.model.hamburger import Hamburger
-from hamburger_jax.model.llama import Linear, Llama, dtype_of
+from hamburger_jax.model.llama import FUSED, Linear, Llama, dtype_of
 
 DTYPES = ("float32", "bfloat16")
 # The attribute decode_layout sets on the model it makes and on every module in it (its base
@@ -136,10 +136,6 @@ def fold_errors(model: Hamburger, dtype: str) -> dict[str, float]:
       out[".".join(map(str, path))] = (float(jnp.linalg.norm(kept - delta)) / size if size
                                        else float("nan"))
   return out
-
-
-# The projections a fused kernel holds, in its order (model/llama.py).
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def _value(src: dict, folded: dict, factors: dict, path: tuple, cfg: LlamaConfig):

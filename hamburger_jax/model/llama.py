@@ -36,6 +36,9 @@ def dtype_of(name: str):
 # `merged_bt` of a forward where every entry is a merged group: the adapters act everywhere, as
 # one set of kernels (Linear: the kernel with its adapter folded in), not per row.
 ALL_MERGED = "all"
+# The projections a fused kernel holds, in its order, by the fused kernel's name in its layer
+# (`fused_projections`; model/decode_layout.py lays them out).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # An uncached forward's mask: dense [B, T, T] bool, or packed rows' segments.
 Mask = jax.Array | PackedMask
 KV = tuple[jax.Array, jax.Array]  # keys, values of new entries, every layer: [L, B, T, Hkv, Dh]

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hamburger_jax.model.llama import GraftParam, Linear, matmul, rows_where, torch_linear_init
+from hamburger_jax.model.llama import (FUSED, GraftParam, Linear, matmul, rows_where,
+                                       torch_linear_init)
 
 
 class LoRA(nnx.Module):
@@ -65,8 +66,8 @@ class FoldedAdapter(nnx.Module):
   kernel: a merged entry costs one matmul like any other (x @ folded), not three. Where merged
   and plain entries share a step (`per_row`), in the form `mixed` (MIXED_FORMS) names:
   "factors", the plain kernel's output plus the low-rank factors' change on the merged rows
-  ((x @ a) @ b, scale in b): the base's weights read once (a second full kernel made a mixed
-  base step on 2 CPU cores cost a third more than a plain one, against 1%); "kernels", the
+  ((x @ a) @ b, scale in b): the base's weights read once (with a second full kernel, a mixed
+  base step of 16 rows on 2 CPU cores cost 16% more than a plain one, against 3%); "kernels", the
   folded kernel's output on the merged rows: one matmul fewer a projection, the weights read
   twice (for a GPU, where a small model's step is bound by the kernels it launches).
 
@@ -96,11 +97,6 @@ class FoldedAdapter(nnx.Module):
     return rows_where(merged, y + delta, y)
 
 
-# How many projections a fused kernel holds, by its name in the layer (model/llama.py): its
-# adapter's low-rank factors stack that many adapters.
-FUSED_PROJECTIONS = {"qkv_proj": 3, "gate_up_proj": 2}
-
-
 def base_linears(base: nnx.Module) -> list[Linear]:
   return [lin for _, lin in _named_linears(base)]
 
@@ -120,7 +116,7 @@ def attach(base: nnx.Module, rank: int, alpha: float, rngs: nnx.Rngs,
     axes = lin.kernel.get_metadata()["logical_axes"]
     if folded:
       lin.lora = FoldedAdapter(jnp.zeros(lin.kernel.shape, lin.kernel.dtype), axes,
-                               rank * FUSED_PROJECTIONS.get(name, 1), folded)
+                               rank * len(FUSED.get(name, (name,))), folded)
       continue
     n_in, n_out = lin.kernel.shape
     lin.lora = LoRA(n_in, n_out, rank, alpha, axes, rngs=rngs, param_dtype=lin.kernel.dtype,
