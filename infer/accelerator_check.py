@@ -57,7 +57,6 @@ DECODE_CONFIDENCES = {"c=0.5": 0.5, "c=0.8": 0.8, "forced": 0.0}
 # and the one whose decode is profiled beside the base's.
 MICRO_RULE_CONFIDENCES = ("c=0.5", "c=0.8")
 PROFILED = "c=0.5"
-PROFILE_KINDS = 8  # kinds of operation a profile lists
 # XLA's GPU command buffers (CUDA graphs) for while loops and conditionals too, added to its
 # default command types: the decode loop is a lax.while_loop, and a step launches many small
 # kernels at batch 1. A GPU flag that XLA parses on every backend (an unknown flag would abort).
@@ -222,23 +221,11 @@ def decode_rows(engine, ids: list, n_new: int, flags: str,
 def profile_lines(engine, ids: list, n_new: int, flags: str) -> Iterator[str]:
   """Where the device's time goes in one decode of the batch, base and HAMburger at PROFILED
   (the micro rule off and auto): device time by kind of operation, a macro step's share."""
-  import tempfile  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.benchmarks import report, timing  # pylint: disable=C0415
-  c = DECODE_CONFIDENCES[PROFILED]
-  for name, eng, kw in (("base", engine, {"mode": "base"}),
-                        (PROFILED, engine, {"mode": "hamburger", "confidence": c}),
-                        (f"{PROFILED} auto", engine.with_micro_rule("auto"),
-                         {"mode": "hamburger", "confidence": c})):
-    with tempfile.TemporaryDirectory() as trace_dir:
-      prof, steps, gens = timing.profile_decode(eng, ids, n_new, trace_dir, **kw)
-    k = sum(g.new_tokens for g in gens) / sum(g.macro_steps for g in gens)
-    yield ""
-    yield (f"- batch {len(ids)}, {name}, XLA flags {flags}: {steps} macro steps (k {k:.2f}, "
-           f"micro steps/step {timing.micro_steps_per_step(gens):.2f}); device "
-           f"{prof.device_s * 1e3 / steps:,.2f} ms a macro step of "
-           f"{prof.wall_s * 1e3 / steps:,.2f} ms wall, prefills included ({prof.where})")
-    yield ""
-    yield from report.kind_lines(prof, steps, "a macro step", PROFILE_KINDS)
+  from hamburger_jax.benchmarks import report  # pylint: disable=import-outside-toplevel
+  ham = {"mode": "hamburger", "confidence": DECODE_CONFIDENCES[PROFILED]}
+  runs = (("base", engine, {"mode": "base"}), (PROFILED, engine, ham),
+          (f"{PROFILED} auto", engine.with_micro_rule("auto"), ham))
+  yield from report.profiled_lines(runs, ids, n_new, f", XLA flags {flags}")
 
 
 def xla_flags() -> str:

@@ -9,11 +9,12 @@ import os
 from hamburger_jax import cli
 from hamburger_jax.benchmarks import widths
 from hamburger_jax.benchmarks.prompts import PROMPTS, chat_ids
-from hamburger_jax.benchmarks.report import bytes_bound_lines, group_cap, launch_lines
+from hamburger_jax.benchmarks.report import (bytes_bound_lines, group_cap, launch_lines,
+                                             profiled_lines)
 from hamburger_jax.benchmarks.timing import (lockstep_cost, micro_steps_per_step, step_costs,
                                              time_batches, timed)
 from hamburger_jax.decode.shapes import generate_slots
-from hamburger_jax.decode.step import micro_sizes
+from hamburger_jax.decode.step import micro_cost_parts, micro_sizes
 
 
 def time_transformers(ref, tok, ids, args) -> tuple[float, float, list[list[int]]]:
@@ -104,25 +105,6 @@ def with_micro_vocab(model, checkpoint: str | None, size: int):
     raise SystemExit(f"error: {e}") from None
   return sharing_weights(model, micro_vocab=ids)
 
-def profile_lines(engine, ids: list, n_new: int, settings: dict, ham: dict) -> list[str]:
-  """Where a decode of the batch spends the device's time (--profile): base mode, then each
-  HAMburger setting, device time by kind of operation a macro step (one decode each, traced;
-  benchmarks/op_profile.py), with the macro steps the batch ran."""
-  import tempfile  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.benchmarks import report, timing  # pylint: disable=C0415
-  out = []
-  for name, eng, kw in (("base", engine, {"mode": "base"}),
-                        *((name, eng, ham) for name, eng in settings.items())):
-    with tempfile.TemporaryDirectory() as trace_dir:
-      prof, steps, gens = timing.profile_decode(eng, ids, n_new, trace_dir, **kw)
-    k = sum(g.new_tokens for g in gens) / sum(g.macro_steps for g in gens)
-    out += ["", f"- batch {len(ids)}, {name}: {steps} macro steps (k {k:.2f}, micro steps/step "
-            f"{timing.micro_steps_per_step(gens):.2f}); device {prof.device_s * 1e3 / steps:,.1f}"
-            f" ms a macro step, {prof.wall_s * 1e3 / steps:,.1f} ms wall, prefills included "
-            f"({prof.where})", "", *report.kind_lines(prof, steps, "a macro step", 8)]
-  return out
-
-
 def bench_hamburger(args) -> None:
   from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
@@ -189,12 +171,13 @@ def bench_hamburger(args) -> None:
         if rule == "auto":
           slots = generate_slots(b)
           costs = settings[f"{name} {rule}"].micro_costs(eng.layout("hamburger", slots, 1, 1))
-          sizes = micro_sizes(slots)
+          later, first, merge = micro_cost_parts(costs, slots)
           measured.append(f"- batch {b}, {vocab} micro vocab: r (r1) " + ", ".join(
               f"{m} rows {c:.3f} ({c1:.3f})" for m, c, c1 in
-              zip(sizes, costs, costs[len(sizes):])) + f"; m {costs[-1]:.3f}")
+              zip(micro_sizes(slots), later, first)) + f"; m {merge:.3f}")
     if args.profile:
-      profiles.extend(profile_lines(engine, ids, args.new_tokens, settings, ham))
+      runs = (("base", engine, {"mode": "base"}), *((n, e, ham) for n, e in settings.items()))
+      profiles.extend(profiled_lines(runs, ids, args.new_tokens))
   if measured:
     print("\nmicro rule auto, measured (r by micro batch: a later micro step of that many rows "
           "/ a base step of the batch's slots; r1: micro step 1, which reads the F features "

@@ -1,11 +1,14 @@
 """What a decode bench prints besides its timings: the launch figures of the programs it timed,
-the micro step's cost ratio r where bytes bound a step, and its decode settings in words."""
+the micro step's cost ratio r where bytes bound a step, where a traced decode spends the
+device's time, and its decode settings in words."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from hamburger_jax import cli
+
+PROFILE_KINDS = 8  # kinds of operation a profile lists (profiled_lines)
 
 
 def launch_lines(runner, batch: int, kv_len: int, model=None, *, tpu_fusions: bool = True
@@ -61,4 +64,25 @@ def kind_lines(prof, per: float, unit: str, top: int) -> list[str]:
     seconds = sum(o.seconds for o in rest)
     out.append(f"| {len(rest)} other kinds | {sum(o.calls for o in rest) / per:.1f} | "
                f"{seconds * 1e3 / per:,.3f} | {share(seconds)} |")
+  return out
+
+
+def profiled_lines(runs, ids: list, n_new: int, note: str = "",
+                   top: int = PROFILE_KINDS) -> list[str]:
+  """Where one decode of the batch `ids` spends the device's time, for each (name, engine,
+  generate kwargs) of `runs`: a line of its macro steps (k, micro steps a step, device and
+  wall ms a macro step; `note` follows the name), then its `top` kinds of operation
+  (kind_lines), each decode traced once (timing.profile_decode)."""
+  import tempfile  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.benchmarks import timing  # pylint: disable=import-outside-toplevel
+  out = []
+  for name, engine, kw in runs:
+    with tempfile.TemporaryDirectory() as trace_dir:
+      prof, steps, gens = timing.profile_decode(engine, ids, n_new, trace_dir, **kw)
+    k = sum(g.new_tokens for g in gens) / sum(g.macro_steps for g in gens)
+    out += ["", f"- batch {len(ids)}, {name}{note}: {steps} macro steps (k {k:.2f}, micro "
+            f"steps/step {timing.micro_steps_per_step(gens):.2f}); device "
+            f"{prof.device_s * 1e3 / steps:,.2f} ms a macro step of "
+            f"{prof.wall_s * 1e3 / steps:,.2f} ms wall, prefills included ({prof.where})", "",
+            *kind_lines(prof, steps, "a macro step", top)]
   return out

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from hamburger_jax.decode.requests import GenerationError
-from hamburger_jax.decode.step import has_adapters, micro_cost_size, micro_sizes
+from hamburger_jax.decode.step import has_adapters, micro_cost, micro_sizes
 
 MICRO_RULES = ("off", "auto")
 DEFAULT_MICRO_RULE = "off"
@@ -57,15 +57,13 @@ def measure(runner, slots: int, repeats: int = PROBE_REPEATS) -> np.ndarray:
   micro = [step_costs(runner, repeats, n, names=("micro", "first micro"))
            for n in micro_sizes(slots)]
   m = max(0.0, base["mixed"] / base["base"] - 1) if mixed else 0.0
-  return np.asarray([*(c["micro"] / base["base"] for c in micro),
-                     *(c["first micro"] / base["base"] for c in micro), m], np.float32)
+  return micro_cost([c["micro"] / base["base"] for c in micro],
+                    [c["first micro"] / base["base"] for c in micro], m)
 
 
 def costs(rule: str | float, slots: int, measured=lambda: None) -> np.ndarray:
   """DecodeState.micro_cost for `rule` (parsed) at `slots` slots; "auto" calls `measured()`."""
   if rule == "auto":
     return np.asarray(measured(), np.float32)
-  r = 0.0 if rule == "off" else float(rule)
-  out = np.full((micro_cost_size(slots),), r, np.float32)
-  out[-1] = 0.0
-  return out
+  r = [0.0 if rule == "off" else float(rule)] * len(micro_sizes(slots))
+  return micro_cost(r, r, 0.0)

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hamburger_jax.decode.sampling import sample_rows
 from hamburger_jax.model.hamburger import Hamburger, continues
@@ -134,6 +135,19 @@ def micro_cost_size(slots: int) -> int:
   return 2 * len(micro_sizes(slots)) + 1
 
 
+def micro_cost(later, first, m: float) -> np.ndarray:
+  """DecodeState.micro_cost (host side) from its parts: the ratios of micro steps 2 and later
+  and of micro step 1 at each micro size, and the merge cost m."""
+  return np.asarray([*later, *first, m], np.float32)
+
+
+def micro_cost_parts(costs, slots: int):
+  """(later [S], first [S], m) of a micro_cost at `slots` slots (S = len(micro_sizes)): numpy
+  or traced, as given."""
+  n = len(micro_sizes(slots))
+  return costs[:n], costs[n:2 * n], costs[2 * n]
+
+
 def pays(n_go: jax.Array, n_live: jax.Array, r: jax.Array) -> jax.Array:
   """Whether the next micro step pays for itself: `n_go` rows would emit a token in it, out of
   `n_live` rows still decoding, at a cost of r base steps (r = micro step / base step at the
@@ -239,14 +253,13 @@ def propose(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids
   # when others stop), every group ends at token 0.
   n_cont = jnp.sum(cont)
   branch = micro_branch(n_cont, b)
-  costs = state.micro_cost
+  later, first, m = micro_cost_parts(state.micro_cost, b)
+  merge = jnp.where(n_cont < n_live, m, 0.0)
+  branch = jnp.where(pays(n_cont, n_live, first[jnp.maximum(branch, 1) - 1] + merge), branch, 0)
   sizes = micro_batch_sizes(b)
-  merge = jnp.where(n_cont < n_live, costs[-1], 0.0)
-  first = costs[len(sizes) + jnp.maximum(branch, 1)]  # micro step 1's ratio at that batch
-  branch = jnp.where(pays(n_cont, n_live, first + merge), branch, 0)
   return jax.lax.switch(branch,
-                        [lambda o: o[:2], *(compact(n, costs[j]) for j, n in enumerate(sizes)),
-                         lambda o: micro(rows_state, *o, r=costs[len(sizes)])],
+                        [lambda o: o[:2], *(compact(n, later[j]) for j, n in enumerate(sizes)),
+                         lambda o: micro(rows_state, *o, r=later[len(sizes)])],
                         (tokens, count, cont))
 
 
