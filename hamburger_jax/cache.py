@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import os
 import sys
 
@@ -120,6 +121,10 @@ def _callback_program_path(backend, computation, devices, options, host_callback
   return os.path.join(directory, CALLBACK_PROGRAMS_DIR, key)
 
 
+_COMPILE_PARAMETERS = ("backend", "computation", "devices", "compile_options", "host_callbacks",
+                       "executable_devices")
+
+
 def _keep_callback_programs() -> None:
   """Wraps JAX's compile-or-read step (once per process) so that programs with host callbacks
   are read from and written to CALLBACK_PROGRAMS_DIR; any other program goes to JAX as before."""
@@ -127,6 +132,13 @@ def _keep_callback_programs() -> None:
   from jax._src import compilation_cache as jax_cache, compiler
   jax_compile = compiler.compile_or_get_cached
   if getattr(jax_compile, "keeps_callback_programs", False):
+    return
+  # A private function: a JAX whose signature differs keeps its own behaviour (such programs
+  # compile again at each start) rather than receiving arguments this wrapper misreads.
+  names = tuple(inspect.signature(jax_compile).parameters)[:len(_COMPILE_PARAMETERS)]
+  if names != _COMPILE_PARAMETERS:
+    warn(f"jax's compile_or_get_cached takes {names}, not {_COMPILE_PARAMETERS}: programs with "
+         "host callbacks are not kept in the compilation cache")
     return
   jax.monitoring.register_event_listener(_count_jax_event)
 

@@ -98,6 +98,18 @@ def test_compilation_cache_off_switch_and_jax_variable(tmp_path):
   assert _entries(theirs) and not _entries(os.path.join(root, "jax"))
 
 
+def test_a_jax_whose_compile_signature_differs_is_left_unwrapped(monkeypatch, capsys):
+  """The wrapper reads JAX's private compile function by its parameters' names; a JAX where
+  they differ keeps its own function (with a warning), so compiling still works there."""
+  from jax._src import compiler  # pylint: disable=import-outside-toplevel
+  def other(backend, module, devices, options, callbacks, executable_devices):
+    return "compiled"
+  monkeypatch.setattr(compiler, "compile_or_get_cached", other)
+  cache._keep_callback_programs()  # pylint: disable=protected-access
+  assert compiler.compile_or_get_cached is other
+  assert "not kept in the compilation cache" in capsys.readouterr().err
+
+
 def test_cache_root(monkeypatch, tmp_path):
   for name in SWITCHES + ("XDG_CACHE_HOME",):
     monkeypatch.delenv(name, raising=False)

@@ -11,8 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 # The packed (segment) layout is not in jax.nn.dot_product_attention's signature; jax.nn
-# imports this module on every backend.
-from jax._src.cudnn import fused_attention_stablehlo as cudnn
+# imports this module on every backend. It is private: a JAX that moves it costs the fused
+# kernel (XLA's runs, and choose_attention says why), not the import of the model.
+try:
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+except ImportError as e:  # pragma: no cover - depends on the installed JAX
+  cudnn, _CUDNN_IMPORT_ERROR = None, f"{type(e).__name__}: {e}"
+else:
+  _CUDNN_IMPORT_ERROR = None
 
 from hamburger_jax.config import LlamaConfig
 
@@ -142,6 +148,8 @@ def fused_unavailable(cfg: LlamaConfig) -> str | None:
   """Why cuDNN's fused kernel cannot run this model's attention here (None: it may)."""
   if jax.default_backend() != "gpu":
     return f"the backend is {jax.default_backend()}, not a GPU"
+  if cudnn is None:
+    return f"this JAX has no jax._src.cudnn.fused_attention_stablehlo ({_CUDNN_IMPORT_ERROR})"
   if cfg.dtype not in ("bfloat16", "float16"):
     return f"model dtype {cfg.dtype}: cuDNN's fused attention takes bfloat16 or float16"
   if cfg.head_dim % 8 or cfg.head_dim > 128:
