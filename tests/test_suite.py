@@ -123,7 +123,7 @@ def test_eval_writes_a_suite_and_judges_two_grafts_on_it(tmp_path, capsys):
   s = suite_lib.load(suite_dir, vocab_size=256)
   assert len(s.items) == 8 and {it.checker for it in s.items} == {"tokens", "rouge"}
   assert all(len(it.base) == it.max_new for it in s.items)  # no stop tokens on a random model
-  capsys.readouterr()
+  assert "suite: 8/8 answered" in capsys.readouterr().err  # progress, batch by batch
   assert eval_cli.main(["--config", TINY, "--suite", suite_dir, "--batch", "8", "--out",
                         out]) == 0
   results = json.loads(open(os.path.join(out, "suite-results.json"), encoding="utf-8").read())

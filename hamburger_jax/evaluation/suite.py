@@ -21,6 +21,7 @@ import dataclasses
 import datetime
 import json
 import os
+import time
 from typing import Any, Callable, Sequence
 
 from hamburger_jax import files
@@ -136,10 +137,12 @@ def load(directory: str, vocab_size: int | None = None,
 
 
 def decode_items(engine, items: Sequence[SuiteItem], *, mode: str, confidence: float,
-                 batch: int) -> list:
+                 batch: int, progress: Callable[[int, int], None] | None = None) -> list:
   """Greedy generations of `items` in order, `batch` rows at a time per new-token budget (one
-  layout per budget: the engine compiles few programs)."""
+  layout per budget: the engine compiles few programs); `progress(done, total)` after each
+  batch."""
   out: list = [None] * len(items)
+  done = 0
   by_budget: dict[int, list[int]] = {}
   for i, it in enumerate(items):
     by_budget.setdefault(it.max_new, []).append(i)
@@ -153,6 +156,9 @@ def decode_items(engine, items: Sequence[SuiteItem], *, mode: str, confidence: f
       gens = engine.generate(rows, max_new_tokens=max_new, mode=mode, confidence=confidence)
       for i, g in zip(chunk, gens):
         out[i] = g
+      done += len(chunk)
+      if progress is not None:
+        progress(done, len(items))
   return out
 
 
@@ -217,7 +223,10 @@ def build(engine, *, task_examples: int = TASK_EXAMPLES,
   else:
     items = _task_items(engine, task_examples) + _chat_items(engine, chat)
   log(f"suite: {len(items)} items; the base's greedy answers ...")
-  base = decode_items(engine, items, mode="base", confidence=1.0, batch=batch)
+  start = time.perf_counter()
+  base = decode_items(engine, items, mode="base", confidence=1.0, batch=batch,
+                      progress=lambda done, total: log(
+                          f"suite: {done}/{total} answered ({time.perf_counter() - start:.0f} s)"))
   items = [dataclasses.replace(it, base=tuple(g.token_ids)) for it, g in zip(items, base)]
   meta = {"vocab_size": engine.base_cfg.vocab_size,
           "tokenizer": tokenizer_fingerprint(tok) if tok is not None else None,
