@@ -123,7 +123,7 @@ def test_eval_writes_a_suite_and_judges_two_grafts_on_it(tmp_path, capsys):
   s = suite_lib.load(suite_dir, vocab_size=256)
   assert len(s.items) == 8 and {it.checker for it in s.items} == {"tokens", "rouge"}
   assert all(len(it.base) == it.max_new for it in s.items)  # no stop tokens on a random model
-  assert "suite: 8/8 answered" in capsys.readouterr().err  # progress, batch by batch
+  assert "suite: the base: 8/8 answered" in capsys.readouterr().err  # progress
   assert eval_cli.main(["--config", TINY, "--suite", suite_dir, "--batch", "8", "--out",
                         out]) == 0
   results = json.loads(open(os.path.join(out, "suite-results.json"), encoding="utf-8").read())
@@ -141,3 +141,28 @@ def test_chat_sources_take_mt_bench_first():
   assert suite_lib.chat_sources(8) == (("mt_bench", 8),)
   assert suite_lib.chat_sources(100) == (("mt_bench", 80), ("sharegpt_heldout", 20))
   assert suite_lib.chat_sources(0) == ()
+
+
+def test_suite_served_in_one_run_with_the_reference_tokens(monkeypatch):
+  """The suite's items, short and long prompts at several budgets, go through one serving run
+  (one layout: one program set a mode); each item gets the per-row reference's tokens at its
+  own budget, in suite order, and progress comes every `batch` answers."""
+  from hamburger_jax import testing  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  model = testing.tiny_decode_model()
+  engine = Engine(model, None, stop_ids=[testing.DECODE_STOP])
+  item = lambda i, prompt, budget: suite_lib.SuiteItem("t", f"t/{i}", tuple(prompt), budget,
+                                                       "tokens", (1,))
+  items = [item(0, range(10, 16), 10), item(1, range(20, 24), 6), item(2, range(3, 9), 10),
+           item(3, [(7 * j) % 90 + 1 for j in range(110)], 20), item(4, range(30, 37), 6)]
+  runs, seen = [], []
+  serve = engine.serve
+  monkeypatch.setattr(engine, "serve", lambda reqs, **kw: runs.append((len(reqs), kw)) or
+                      serve(reqs, **kw))
+  gens = suite_lib.decode_items(engine, items, mode="hamburger", confidence=0.5, batch=4,
+                                progress=lambda done, total: seen.append((done, total)))
+  assert runs == [(5, {"slots": 4, "mode": "hamburger"})] and seen == [(4, 5), (5, 5)]
+  for it, g in zip(items, gens):
+    want = testing.reference_hamburger(model, list(it.prompt), it.max_new, 0.5,
+                                       testing.DECODE_STOP, pad=160)
+    assert (g.token_ids, g.groups) == want

@@ -17,6 +17,7 @@ Texts are decoded with the model's tokenizer; without one, `rouge` compares toke
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -26,6 +27,7 @@ from typing import Any, Callable, Sequence
 
 from hamburger_jax import files
 from hamburger_jax.data import heldout
+from hamburger_jax.decode.requests import GenerationError, Request
 from hamburger_jax.evaluation import tasks as eval_tasks
 from hamburger_jax.evaluation.rouge import lcs_length, rouge_l
 
@@ -138,28 +140,40 @@ def load(directory: str, vocab_size: int | None = None,
 
 def decode_items(engine, items: Sequence[SuiteItem], *, mode: str, confidence: float,
                  batch: int, progress: Callable[[int, int], None] | None = None) -> list:
-  """Greedy generations of `items` in order, `batch` rows at a time per new-token budget (one
-  layout per budget: the engine compiles few programs); `progress(done, total)` after each
-  batch."""
+  """Greedy generations of `items` in order, in one serving run of `batch` slots (a slot
+  refilled as soon as its answer ends, each item at its own budget): one layout, so a suite
+  compiles one set of programs a mode, while the decode programs' views (shapes.views) keep
+  short rows from reading the long ones' entries. `progress(done, total)` after each `batch`
+  answers."""
   out: list = [None] * len(items)
-  done = 0
-  by_budget: dict[int, list[int]] = {}
-  for i, it in enumerate(items):
-    by_budget.setdefault(it.max_new, []).append(i)
-  for max_new, idx in sorted(by_budget.items()):
-    size = min(batch, len(idx))
-    for s in range(0, len(idx), size):
-      chunk = idx[s:s + size]
-      # A short last batch repeats its last prompt, so it reuses the full batches' programs.
-      rows = [list(items[i].prompt) for i in chunk] + \
-          [list(items[chunk[-1]].prompt)] * (size - len(chunk))
-      gens = engine.generate(rows, max_new_tokens=max_new, mode=mode, confidence=confidence)
-      for i, g in zip(chunk, gens):
-        out[i] = g
-      done += len(chunk)
-      if progress is not None:
+  reqs = [Request(list(it.prompt), max_new_tokens=it.max_new, confidence=confidence, id=i)
+          for i, it in enumerate(items)]
+  run = engine.serve(reqs, slots=min(batch, len(items)), mode=mode)
+  with contextlib.closing(run):  # an error ends the run at once
+    for done, g in enumerate(run, 1):
+      if g.error:
+        raise GenerationError(f"suite item {items[g.id].task}/{items[g.id].id}: {g.error}")
+      out[g.id] = g
+      if progress is not None and (done % batch == 0 or done == len(items)):
         progress(done, len(items))
   return out
+
+
+PROGRESS_EVERY_S = 30.0  # a suite's decode says how far it is at most this often
+
+
+def progress_log(log: Callable[[str], None], what: str) -> Callable[[int, int], None]:
+  """decode_items' progress as a line at most every PROGRESS_EVERY_S seconds, and at the end: a
+  suite's decode takes minutes where programs compile slowly or the device is a CPU."""
+  start = last = time.monotonic()
+
+  def progress(done: int, total: int) -> None:
+    nonlocal last
+    now = time.monotonic()
+    if done == total or now - last >= PROGRESS_EVERY_S:
+      last = now
+      log(f"{what}: {done}/{total} answered ({now - start:.0f} s)")
+  return progress
 
 
 def _task_items(engine, n: int) -> list[SuiteItem]:
@@ -223,10 +237,8 @@ def build(engine, *, task_examples: int = TASK_EXAMPLES,
   else:
     items = _task_items(engine, task_examples) + _chat_items(engine, chat)
   log(f"suite: {len(items)} items; the base's greedy answers ...")
-  start = time.perf_counter()
   base = decode_items(engine, items, mode="base", confidence=1.0, batch=batch,
-                      progress=lambda done, total: log(
-                          f"suite: {done}/{total} answered ({time.perf_counter() - start:.0f} s)"))
+                      progress=progress_log(log, "suite: the base"))
   items = [dataclasses.replace(it, base=tuple(g.token_ids)) for it, g in zip(items, base)]
   meta = {"vocab_size": engine.base_cfg.vocab_size,
           "tokenizer": tokenizer_fingerprint(tok) if tok is not None else None,

@@ -30,7 +30,7 @@ from flax import nnx
 
 from hamburger_jax.decode.requests import pooled_tokens_per_step
 from hamburger_jax.evaluation.statistics import bootstrap_ci, paired_bootstrap_ci
-from hamburger_jax.evaluation.suite import Suite, SuiteItem, decode_items, score
+from hamburger_jax.evaluation.suite import Suite, SuiteItem, decode_items, progress_log, score
 
 CONFIDENCES = (0.5, 0.7, 0.8)
 GUARD_CONFIDENCE = 0.8
@@ -99,8 +99,10 @@ class BaseRun:
   same_as_suite: float  # share of answers equal to the suite's stored base answers
 
 
-def run_base(engine, suite: Suite, batch: int) -> BaseRun:
-  gens = decode_items(engine, suite.items, mode="base", confidence=1.0, batch=batch)
+def run_base(engine, suite: Suite, batch: int,
+             log: Callable[[str], None] = lambda line: None) -> BaseRun:
+  gens = decode_items(engine, suite.items, mode="base", confidence=1.0, batch=batch,
+                      progress=progress_log(log, "base"))
   decode = _decoder(engine)
   scores = [score(it, g.token_ids, g.token_ids, decode) for it, g in zip(suite.items, gens)]
   same = float(np.mean([tuple(g.token_ids) == it.base for it, g in zip(suite.items, gens)]))
@@ -123,7 +125,8 @@ def judge(engine, suite: Suite, base: BaseRun, name: str,
   seconds = []
   for c in confidences:
     t = time.monotonic()
-    gens = decode_items(engine, items, mode="hamburger", confidence=c, batch=batch)
+    gens = decode_items(engine, items, mode="hamburger", confidence=c, batch=batch,
+                        progress=progress_log(log, f"{name} c={c:g}"))
     s = [score(it, g.token_ids, b.token_ids, decode)
          for it, g, b in zip(items, gens, base.gens)]
     scores[c] = s
@@ -221,7 +224,7 @@ def judge_grafts(models: dict[str, Any], tokenizer, suite: Suite,
   names = list(models)
   stop_ids = tokenizer.stop_ids if tokenizer is not None else ()
   engine = Engine(models[names[0]], tokenizer, stop_ids=stop_ids)
-  base = run_base(engine, suite, batch)
+  base = run_base(engine, suite, batch, log)
   log(f"base: {base.same_as_suite:.0%} of its answers equal the suite's stored ones")
   judgements = []
   for name in names:

@@ -45,7 +45,7 @@ def judge_init(run: Run, model) -> Judge | None:
   suite = suite_lib.load(run.s.suite, model.cfg.base.vocab_size, fingerprint)
   t = time.monotonic()
   engine = Engine(model, tok, stop_ids=tok.stop_ids if tok is not None else ())
-  base = suite_judge.run_base(engine, suite, run.s.judge_batch)
+  base = suite_judge.run_base(engine, suite, run.s.judge_batch, run.log)
   base_s = time.monotonic() - t
   t = time.monotonic()
   init = suite_judge.judge(engine, suite, base, "init", batch=run.s.judge_batch, log=run.log)
