@@ -44,7 +44,8 @@ def _first_column(table: list[dict[str, str]]) -> list[str]:
 
 def _bench(capsys, *argv: str) -> str:
   from infer import bench  # pylint: disable=import-outside-toplevel
-  assert bench.main([*argv, "--repeats", "1", "--no-tpu-fusions"]) == 0
+  repeats = [] if "--repeats" in argv else ["--repeats", "1"]
+  assert bench.main([*argv, *repeats, "--no-tpu-fusions"]) == 0
   return capsys.readouterr().out
 
 
@@ -101,12 +102,20 @@ def test_bench_hamburger_against_its_base(tiny, capsys, tmp_path):
   assert r16 < r and re.search(rf"16 micro vocab: \d+ MB, r = {r16:.3f};", out)
 
 
-def test_bench_serve_every_part(tiny, capsys):
+def test_bench_serve_every_part(tiny, capsys, monkeypatch):
+  from infer import bench_serve  # pylint: disable=import-outside-toplevel
+  runs = []
+  run_serve = bench_serve.run_serve
+  monkeypatch.setattr(bench_serve, "run_serve",
+                      lambda *a, **kw: runs.append(a[2]) or run_serve(*a, **kw))
   out = _bench(capsys, "--mode", "serve", "--base", tiny["base"], "--checkpoint",
                tiny["checkpoint"], "--requests", "4", "--slots", "2", "--new-range", "2,4",
                "--kv-blocks", "40", "--parts", "abp", "--round-steps", "2", "--micro-rule",
-               "off,auto")
-  assert "(a) KV pool" in out and "(b) one fixed KV pool" in out and "(p) prefix cache" in out
+               "off,auto", "--repeats", "2")
+  # (p) runs 4 serves, then (a) its 4 variants in 2 interleaved rounds.
+  assert runs[4:12] == ["base", "hamburger", "hamburger", "hamburger"] * 2
+  assert "(a) KV pool" in out and "best of 2 interleaved rounds" in out
+  assert "(b) one fixed KV pool" in out and "(p) prefix cache" in out
   assert "(c) when slots are refilled" in out
   tables = _tables(out)
   assert len(tables) == 5  # a, b, p, c and the launch figures
