@@ -247,7 +247,7 @@ def command_buffer_rows(args, defaults: dict[str, float], versus: dict[str, floa
   cmd = [sys.executable, "-m", "infer.accelerator_check", "--part", "decode_command_buffers",
          *(["--tiny"] if args.tiny else [])]
   # In the part's process group (the part's cap stops it too), capped at a third of the part's
-  # minutes: batch 32 and the step costs come after it.
+  # minutes: the step costs and the profiles come after it.
   run = Capped(cmd, getattr(args, "seconds", 600.0) / 3, env, own_group=False)
   for line in run.lines():
     cells = [c.strip() for c in line.split("|")]  # decode_rows' own row: batch, run, flags, tok/s
@@ -277,8 +277,8 @@ def part_decode_command_buffers(args) -> Iterator[str]:
 
 def part_decode(args) -> Iterator[str]:
   """Yields its markdown a line at a time, each table row as soon as it is measured: a part
-  stopped at its cap keeps the rows it measured (batch 1 first: the figures that matter most,
-  then batch 1 with XLA's GPU command buffers on for while loops and conditionals)."""
+  stopped at its cap keeps the rows it measured (batch 1, then the many-row batch, then batch 1
+  with XLA's GPU command buffers on for while loops and conditionals)."""
   import jax  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   from hamburger_jax.benchmarks import report, timing, widths  # pylint: disable=C0415
@@ -309,8 +309,9 @@ def part_decode(args) -> Iterator[str]:
       yield "|---|---|---|---|---|---|---|---|---|"
     engines[b] = (engine, ids)
     yield from decode_rows(engine, ids, n_new, xla_flags(), defaults if b == 1 else None)
-    if b == 1:
-      yield from command_buffer_rows(args, defaults, versus, later)
+  # After every batch size: its child compiles the programs again under other flags, and the
+  # many-row figures come first.
+  yield from command_buffer_rows(args, defaults, versus, later)
   yield ""
   yield ("- runs named `auto`: the batch-aware micro loop, its costs measured "
          "(decode/micro_rule.py); micro steps/step: micro steps a macro step ran (as many as "
