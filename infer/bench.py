@@ -15,7 +15,8 @@
 Every row decodes exactly --new-tokens tokens (EOS ignored) so tokens/s compare like with like:
 a batch's tokens/s = the tokens all its rows generated / the time the batch decoded, its
 prefills reported apart (hamburger_jax/benchmarks/timing.py, time_batches). Times exclude
-compilation (reported separately); each figure is the best of --repeats runs.
+compilation (reported separately); each figure is the best of --repeats runs (serve: its part
+(a), in interleaved rounds; parts b, p and c run once).
 The compile column counts loads from the persistent compilation cache (on by default) when an
 earlier run compiled the same program: HAMBURGER_JAX_NO_COMPILE_CACHE=1 measures compilation.
 """
