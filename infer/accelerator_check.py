@@ -276,41 +276,44 @@ def part_decode_command_buffers(args) -> Iterator[str]:
 
 
 def part_decode(args) -> Iterator[str]:
-  """Yields its markdown a line at a time, each table row as soon as it is measured: a part
-  stopped at its cap keeps the rows it measured (batch 1, then the many-row batch, then batch 1
-  with XLA's GPU command buffers on for while loops and conditionals)."""
+  """Yields its markdown a line at a time, each table row as soon as it is measured, so a part
+  stopped at its cap keeps what it measured: the many-row batch first (its table, then where its
+  device time goes), then batch 1 and batch 1 again with XLA's GPU command buffers on for while
+  loops and conditionals, then the step costs and batch 1's profiles."""
   import jax  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   from hamburger_jax.benchmarks import report, timing, widths  # pylint: disable=C0415
   model, tok, prompts = _models(args)
   n_new = 32 if args.tiny else 128
-  first = None  # batch 1's engine: the step costs below are measured in its layout
-  defaults, versus = {}, {}  # batch 1's tok/s, and with command buffers over it
-  engines, later = {}, []  # by batch size; the command-buffer child's profiles
-  for b in (1, 4) if args.tiny else (1, 32):
+  many = 4 if args.tiny else 32
+  yield (f"- {model.cfg.base.num_layers}-layer base, {n_new} new tokens a row (EOS ignored); "
+         "tok/s = tokens all rows generated / the time the batch decoded, its prefills apart "
+         "(prefill s: the rows' prefills, added up); best of 2 interleaved rounds; compile s: "
+         "compiled, or loaded from the persistent compilation cache where an earlier part or "
+         "run compiled it")
+  yield ("- the rows with command buffers run in a process of their own (XLA reads its "
+         "flags when the backend starts), which allocates device memory as it goes")
+  if jax.default_backend() != "gpu":
+    yield (f"- `{COMMAND_BUFFERS}`: a GPU flag, no effect on "
+           f"{jax.default_backend()} (its rows rehearse the plumbing)")
+  defaults, versus, later = {}, {}, []  # batch 1's tok/s; with command buffers over it
+  engines = {}
+  for b in (many, 1):
     ids = (prompts * (b // len(prompts) + 1))[:b]
     engine = Engine(model, tok, stop_ids=())  # one per batch size; the confidences share it
-    if first is None:
-      first = engine
-      yield (f"- {model.cfg.base.num_layers}-layer base, {n_new} new tokens a row (EOS "
-             f"ignored), decoding layout {'fused' if engine.fused else 'separate'} "
-             f"{engine.dtype}; tok/s = tokens all rows generated / the time the batch decoded, "
-             "its prefills apart (prefill s: the rows' prefills, added up); best of 2 "
-             "interleaved rounds; compile s: compiled, or loaded from the persistent "
-             "compilation cache where an earlier part or run compiled it")
-      yield ("- the rows with command buffers run in a process of their own (XLA reads its "
-             "flags when the backend starts), which allocates device memory as it goes")
-      if jax.default_backend() != "gpu":
-        yield (f"- `{COMMAND_BUFFERS}`: a GPU flag, no effect on "
-               f"{jax.default_backend()} (its rows rehearse the plumbing)")
-      yield ""
-      yield ("| batch | run | XLA flags | tok/s | vs base | tokens/step | micro steps/step | "
-             "prefill s | compile s |")
-      yield "|---|---|---|---|---|---|---|---|---|"
     engines[b] = (engine, ids)
+    yield ""
+    yield (f"- batch {b}: decoding layout {'fused' if engine.fused else 'separate'} "
+           f"{engine.dtype}")
+    yield ""
+    yield ("| batch | run | XLA flags | tok/s | vs base | tokens/step | micro steps/step | "
+           "prefill s | compile s |")
+    yield "|---|---|---|---|---|---|---|---|---|"
     yield from decode_rows(engine, ids, n_new, xla_flags(), defaults if b == 1 else None)
-  # After every batch size: its child compiles the programs again under other flags, and the
-  # many-row figures come first.
+    if b == many:  # where its time goes, before batch 1 (whose figures an earlier run has)
+      yield ""
+      yield from profile_lines(engine, ids, n_new, xla_flags())
+  # Last of batch 1's rows: its child compiles the programs again under other flags.
   yield from command_buffer_rows(args, defaults, versus, later)
   yield ""
   yield ("- runs named `auto`: the batch-aware micro loop, its costs measured "
@@ -319,8 +322,9 @@ def part_decode(args) -> Iterator[str]:
   if versus:
     yield ("- batch 1 with command buffers against the defaults: "
            + ", ".join(f"{name} {v:.2f}x" for name, v in versus.items()))
-  # What bounds the ratios, last (three more programs to compile): r and the adapters' cost
-  # at batch 1, measured, beside r where bytes would bound a step.
+  # What bounds the ratios: r and the adapters' cost at batch 1, measured (three more programs
+  # to compile), beside r where bytes would bound a step.
+  first = engines[1][0]
   cost = timing.step_costs(first.runner, 2, 1)
   yield (f"- batch 1, steps in a jitted loop: r = micro step / base step = "
          f"{cost['micro'] / cost['base']:.3f}; a base step reading a merged entry costs "
@@ -329,10 +333,7 @@ def part_decode(args) -> Iterator[str]:
                                    {"full": None})
   yield f"- {bound[0].strip()}"
   yield from (f"  {line}" for line in bound[1:])
-  # Where the time goes, last: a traced decode of each batch (the defaults' flags, then the
-  # command-buffer child's batch 1).
-  for engine, ids in engines.values():
-    yield from profile_lines(engine, ids, n_new, xla_flags())
+  yield from profile_lines(*engines[1], n_new, xla_flags())
   yield from later
 
 
