@@ -116,3 +116,38 @@ def test_check_reports_an_error_in_one_line(monkeypatch):
   monkeypatch.setattr(attention.cudnn, "dot_product_attention", fails)
   assert fused_attention_error(TINY_HEADS) == (
       "NotImplementedError: Packed layout requires a GPU with at least Hopper architecture.")
+
+
+def test_auto_keeps_cudnn_only_where_it_is_the_faster(monkeypatch):
+  """On a GPU where cuDNN's kernel applies and passes its check, "auto" times both kernels at
+  the step's shape and keeps the faster; "cudnn" asked for is kept whatever the timing."""
+  monkeypatch.setattr(attention, "fused_unavailable", lambda cfg: None)
+  monkeypatch.setattr(attention, "fused_attention_error", lambda cfg: None)
+  shapes = []
+  def timer(seconds):
+    def time_it(cfg, rows, t):
+      shapes.append((rows, t))
+      return seconds
+    return time_it
+  slow = timer({"cudnn": 0.0125, "xla": 0.0051})
+  kernel, why = choose_attention("auto", SMOLLM2_HEADS, shape=(16, 1024), timer=slow)
+  assert kernel == "xla" and shapes == [(16, 1024)]
+  assert why == ("slower here: 12.50 ms against XLA's 5.10 ms a forward and backward of one "
+                 "layer's attention over 16 packed rows of 1024 tokens")
+  fast = timer({"cudnn": 0.002, "xla": 0.005})
+  assert choose_attention("auto", SMOLLM2_HEADS, shape=(16, 1024), timer=fast) == ("cudnn", None)
+  assert choose_attention("cudnn", SMOLLM2_HEADS, shape=(16, 1024), timer=slow) == ("cudnn", None)
+  # No device to time on (a compile-only trainer), or no shape: the check's answer alone.
+  assert choose_attention("auto", SMOLLM2_HEADS, check=False, shape=(16, 1024),
+                          timer=slow) == ("cudnn", None)
+  assert len(shapes) == 2
+
+
+def test_timing_rows_and_timer_run_here():
+  """The timing's rows are a few segments and trailing padding; the timer runs XLA's kernel on
+  any backend (cuDNN's needs a GPU)."""
+  seg = attention.timing_segments(2, 64)
+  assert seg.shape == (2, 64) and list(np.unique(seg)) == [0, 1, 2, 3, 4]
+  assert (seg[:, -4:] == 0).all() and (seg[:, :16] == 1).all() and (seg[0] == seg[1]).all()
+  s = attention.packed_kernel_seconds(TINY_HEADS, 2, 64, repeats=1, kernels=("xla",))
+  assert list(s) == ["xla"] and np.isfinite(s["xla"]) and s["xla"] > 0

@@ -1,10 +1,15 @@
 """Grouped-query softmax attention: the dense kernel every cache layout ends in on CPU, and for
 packed training rows (segments of a row attend causally within themselves) cuDNN's fused
-kernel on a GPU, chosen at run time (`choose_attention`) after a numeric check against XLA."""
+kernel on a GPU, chosen at run time (`choose_attention`) after a numeric check against XLA and
+a timing against it at the step's row shape. Passing the check is not enough: a window's train
+step with cuDNN's packed kernel took 794 ms on an H200 (JAX 0.11.2), its attention kernels 80% of
+the device time, against 389 ms with XLA's on an H100 the day before (docs/results/training.md)."""
 
 from __future__ import annotations
 
 import math
+import time
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -195,11 +200,15 @@ def fused_attention_error(cfg: LlamaConfig) -> str | None:
   return None
 
 
-def choose_attention(setting: str, cfg: LlamaConfig, check: bool = True
+def choose_attention(setting: str, cfg: LlamaConfig, check: bool = True,
+                     shape: tuple[int, int] | None = None,
+                     timer: Callable[..., dict[str, float]] | None = None
                      ) -> tuple[str, str | None]:
   """The packed rows' kernel for model.attention `setting` (config.ATTENTION), and, when cuDNN
   was asked for (or "auto" on a GPU) but XLA's runs, why, in one line. `check`: run
-  fused_attention_error first (off for a compile-only trainer: no device to run on)."""
+  fused_attention_error first (off for a compile-only trainer: no device to run on). `shape`
+  (rows a device, tokens a row): "auto" also times both kernels there (`timer`, default
+  packed_kernel_seconds) and keeps cuDNN's only where it is the faster."""
   if setting == "xla":
     return "xla", None
   why = fused_unavailable(cfg)
@@ -207,4 +216,50 @@ def choose_attention(setting: str, cfg: LlamaConfig, check: bool = True
     # "auto" off a GPU is the plain case, not a fallback worth a line.
     return "xla", (why if setting == "cudnn" or jax.default_backend() == "gpu" else None)
   why = fused_attention_error(cfg) if check else None
-  return ("xla", why) if why else ("cudnn", None)
+  if why:
+    return "xla", why
+  if setting == "auto" and check and shape is not None:
+    s = (timer or packed_kernel_seconds)(cfg, *shape)
+    if not s["cudnn"] < s["xla"]:
+      return "xla", (f"slower here: {1e3 * s['cudnn']:.2f} ms against XLA's "
+                     f"{1e3 * s['xla']:.2f} ms a forward and backward of one layer's attention "
+                     f"over {shape[0]} packed rows of {shape[1]} tokens")
+  return "cudnn", None
+
+
+# The timing's rows: TIMING_SEGMENTS equal segments, the last cut short by 1/16 of the row left
+# as padding (how packing fills a row: a few samples, then what does not fit).
+TIMING_SEGMENTS = 4
+
+
+def timing_segments(rows: int, t: int) -> np.ndarray:
+  """[rows, t] segment ids of the timing's packed rows (0: padding)."""
+  row = np.minimum(np.arange(t) * TIMING_SEGMENTS // t + 1, TIMING_SEGMENTS).astype(np.int32)
+  row[t - t // 16:] = 0
+  return np.broadcast_to(row, (rows, t)).copy()
+
+
+def packed_kernel_seconds(cfg: LlamaConfig, rows: int, t: int, repeats: int = 3,
+                          kernels: Sequence[str] = ("cudnn", "xla")) -> dict[str, float]:
+  """Seconds of one layer's packed attention, forward and backward, by each kernel over `rows`
+  rows of `t` tokens (timing_segments) in the model's dtype: the best of `repeats` after a
+  compile and a warm-up call."""
+  dt = jnp.dtype(cfg.dtype)
+  seg = jnp.asarray(timing_segments(rows, t))
+  keys = jax.random.split(jax.random.key(1), 3)
+  q = jax.random.normal(keys[0], (rows, t, cfg.num_heads, cfg.head_dim)).astype(dt)
+  k, v = (jax.random.normal(key, (rows, t, cfg.num_kv_heads, cfg.head_dim)).astype(dt)
+          for key in keys[1:])
+  out = {}
+  for kernel in kernels:
+    loss = lambda q, k, v, kernel=kernel: jnp.sum(
+        attend_packed(q, k, v, seg, kernel).astype(jnp.float32))
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    jax.block_until_ready(step(q, k, v))
+    best = float("inf")
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(step(q, k, v))
+      best = min(best, time.perf_counter() - t0)
+    out[kernel] = best
+  return out

@@ -151,7 +151,12 @@ class Trainer:
     set_layer_execution(self.model, cfg.train.scan_layers, cfg.train.remat)
     # The packed rows' attention kernel; attention_note: why cuDNN's was asked for and not used.
     self.attention, self.attention_note = choose_attention(
-        cfg.model.attention, self.model.cfg.base, check=not abstract)
+        cfg.model.attention, self.model.cfg.base, check=not abstract,
+        shape=(max(d.rows // div, 1), d.entries))
+    # Every process must compile the same step: process 0's pick (its timing) for all.
+    if self.process_count > 1 and not abstract:
+      pick = multihost_utils.broadcast_one_to_all(np.int32(self.attention == "cudnn"))
+      self.attention = "cudnn" if int(pick) else "xla"
     set_attention(self.model, self.attention)
     if self.attention_note:
       warnings.warn(f"model.attention={cfg.model.attention}: cuDNN's kernel not used "

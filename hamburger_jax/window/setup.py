@@ -74,7 +74,9 @@ def load(cfg: RunConfig, s: Settings, out: str, work: str, log) -> Run:
       f"{prior:,} response tokens), {cfg.model.dtype} compute, {time.monotonic() - t:.1f} s",
       f"rows {d.rows} x {d.row_tokens} tokens ({d.entries} entries, {d.groups} groups); "
       f"{run.flops / 1e9:,.1f} GFLOP a step; peak {run.peak.flops / 1e12:,.2f} TFLOP/s "
-      f"({run.peak.name})"])
+      f"({run.peak.name})",
+      f"packed attention: {trainer.attention}'s kernel (model.attention={cfg.model.attention}"
+      f"{'; ' + trainer.attention_note if trainer.attention_note else ''})"])
   return run
 
 
