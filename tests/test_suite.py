@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import types
 
 import numpy as np
@@ -166,3 +167,31 @@ def test_suite_served_in_one_run_with_the_reference_tokens(monkeypatch):
     want = testing.reference_hamburger(model, list(it.prompt), it.max_new, 0.5,
                                        testing.DECODE_STOP, pad=160)
     assert (g.token_ids, g.groups) == want
+
+
+def test_judge_compiles_both_modes_before_it_decodes(monkeypatch):
+  """compile_judge compiles every program the base's and HAMburger's serving runs of the suite
+  use, on a pool of threads: decoding then compiles nothing more."""
+  from hamburger_jax import testing  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode import programs  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  engine = Engine(testing.tiny_decode_model(), None, stop_ids=[testing.DECODE_STOP])
+  item = lambda i, prompt, budget: suite_lib.SuiteItem("t", f"t/{i}", tuple(prompt), budget,
+                                                       "tokens", (1,))
+  items = [item(0, range(10, 16), 10), item(1, [(7 * j) % 90 + 1 for j in range(40)], 20),
+           item(2, range(30, 37), 6)]
+  pools, lines = [], []
+  real_pool = programs.concurrent.futures.ThreadPoolExecutor
+  monkeypatch.setattr(programs.concurrent.futures, "ThreadPoolExecutor",
+                      lambda n: pools.append(n) or real_pool(n))
+  suite = suite_lib.Suite(tuple(items), {})
+  assert suite_judge.compile_judge(engine, suite, 2, lines.append) > 0
+  compiled = dict(engine.programs)
+  modes = {key[1].mode for key in compiled}
+  assert modes == {"base", "hamburger"} and len(pools) == 1, (modes, pools)
+  assert len(lines) == 1 and re.fullmatch(rf"judge: {len(compiled)} programs compiled in \d+ s "
+                                          r"\(base and HAMburger together\)", lines[0]), lines
+  base = suite_judge.run_base(engine, suite, 2)
+  suite_judge.judge(engine, suite, base, "graft", confidences=(0.5,), batch=2, micro_share=False)
+  assert engine.programs.keys() == compiled.keys()
+  assert suite_judge.compile_judge(engine, suite, 2) == 0.0

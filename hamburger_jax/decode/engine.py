@@ -53,6 +53,7 @@ class Engine(EnginePrograms):
     init_state(layout) -> DecodeState, every slot empty (done), on the engine's devices
     compile_programs(layout, prompt_ids, stochastic, stream=False) -> seconds compiling
     compile_for(layout, longest_prompt, stochastic, stream=False) -> the same, for any prompt
+    compile_layouts([(layout, prompt_ids, stochastic, stream), ...]) -> the same, for several
     prefill(layout, state, request, slot) -> DecodeState, a checked request live in `slot`
     decode_program(layout, stochastic, stream, view)
         -> fn(params, state, refill, limit, sink) -> DecodeState (macro steps, then back)

@@ -5,6 +5,8 @@ requests (its docstring is the contract a scheduler uses)."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import time
 from typing import Iterable, Sequence
 
@@ -22,6 +24,11 @@ from hamburger_jax.decode.prefix_cache import CachedPrefix, cacheable_prefix
 from hamburger_jax.decode.requests import Request
 from hamburger_jax.decode.shapes import LENGTH_BUCKETS, Layout, bucket, prefill_chunks
 from hamburger_jax.decode.step import DecodeState
+
+
+# At most this many programs compile at once: each compile holds its program's graphs in host
+# memory (a few GB for a billion-parameter model's decode loop).
+COMPILE_THREADS = 8
 
 
 class EnginePrograms:
@@ -236,31 +243,58 @@ class EnginePrograms:
     """Compiles what serving these prompts (token ids) in `layout` runs; returns the seconds
     spent (0 when all were compiled already; a load from JAX's persistent compilation cache
     counts as compiling)."""
-    t = time.perf_counter()
-    before = len(self.programs)
-    plans = [self.prompt_plan(ids) for ids in prompts]
-    for chunk in sorted({c for _, chunks in plans for _, _, c in chunks}):
-      self._prefill_program(layout, chunk)
-    for size in sorted({bucket(p0, LENGTH_BUCKETS) for p0, _ in plans if p0}):
-      self._prefix_programs(layout, size)
-    for view in self.views(layout):
-      self.decode_program(layout, stochastic, stream, view)
-    return time.perf_counter() - t if len(self.programs) > before else 0.0
+    return self.compile_layouts([(layout, prompts, stochastic, stream)])
+
+  def compile_layouts(self, runs: Iterable[tuple[Layout, Iterable[Sequence[int]], bool, bool]]
+                      ) -> float:
+    """compile_programs for several serving runs at once, (layout, prompts, stochastic, stream)
+    each (a judge's base and HAMburger runs): their programs compile together."""
+    jobs = []
+    for layout, prompts, stochastic, stream in runs:
+      plans = [self.prompt_plan(ids) for ids in prompts]
+      jobs += [("prefill", layout, c) for c in sorted({c for _, ch in plans for _, _, c in ch})]
+      jobs += [("prefix", layout, size)
+               for size in sorted({bucket(p0, LENGTH_BUCKETS) for p0, _ in plans if p0})]
+      jobs += [("decode", layout, stochastic, stream, v) for v in self.views(layout)]
+    return self._compile(jobs)
 
   def compile_for(self, layout: Layout, longest_prompt: int, stochastic: bool,
                   stream: bool = False) -> float:
     """Compiles what any prompt of up to `longest_prompt` tokens runs in `layout` (every
     prefill chunk size and prefix size it can use), for a server that cannot know its prompts
     before they arrive; returns the seconds spent, as compile_programs."""
-    t = time.perf_counter()
-    before = len(self.programs)
-    for chunk in shapes.PREFILL_BUCKETS:
-      if chunk == shapes.PREFILL_BUCKETS[0] or chunk // 2 < longest_prompt:
-        self._prefill_program(layout, chunk)
+    jobs = [("prefill", layout, chunk) for chunk in shapes.PREFILL_BUCKETS
+            if chunk == shapes.PREFILL_BUCKETS[0] or chunk // 2 < longest_prompt]
     if self.prefix_cache.enabled:
-      for size in shapes.LENGTH_BUCKETS:
-        if size == shapes.LENGTH_BUCKETS[0] or size // 2 < longest_prompt:
-          self._prefix_programs(layout, size)
-    for view in self.views(layout):
-      self.decode_program(layout, stochastic, stream, view)
-    return time.perf_counter() - t if len(self.programs) > before else 0.0
+      jobs += [("prefix", layout, size) for size in shapes.LENGTH_BUCKETS
+               if size == shapes.LENGTH_BUCKETS[0] or size // 2 < longest_prompt]
+    jobs += [("decode", layout, stochastic, stream, v) for v in self.views(layout)]
+    return self._compile(jobs)
+
+  def _lower(self, key: tuple) -> tuple[jax.stages.Lowered, ...]:
+    kind, layout, *rest = key
+    if kind == "prefill":
+      return (self.lower_prefill(layout, *rest),)
+    if kind == "prefix":
+      return tuple(self.lower_prefix(layout, *rest))
+    return (self.lower_decode(layout, *rest),)
+
+  def _compile(self, keys: list[tuple]) -> float:
+    """Compiles the programs of `keys` not compiled yet; returns the seconds spent (0 when there
+    were none). Lowering traces Python, one program after another; XLA then compiles them on a
+    pool of threads, as it holds no GIL while it compiles: a GPU host's cores compile a
+    layout's programs at once, each of which took 10-40 s in turn on an H200."""
+    t = time.perf_counter()
+    todo = [k for k in dict.fromkeys(keys) if k not in self.programs]
+    if not todo:
+      return 0.0
+    lowered = [(k, i, low) for k in todo for i, low in enumerate(self._lower(k))]
+    workers = max(1, min(len(lowered), os.cpu_count() or 1, COMPILE_THREADS))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+      compiled = list(pool.map(lambda job: job[2].compile(), lowered))
+    parts: dict[tuple, list] = {}
+    for (k, _, _), c in zip(lowered, compiled):
+      parts.setdefault(k, []).append(c)
+    for k, cs in parts.items():  # a prefix's (read, write) stays a pair
+      self.programs[k] = tuple(cs) if k[0] == "prefix" else cs[0]
+    return time.perf_counter() - t

@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -363,6 +363,30 @@ class Scheduler:
     return results
 
 
+def run_layout(engine, requests: Sequence[Request], *, slots: int, mode: str,
+               kv_blocks: int | None = None, max_new_bound: int | None = None):
+  """The layout a serving run of these checked requests decodes in (one set of programs)."""
+  longest = max(len(r.ids) for r in requests)
+  bound = max(max_new_bound or 0, max(r.max_new_tokens for r in requests))
+  return engine.layout(mode, slots, bound, longest, kv_blocks)
+
+
+def precompile(engine, runs: Iterable[tuple[Sequence[Request], int, str]]) -> float:
+  """Compiles the programs of several serving runs, (requests, slots, mode) each, together
+  (decode/programs.py compiles them on a pool of threads): a judge's base and HAMburger runs
+  before the first decodes. Greedy, unstreamed runs, as `serve` makes of greedy requests without
+  a stream. Returns the seconds spent."""
+  jobs = []
+  for requests, slots, mode in runs:
+    queue, failed = _checked(engine, requests, mode, time.perf_counter())
+    if failed:
+      raise GenerationError(f"cannot compile for request {failed[0].id}: {failed[0].error}")
+    stochastic = any(not r.sampling.greedy for r in queue)
+    jobs.append((run_layout(engine, queue, slots=slots, mode=mode), [r.ids for r in queue],
+                 stochastic, False))
+  return engine.compile_layouts(jobs)
+
+
 def _serve(engine, requests: Iterable, stats: ServeStats, *, slots: int, kv_blocks: int | None,
            mode: str, stream, max_new_bound: int | None, round_steps: int | None,
            progress) -> Iterator[Generation]:
@@ -371,9 +395,8 @@ def _serve(engine, requests: Iterable, stats: ServeStats, *, slots: int, kv_bloc
   yield from _report(failed, progress)
   if not queue:
     return
-  longest = max(len(r.ids) for r in queue)
-  bound = max(max_new_bound or 0, max(r.max_new_tokens for r in queue))
-  layout = engine.layout(mode, slots, bound, longest, kv_blocks)
+  layout = run_layout(engine, queue, slots=slots, mode=mode, kv_blocks=kv_blocks,
+                      max_new_bound=max_new_bound)
   usable = BlockAllocator(layout.num_blocks).usable
   stats.usable_blocks = usable
   queue, too_big = _fitting(queue, layout, usable, mode, arrival)

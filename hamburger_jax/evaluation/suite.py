@@ -146,9 +146,7 @@ def decode_items(engine, items: Sequence[SuiteItem], *, mode: str, confidence: f
   short rows from reading the long ones' entries. `progress(done, total)` after each `batch`
   answers."""
   out: list = [None] * len(items)
-  reqs = [Request(list(it.prompt), max_new_tokens=it.max_new, confidence=confidence, id=i)
-          for i, it in enumerate(items)]
-  run = engine.serve(reqs, slots=min(batch, len(items)), mode=mode)
+  run = engine.serve(_requests(items, confidence), slots=min(batch, len(items)), mode=mode)
   with contextlib.closing(run):  # an error ends the run at once
     for done, g in enumerate(run, 1):
       if g.error:
@@ -157,6 +155,19 @@ def decode_items(engine, items: Sequence[SuiteItem], *, mode: str, confidence: f
       if progress is not None and (done % batch == 0 or done == len(items)):
         progress(done, len(items))
   return out
+
+
+def _requests(items: Sequence[SuiteItem], confidence: float) -> list[Request]:
+  return [Request(list(it.prompt), max_new_tokens=it.max_new, confidence=confidence, id=i)
+          for i, it in enumerate(items)]
+
+
+def compile_items(engine, items: Sequence[SuiteItem], modes: Sequence[str], batch: int) -> float:
+  """Compiles what decode_items runs for `items` in each of `modes`, all the modes' programs
+  together (on a GPU host, at once); returns the seconds spent."""
+  from hamburger_jax.decode import serving  # pylint: disable=import-outside-toplevel  # a cycle
+  return serving.precompile(engine, [(_requests(items, 1.0), min(batch, len(items)), mode)
+                                     for mode in modes])
 
 
 PROGRESS_EVERY_S = 30.0  # a suite's decode says how far it is at most this often

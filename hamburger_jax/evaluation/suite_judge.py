@@ -30,7 +30,8 @@ from flax import nnx
 
 from hamburger_jax.decode.requests import pooled_tokens_per_step
 from hamburger_jax.evaluation.statistics import bootstrap_ci, paired_bootstrap_ci
-from hamburger_jax.evaluation.suite import Suite, SuiteItem, decode_items, progress_log, score
+from hamburger_jax.evaluation.suite import (Suite, SuiteItem, compile_items, decode_items,
+                                            progress_log, score)
 
 CONFIDENCES = (0.5, 0.7, 0.8)
 GUARD_CONFIDENCE = 0.8
@@ -97,6 +98,18 @@ class BaseRun:
   gens: list
   scores: list[float]
   same_as_suite: float  # share of answers equal to the suite's stored base answers
+
+
+def compile_judge(engine, suite: Suite, batch: int,
+                  log: Callable[[str], None] = lambda line: None) -> float:
+  """Compiles the base's and HAMburger's programs for the suite together, before the first
+  decode (the confidences, and later grafts set on the engine, reuse them); returns the
+  seconds."""
+  before = len(engine.programs)
+  seconds = compile_items(engine, suite.items, ("base", "hamburger"), batch)
+  log(f"judge: {len(engine.programs) - before} programs compiled in {seconds:.0f} s "
+      "(base and HAMburger together)")
+  return seconds
 
 
 def run_base(engine, suite: Suite, batch: int,
@@ -224,6 +237,7 @@ def judge_grafts(models: dict[str, Any], tokenizer, suite: Suite,
   names = list(models)
   stop_ids = tokenizer.stop_ids if tokenizer is not None else ()
   engine = Engine(models[names[0]], tokenizer, stop_ids=stop_ids)
+  compile_judge(engine, suite, batch, log)
   base = run_base(engine, suite, batch, log)
   log(f"base: {base.same_as_suite:.0%} of its answers equal the suite's stored ones")
   judgements = []

@@ -45,6 +45,7 @@ def judge_init(run: Run, model) -> Judge | None:
   suite = suite_lib.load(run.s.suite, model.cfg.base.vocab_size, fingerprint)
   t = time.monotonic()
   engine = Engine(model, tok, stop_ids=tok.stop_ids if tok is not None else ())
+  compile_s = suite_judge.compile_judge(engine, suite, run.s.judge_batch, run.log)
   base = suite_judge.run_base(engine, suite, run.s.judge_batch, run.log)
   base_s = time.monotonic() - t
   t = time.monotonic()
@@ -56,9 +57,10 @@ def judge_init(run: Run, model) -> Judge | None:
                                     "base_same_as_suite": base.same_as_suite},
                           "init": init.numbers()}
   run.report.part("judge init", [
-      f"suite {run.s.suite}: {len(suite.items)} items ({', '.join(suite.tasks)}); the base "
-      f"decoded here in {base_s:.0f} s (compiles included), {base.same_as_suite:.0%} of its "
-      "answers equal the suite's stored ones", f"init graft judged in {decode_s:.0f} s", "",
+      f"suite {run.s.suite}: {len(suite.items)} items ({', '.join(suite.tasks)}); the base's "
+      f"and HAMburger's programs compiled together in {compile_s:.0f} s; the base decoded here "
+      f"in {base_s - compile_s:.0f} s, {base.same_as_suite:.0%} of its answers equal the "
+      f"suite's stored ones", f"init graft judged in {decode_s:.0f} s", "",
       *suite_judge.table([init])])
   return Judge(suite, engine, base, [init])
 
