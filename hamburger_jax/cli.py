@@ -38,7 +38,8 @@ def add_model_flags(p: argparse.ArgumentParser, *, checkpoint_help: str | None =
     p.add_argument("--micro-vocab", type=int, default=None, metavar="N",
                    help="micro steps choose among the N most frequent answer tokens stored with "
                    "the checkpoint (micro_vocab.json, built by train.micro_vocab); token 0 of a "
-                   "group keeps the full vocabulary (default: the full vocabulary throughout)")
+                   "group keeps the full vocabulary. 0: the full vocabulary throughout (default: "
+                   "2048 where the checkpoint stores that many, else the full vocabulary)")
 
 
 def add_micro_rule_flag(p: argparse.ArgumentParser, several: bool = False) -> None:
@@ -194,12 +195,32 @@ def phase(what: str, fn: Callable[[], T]) -> T:
   return out
 
 
+def micro_vocab_size(flag: int | None, checkpoint: str | None, mode: str,
+                     shipped: bool = True) -> int | None:
+  """The micro vocabulary a model is loaded with for --micro-vocab `flag` (None: the flag left
+  out): micro_vocab.DEFAULT_SIZE where the checkpoint (for None: the shipped one, unless not
+  `shipped`, as for a run config's model) stores that many ids, 0 or a base model the full
+  vocabulary (None), else `flag`."""
+  from hamburger_jax import micro_vocab, pretrained  # pylint: disable=import-outside-toplevel
+  if mode == "base" or flag == 0:
+    return None
+  if flag is not None:
+    return flag
+  resolved = pretrained.resolve_checkpoint(checkpoint) if shipped else checkpoint
+  if resolved is None or micro_vocab.stored_size(resolved) < micro_vocab.DEFAULT_SIZE:
+    return None
+  return micro_vocab.DEFAULT_SIZE
+
+
 def load_model(mode: str, checkpoint: str | None, base: str | None, *,
                untrained_ok: bool = False, config: str | None = None, **overrides: Any):
   """pretrained.load (or, with `config`, pretrained.load_run: a run config's model) with a
   progress line. A model that cannot load raises ModelLoadError, whatever the cause, so that
   an entry point catches one error and prints its message as one line."""
   from hamburger_jax import pretrained
+  if "micro_vocab" in overrides:
+    overrides["micro_vocab"] = micro_vocab_size(overrides["micro_vocab"], checkpoint, mode,
+                                                shipped=config is None)
   if config is not None:
     what, load = f"the model of {config}", lambda: pretrained.load_run(
         config, checkpoint, overrides.get("micro_vocab"))

@@ -5,8 +5,10 @@ A micro step is 4 decoder layers and the LM head; on SmolLM2 the head (49,152 x 
 half of it, so restricting the micro steps' head to a few thousand rows makes them much cheaper,
 and HAMburger's speed-up k / (1 + (k - 1) r) grows as r falls. Token 0 of every group keeps the
 base's full head (it is the base's own prediction), so any token can still be emitted: a token
-outside the list only ends its group sooner. It changes what groups may continue with, so it is
-an option measured for quality (docs/results/decode_speed.md), not a silent default.
+outside the list only ends its group sooner. It changes what groups may continue with, so it was
+measured for quality first (docs/results/decode_speed.md): at DEFAULT_SIZE every task and chat
+score stayed within its paired interval of the full head's, and the entry points take the
+first DEFAULT_SIZE ids by default where a checkpoint stores that many (hamburger_jax/cli.py).
 
 The list is built from the answers a graft was trained on (`python -m train.micro_vocab`) and
 stored with the checkpoint as `micro_vocab.json`: token ids by falling frequency, so any N up to
@@ -23,6 +25,7 @@ import numpy as np
 from hamburger_jax import files
 
 FILE = "micro_vocab.json"
+DEFAULT_SIZE = 2048  # the entry points' default (--micro-vocab; 0 there: the full vocabulary)
 FORMAT = "hamburger-jax/micro-vocab-v1"
 
 
@@ -67,6 +70,18 @@ def save(checkpoint: str, counts: np.ndarray, size: int, sources: Sequence[str])
          "sources": list(sources), "ids": ids.tolist(), "counts": counts[ids].tolist()}
   files.write_json_atomic(files.join(checkpoint, FILE), doc)
   return doc
+
+
+def stored_size(checkpoint: str) -> int:
+  """How many ids `checkpoint`'s list holds (0 without a list; a list that cannot be read is
+  `load`'s error, at the load)."""
+  path = files.join(checkpoint, FILE)
+  if not files.isfile(path):
+    return 0
+  try:
+    return len(json.loads(files.read_text(path))["ids"])
+  except (OSError, ValueError, KeyError, TypeError):
+    return DEFAULT_SIZE  # so that load says what is wrong with it
 
 
 def load(checkpoint: str, size: int, vocab_size: int) -> np.ndarray:

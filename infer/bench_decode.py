@@ -115,8 +115,10 @@ def bench_hamburger(args) -> None:
                          "steps)")
   engine = Engine(model, tok, stop_ids=(), matmul_precision=args.precision)
   engines = {"full": engine}
-  if args.micro_vocab is not None:
-    engines["reduced"] = Engine(with_micro_vocab(model, checkpoint, args.micro_vocab), tok,
+  # Beside the full head, the reduced one the entry points decode with (--micro-vocab 0: none).
+  size = cli.micro_vocab_size(args.micro_vocab, checkpoint, "hamburger")
+  if size is not None:
+    engines["reduced"] = Engine(with_micro_vocab(model, checkpoint, size), tok,
                                 stop_ids=(), matmul_precision=args.precision)
   rules = args.micro_rule
   print(f"HAMburger on {pretrained.describe('base', None, args.base)}: {label}")
@@ -154,7 +156,7 @@ def bench_hamburger(args) -> None:
     for name, eng in engines.items():
       cost = step_costs(eng.runner, args.repeats, b)
       r = cost["micro"] / cost["base"]
-      vocab = "full" if name == "full" else str(args.micro_vocab)
+      vocab = "full" if name == "full" else str(size)
       for rule in rules:
         t = out[f"{name} {rule}"]
         k = t.tokens / sum(g.macro_steps for g in t.gens)
@@ -185,8 +187,8 @@ def bench_hamburger(args) -> None:
           + "\n".join(measured))
   print("\n".join(profiles))
   rows = {"full": None}
-  if args.micro_vocab is not None:
-    rows[str(args.micro_vocab)] = int(engines["reduced"].model.micro_ids.shape[0])
+  if size is not None:
+    rows[str(size)] = int(engines["reduced"].model.micro_ids.shape[0])
   print("\n".join(bytes_bound_lines(model.cfg, str(engine.dtype), widths.KV_ENTRIES, rows)))
   print("\n".join(launch_lines(engine.runner, 1, widths.KV_ENTRIES, model,
                                tpu_fusions=not args.no_tpu_fusions)))

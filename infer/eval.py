@@ -242,7 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_suite(args, argv)
   try:
     model, tok, info = model_to_evaluate(args)
-    results = evaluate(model, tok, {**info, "micro_vocab": args.micro_vocab},
+    micro = cli.micro_vocab_size(args.micro_vocab, info.get("checkpoint", args.checkpoint),
+                                 "both", shipped=not args.config)
+    results = evaluate(model, tok, {**info, "micro_vocab": micro},
                        settings(args, argv))
   except (EvalError, AssetError, ConfigError, SourceError, WeightsError, GenerationError,
           FileNotFoundError, SandboxUnavailable, cli.ModelLoadError, files.StorageError) as e:

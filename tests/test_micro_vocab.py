@@ -153,3 +153,25 @@ def test_eval_of_a_run_config_needs_the_checkpoint_that_holds_the_list(tmp_path,
                         "--no-plots"]) == 1
   assert "stored with a trained graft checkpoint" in capsys.readouterr().err
   assert not (tmp_path / "out").exists()
+
+
+def test_entry_points_default_to_the_stored_list_where_it_is_long_enough(checkpoint):
+  """--micro-vocab left out: micro_vocab.DEFAULT_SIZE where the checkpoint stores that many ids
+  (the shipped one does), else the full vocabulary; 0: the full vocabulary; N: N; a base model:
+  none."""
+  from hamburger_jax import cli  # pylint: disable=import-outside-toplevel
+  size = micro_vocab.DEFAULT_SIZE
+  assert cli.micro_vocab_size(None, None, "both") == size  # the shipped checkpoint's list
+  assert micro_vocab.stored_size(pretrained.DEFAULT_CHECKPOINT) >= size
+  assert cli.micro_vocab_size(None, checkpoint, "hamburger") is None  # no list stored
+  counts = np.arange(2 * size, 0, -1)  # every id of a 2 * size vocabulary occurs
+  micro_vocab.save(checkpoint, counts, size - 1, ["answers.jsonl"])
+  assert micro_vocab.stored_size(checkpoint) == size - 1
+  assert cli.micro_vocab_size(None, checkpoint, "hamburger") is None  # too short a list
+  micro_vocab.save(checkpoint, counts, size, ["answers.jsonl"])
+  assert cli.micro_vocab_size(None, checkpoint, "hamburger") == size
+  assert cli.micro_vocab_size(0, checkpoint, "hamburger") is None
+  assert cli.micro_vocab_size(16, checkpoint, "hamburger") == 16
+  assert cli.micro_vocab_size(None, checkpoint, "base") is None
+  # A run config's model without a checkpoint is a fresh graft: no list, whatever is shipped.
+  assert cli.micro_vocab_size(None, None, "both", shipped=False) is None

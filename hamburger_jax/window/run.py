@@ -98,7 +98,11 @@ def run_window(cfg: RunConfig, corpus_dir: str, out_dir: str, work_dir: str, set
   model, done, trainer = trained[best]
   run.summary.update(steps=done.steps, response_tokens=done.tokens, arm=best)
   judging.export(run, model, done, best, ship, include_base=trainer.trains_base)
-  diagnostics.evaluate(run, trainer, data)
+  # Diagnostics only: a window that its judge has already taken past its budget skips them.
+  if time.monotonic() + plan_lib.TF_EVAL_COMPILES * progress.rates.compile_s < settings.deadline:
+    diagnostics.evaluate(run, trainer, data)
+  else:
+    run.report.part("evaluate", ["skipped: too little of the budget left"])
   if settings.decode_eval:
     if time.monotonic() + plan_lib.DECODE_COMPILES * progress.rates.compile_s < \
         settings.deadline + 30:
