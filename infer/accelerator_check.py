@@ -13,8 +13,9 @@ Runs its parts in priority order, each in its own process with its share of the 
                 hamburger_jax/precision.py, pinned here too)
   precision     the backend's decoding dtype (or --dtype) against float32: tokens equal, first
                 divergence
-  decode        base against HAMburger in one engine per batch size: the shipped graft at
-                confidence 0.5 and 0.8, and forced groups (confidence 0), batches 1 and 32
+  decode        base against HAMburger in one engine per batch size: the shipped graft (the
+                entry points' default micro vocabulary) at confidence 0.5 and 0.8, and forced
+                groups (confidence 0), batches 32 and 1
                 (tok/s over the time the batch decoded, prefills apart); batch 1 again with
                 XLA's GPU command buffers on for while loops and conditionals (each row names
                 its XLA flags); then r (micro step / base step) and the adapters' cost at
@@ -122,8 +123,10 @@ def part_tests(args) -> list[str]:
           f"{marks.count('F') + marks.count('E')} failed or errored so far", *tail[-12:]]
 
 
-def _models(args):
-  """(model, tokenizer, prompts as token ids) the decoding parts use."""
+def _models(args, default_micro_vocab: bool = False):
+  """(model, tokenizer, prompts as token ids) the decoding parts use: the full micro-step head,
+  or with `default_micro_vocab` the entry points' default (cli.micro_vocab_size), which the
+  speed parts measure. The stored reference is the full head's."""
   if args.tiny:  # configs/tiny.yaml's model: random weights, token-id prompts
     from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
     model, _ = pretrained.load_run(TINY_CONFIG)
@@ -131,7 +134,8 @@ def _models(args):
     return model, None, prompts
   from hamburger_jax.benchmarks.prompts import PROMPTS, chat_ids  # pylint: disable=C0415
   try:
-    model, tok = cli.load_model("both", None, None)
+    model, tok = cli.load_model("both", None, None, **(
+        {"micro_vocab": None} if default_micro_vocab else {}))
   except cli.ModelLoadError as e:
     raise SystemExit(f"error: {e}") from None
   return model, tok, chat_ids(tok, PROMPTS)
@@ -268,7 +272,7 @@ def part_decode_command_buffers(args) -> Iterator[str]:
   """decode_rows at batch 1 in this process, whose XLA_FLAGS the decode part set, then its
   profiles."""
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
-  model, tok, prompts = _models(args)
+  model, tok, prompts = _models(args, default_micro_vocab=True)
   engine = Engine(model, tok, stop_ids=())
   n_new = 32 if args.tiny else 128
   yield from decode_rows(engine, prompts[:1], n_new, xla_flags())
@@ -283,10 +287,14 @@ def part_decode(args) -> Iterator[str]:
   import jax  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   from hamburger_jax.benchmarks import report, timing, widths  # pylint: disable=C0415
-  model, tok, prompts = _models(args)
+  model, tok, prompts = _models(args, default_micro_vocab=True)
   n_new = 32 if args.tiny else 128
   many = 4 if args.tiny else 32
+  micro = getattr(model, "micro_ids", None)
+  vocab = ("the full vocabulary" if micro is None else
+           f"the default micro vocabulary's {micro[...].shape[0]} ids")
   yield (f"- {model.cfg.base.num_layers}-layer base, {n_new} new tokens a row (EOS ignored); "
+         f"micro steps choose among {vocab}; "
          "tok/s = tokens all rows generated / the time the batch decoded, its prefills apart "
          "(prefill s: the rows' prefills, added up); best of 2 interleaved rounds; compile s: "
          "compiled, or loaded from the persistent compilation cache where an earlier part or "
