@@ -283,7 +283,8 @@ class EnginePrograms:
     """Compiles the programs of `keys` not compiled yet; returns the seconds spent (0 when there
     were none). Lowering traces Python, one program after another; XLA then compiles them on a
     pool of threads, as it holds no GIL while it compiles: a GPU host's cores compile a
-    layout's programs at once, each of which took 10-40 s in turn on an H200."""
+    layout's programs at once (a judge's 9 a mode took ~55 s for the base and ~130 s for
+    HAMburger one after another on an H200)."""
     t = time.perf_counter()
     todo = [k for k in dict.fromkeys(keys) if k not in self.programs]
     if not todo:
