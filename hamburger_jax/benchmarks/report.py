@@ -5,6 +5,7 @@ device's time, and its decode settings in words."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterator
 
 from hamburger_jax import cli
 
@@ -68,21 +69,20 @@ def kind_lines(prof, per: float, unit: str, top: int) -> list[str]:
 
 
 def profiled_lines(runs, ids: list, n_new: int, note: str = "",
-                   top: int = PROFILE_KINDS) -> list[str]:
+                   top: int = PROFILE_KINDS) -> Iterator[str]:
   """Where one decode of the batch `ids` spends the device's time, for each (name, engine,
   generate kwargs) of `runs`: a line of its macro steps (k, micro steps a step, device and
   wall ms a macro step; `note` follows the name), then its `top` kinds of operation
-  (kind_lines), each decode traced once (timing.profile_decode)."""
+  (kind_lines), each decode traced once (timing.profile_decode). Each run's lines come as soon
+  as it is read: a caller stopped at its time cap keeps the runs before."""
   import tempfile  # pylint: disable=import-outside-toplevel
   from hamburger_jax.benchmarks import timing  # pylint: disable=import-outside-toplevel
-  out = []
   for name, engine, kw in runs:
     with tempfile.TemporaryDirectory() as trace_dir:
       prof, steps, gens = timing.profile_decode(engine, ids, n_new, trace_dir, **kw)
     k = sum(g.new_tokens for g in gens) / sum(g.macro_steps for g in gens)
-    out += ["", f"- batch {len(ids)}, {name}{note}: {steps} macro steps (k {k:.2f}, micro "
-            f"steps/step {timing.micro_steps_per_step(gens):.2f}); device "
-            f"{prof.device_s * 1e3 / steps:,.2f} ms a macro step of "
-            f"{prof.wall_s * 1e3 / steps:,.2f} ms wall, prefills included ({prof.where})", "",
-            *kind_lines(prof, steps, "a macro step", top)]
-  return out
+    yield from ["", f"- batch {len(ids)}, {name}{note}: {steps} macro steps (k {k:.2f}, micro "
+                f"steps/step {timing.micro_steps_per_step(gens):.2f}); device "
+                f"{prof.device_s * 1e3 / steps:,.2f} ms a macro step of "
+                f"{prof.wall_s * 1e3 / steps:,.2f} ms wall, prefills included ({prof.where})",
+                "", *kind_lines(prof, steps, "a macro step", top)]
