@@ -290,9 +290,8 @@ def part_decode(args) -> Iterator[str]:
   model, tok, prompts = _models(args, default_micro_vocab=True)
   n_new = 32 if args.tiny else 128
   many = 4 if args.tiny else 32
-  micro = getattr(model, "micro_ids", None)
-  vocab = ("the full vocabulary" if micro is None else
-           f"the default micro vocabulary's {micro[...].shape[0]} ids")
+  vocab = ("the full vocabulary" if model.micro_vocab_size is None else
+           f"the default micro vocabulary's {model.micro_vocab_size} ids")
   yield (f"- {model.cfg.base.num_layers}-layer base, {n_new} new tokens a row (EOS ignored); "
          f"micro steps choose among {vocab}; "
          "tok/s = tokens all rows generated / the time the batch decoded, its prefills apart "

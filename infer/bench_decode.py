@@ -188,7 +188,7 @@ def bench_hamburger(args) -> None:
   print("\n".join(profiles))
   rows = {"full": None}
   if size is not None:
-    rows[str(size)] = int(engines["reduced"].model.micro_ids.shape[0])
+    rows[str(size)] = engines["reduced"].model.micro_vocab_size
   print("\n".join(bytes_bound_lines(model.cfg, str(engine.dtype), widths.KV_ENTRIES, rows)))
   print("\n".join(launch_lines(engine.runner, 1, widths.KV_ENTRIES, model,
                                tpu_fusions=not args.no_tpu_fusions)))

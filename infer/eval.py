@@ -242,9 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_suite(args, argv)
   try:
     model, tok, info = model_to_evaluate(args)
-    micro = cli.micro_vocab_size(args.micro_vocab, info.get("checkpoint", args.checkpoint),
-                                 "both", shipped=not args.config)
-    results = evaluate(model, tok, {**info, "micro_vocab": micro},
+    results = evaluate(model, tok, {**info, "micro_vocab": model.micro_vocab_size},
                        settings(args, argv))
   except (EvalError, AssetError, ConfigError, SourceError, WeightsError, GenerationError,
           FileNotFoundError, SandboxUnavailable, cli.ModelLoadError, files.StorageError) as e:

@@ -150,10 +150,7 @@ class EnginePrograms:
                       self._spec((), bool), request, mode=layout.mode)
 
   def _prefill_program(self, layout: Layout, chunk: int):
-    key = ("prefill", layout, chunk)
-    if key not in self.programs:
-      self.programs[key] = self.lower_prefill(layout, chunk).compile()
-    return self.programs[key]
+    return self._program(("prefill", layout, chunk))
 
   def lower_prefix(self, layout: Layout, size: int) -> tuple[jax.stages.Lowered, ...]:
     """(read, write) of a `size`-entry prefix of one slot (prefix caching), lowered."""
@@ -170,10 +167,7 @@ class EnginePrograms:
 
   def _prefix_programs(self, layout: Layout, size: int):
     """(read, write) of a `size`-entry prefix of one slot (prefix caching)."""
-    key = ("prefix", layout, size)
-    if key not in self.programs:
-      self.programs[key] = tuple(p.compile() for p in self.lower_prefix(layout, size))
-    return self.programs[key]
+    return self._program(("prefix", layout, size))
 
   def prompt_plan(self, ids: Sequence[int]) -> tuple[int, list[tuple[int, int, int]]]:
     """(cacheable prefix length, prefill chunks) of a prompt: with prefix caching on, the
@@ -189,10 +183,7 @@ class EnginePrograms:
     `stochastic`: sample the slots with temperature > 0 (False: every slot greedy). `stream`:
     report each macro step's (group [B, K], count [B]) to the sink's callback. `view`: the
     blocks of each slot's table that attention reads (one of `views(layout)`)."""
-    key = ("decode", layout, stochastic, stream, view)
-    if key not in self.programs:
-      self.programs[key] = self.lower_decode(layout, stochastic, stream, view).compile()
-    return self.programs[key]
+    return self._program(("decode", layout, stochastic, stream, view))
 
   def lower_decode(self, layout: Layout, stochastic: bool, stream: bool,
                    view: int) -> jax.stages.Lowered:
@@ -271,6 +262,12 @@ class EnginePrograms:
     jobs += [("decode", layout, stochastic, stream, v) for v in self.views(layout)]
     return self._compile(jobs)
 
+  def _program(self, key: tuple):
+    """The compiled program of `key` (a prefix's: its (read, write) pair), compiled on first
+    use."""
+    self._compile([key])
+    return self.programs[key]
+
   def _lower(self, key: tuple) -> tuple[jax.stages.Lowered, ...]:
     kind, layout, *rest = key
     if kind == "prefill":
@@ -289,12 +286,12 @@ class EnginePrograms:
     todo = [k for k in dict.fromkeys(keys) if k not in self.programs]
     if not todo:
       return 0.0
-    lowered = [(k, i, low) for k in todo for i, low in enumerate(self._lower(k))]
+    lowered = [(k, low) for k in todo for low in self._lower(k)]
     workers = max(1, min(len(lowered), os.cpu_count() or 1, COMPILE_THREADS))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-      compiled = list(pool.map(lambda job: job[2].compile(), lowered))
+      compiled = list(pool.map(lambda job: job[1].compile(), lowered))
     parts: dict[tuple, list] = {}
-    for (k, _, _), c in zip(lowered, compiled):
+    for (k, _), c in zip(lowered, compiled):
       parts.setdefault(k, []).append(c)
     for k, cs in parts.items():  # a prefix's (read, write) stays a pair
       self.programs[k] = tuple(cs) if k[0] == "prefix" else cs[0]

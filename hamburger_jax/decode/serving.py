@@ -374,8 +374,8 @@ def run_layout(engine, requests: Sequence[Request], *, slots: int, mode: str,
 def precompile(engine, runs: Iterable[tuple[Sequence[Request], int, str]]) -> float:
   """Compiles the programs of several serving runs, (requests, slots, mode) each, together
   (decode/programs.py compiles them on a pool of threads): a judge's base and HAMburger runs
-  before the first decodes. Greedy, unstreamed runs, as `serve` makes of greedy requests without
-  a stream. Returns the seconds spent."""
+  before the first decodes. Unstreamed runs, as `serve` makes without a stream; stochastic
+  where a run's requests sample, as `serve` decides. Returns the seconds spent."""
   jobs = []
   for requests, slots, mode in runs:
     queue, failed = _checked(engine, requests, mode, time.perf_counter())

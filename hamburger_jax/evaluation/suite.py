@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 
 from hamburger_jax import files
 from hamburger_jax.data import heldout
+from hamburger_jax.decode import serving
 from hamburger_jax.decode.requests import GenerationError, Request
 from hamburger_jax.evaluation import tasks as eval_tasks
 from hamburger_jax.evaluation.rouge import lcs_length, rouge_l
@@ -165,7 +166,6 @@ def _requests(items: Sequence[SuiteItem], confidence: float) -> list[Request]:
 def compile_items(engine, items: Sequence[SuiteItem], modes: Sequence[str], batch: int) -> float:
   """Compiles what decode_items runs for `items` in each of `modes`, all the modes' programs
   together (on a GPU host, at once); returns the seconds spent."""
-  from hamburger_jax.decode import serving  # pylint: disable=import-outside-toplevel  # a cycle
   return serving.precompile(engine, [(_requests(items, 1.0), min(batch, len(items)), mode)
                                      for mode in modes])
 

@@ -133,6 +133,11 @@ class Hamburger(nnx.Module):
     self.micro_head = MicroVocab(jnp.take(self.base.head_dv(), ids, axis=1).T,
                                  logical_axes=("vocab", "embed"))
 
+  @property
+  def micro_vocab_size(self) -> int | None:
+    """How many ids micro steps choose among (None: the whole vocabulary)."""
+    return None if self.micro_ids is None else int(self.micro_ids[...].shape[0])
+
   def micro_logits(self, h: jax.Array) -> jax.Array:
     """fp32 logits of a micro step's choice [..., N]: over the reduced vocabulary if one is
     set (index j means token micro_ids[j]), else the base's full head."""
