@@ -173,10 +173,10 @@ def bench_hamburger(args) -> None:
         if rule == "auto":
           slots = generate_slots(b)
           costs = settings[f"{name} {rule}"].micro_costs(eng.layout("hamburger", slots, 1, 1))
-          later, first, merge = micro_cost_parts(costs, slots)
+          later, step_one, merge = micro_cost_parts(costs, slots)
           measured.append(f"- batch {b}, {vocab} micro vocab: r (r1) " + ", ".join(
               f"{m} rows {c:.3f} ({c1:.3f})" for m, c, c1 in
-              zip(micro_sizes(slots), later, first)) + f"; m {merge:.3f}")
+              zip(micro_sizes(slots), later, step_one)) + f"; m {merge:.3f}")
     if args.profile:
       runs = (("base", engine, {"mode": "base"}), *((n, e, ham) for n, e in settings.items()))
       profiles.extend(profiled_lines(runs, ids, args.new_tokens))
