@@ -58,6 +58,10 @@ DECODE_CONFIDENCES = {"c=0.5": 0.5, "c=0.8": 0.8, "forced": 0.0}
 # and the one whose decode is profiled beside the base's.
 MICRO_RULE_CONFIDENCES = ("c=0.5", "c=0.8")
 PROFILED = "c=0.5"
+DECODE_HEADER = ("batch", "run", "XLA flags", "tok/s", "vs base", "tokens/step",
+                 "micro steps/step", "last row's steps", "macro step / base step", "prefill s",
+                 "compile s")
+DECODE_COLUMNS = len(DECODE_HEADER)
 # XLA's GPU command buffers (CUDA graphs) for while loops and conditionals too, added to its
 # default command types: the decode loop is a lax.while_loop, and a step launches many small
 # kernels at batch 1. A GPU flag that XLA parses on every backend (an unknown flag would abort).
@@ -218,7 +222,8 @@ def decode_rows(engine, ids: list, n_new: int, flags: str,
     k = t.tokens / sum(g.macro_steps for g in t.gens)
     yield (f"| {len(ids)} | {name} | {flags} | {t.tokens_per_s:.1f} | "
            f"{t.tokens_per_s / res['base'].tokens_per_s:.2f}x | {k:.2f} | "
-           f"{timing.micro_steps_per_step(t.gens):.2f} | {t.prefill_s:.3f} | "
+           f"{timing.micro_steps_per_step(t.gens):.2f} | {timing.last_row_steps(t.gens)} | "
+           f"{timing.macro_step_cost(t, res['base']):.2f} | {t.prefill_s:.3f} | "
            f"{t.compile_s:.0f} |")
 
 
@@ -262,10 +267,11 @@ def command_buffer_rows(args, defaults: dict[str, float], versus: dict[str, floa
     else:
       later.append(line.rstrip("\n"))
   if run.code is None:
-    yield f"| 1 | command buffers: stopped at {run.seconds:.0f} s | | | | | | | |"
+    yield f"| 1 | command buffers: stopped at {run.seconds:.0f} s |{' |' * (DECODE_COLUMNS - 2)}"
   elif run.code:
     last = run.stderr.strip().splitlines()[-1:] or [""]
-    yield f"| 1 | command buffers: exit {run.code} ({last[0][-200:]}) | | | | | | | |"
+    yield (f"| 1 | command buffers: exit {run.code} ({last[0][-200:]}) |"
+           f"{' |' * (DECODE_COLUMNS - 2)}")
 
 
 def part_decode_command_buffers(args) -> Iterator[str]:
@@ -313,9 +319,8 @@ def part_decode(args) -> Iterator[str]:
     yield (f"- batch {b}: decoding layout {'fused' if engine.fused else 'separate'} "
            f"{engine.dtype}")
     yield ""
-    yield ("| batch | run | XLA flags | tok/s | vs base | tokens/step | micro steps/step | "
-           "prefill s | compile s |")
-    yield "|---|---|---|---|---|---|---|---|---|"
+    yield "| " + " | ".join(DECODE_HEADER) + " |"
+    yield "|" + "---|" * DECODE_COLUMNS
     yield from decode_rows(engine, ids, n_new, xla_flags(), defaults if b == 1 else None)
     if b == many:  # where its time goes, before batch 1 (whose figures an earlier run has)
       yield ""
@@ -325,7 +330,10 @@ def part_decode(args) -> Iterator[str]:
   yield ""
   yield ("- runs named `auto`: the batch-aware micro loop, its costs measured "
          "(decode/micro_rule.py); micro steps/step: micro steps a macro step ran (as many as "
-         "its largest group needs) against tokens/step - 1 that each row's group added")
+         "its largest group needs) against tokens/step - 1 that each row's group added; last "
+         "row's steps: the macro steps the batch ran (it decodes until its slowest row "
+         "finishes; the base's: one a token); macro step / base step: a step's time in the "
+         "batch's, against the base's (vs base = the base's steps / last row's steps / it)")
   if versus:
     yield ("- batch 1 with command buffers against the defaults: "
            + ", ".join(f"{name} {v:.2f}x" for name, v in versus.items()))

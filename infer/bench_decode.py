@@ -11,8 +11,9 @@ from hamburger_jax.benchmarks import widths
 from hamburger_jax.benchmarks.prompts import PROMPTS, chat_ids
 from hamburger_jax.benchmarks.report import (bytes_bound_lines, group_cap, launch_lines,
                                              profiled_lines)
-from hamburger_jax.benchmarks.timing import (lockstep_cost, micro_steps_per_step, step_costs,
-                                             time_batches, timed)
+from hamburger_jax.benchmarks.timing import (last_row_steps, lockstep_cost, macro_step_cost,
+                                             micro_steps_per_step, step_costs, time_batches,
+                                             timed)
 from hamburger_jax.decode.shapes import generate_slots
 from hamburger_jax.decode.step import micro_cost_parts, micro_sizes
 
@@ -133,16 +134,19 @@ def bench_hamburger(args) -> None:
         "batch's next micro step runs (decode/micro_rule.py; off: whenever a row goes on); "
         "micro steps/step = micro steps a macro step ran (its largest group's); last row's "
         "steps = the macro steps of the row that finished last (a batch decodes until it "
-        "does; the base's: one a token); same tokens = "
+        "does; the base's: one a token); macro step / base step = a step's time in the "
+        "batch's, against the base's (ratio = the base's steps / last row's steps / it); "
+        "same tokens = "
         "rows whose tokens equal the full "
         f"vocabulary's with micro rule {rules[0]}; tok/s = tokens all rows generated / the time "
         "the batch decoded (the prefills apart); every setting of a batch is timed in the same "
         "rounds as its base")
   print("\n| batch | micro vocab | micro rule | base tok/s | HAMburger tok/s | ratio | "
-        "tokens/step k | micro steps/step | last row's steps | KV entries/token | r | "
+        "tokens/step k | micro steps/step | last row's steps | macro step / base step | "
+        "KV entries/token | r | "
         "adapter cost (merged, mixed) | ceiling | "
         "of ceiling | same tokens | prefill s (base, ham) | compile s (base, ham) |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   ham = {"mode": "hamburger", "confidence": args.confidence, "max_group": args.max_group}
   measured, profiles = [], []
   for b in args.batches:
@@ -166,7 +170,7 @@ def bench_hamburger(args) -> None:
         mixed = "-" if b == 1 else f"{cost['mixed'] / cost['base'] - 1:+.1%}"
         print(f"| {b} | {vocab} | {rule} | {base.tokens_per_s:.1f} | {t.tokens_per_s:.1f} | "
               f"{ratio:.2f}x | {k:.2f} | {micro_steps_per_step(t.gens):.2f} | "
-              f"{max(g.macro_steps for g in t.gens)} | {1 / k:.2f} | "
+              f"{last_row_steps(t.gens)} | {macro_step_cost(t, base):.2f} | {1 / k:.2f} | "
               f"{r:.3f} | {cost['merged'] / cost['base'] - 1:+.1%}, {mixed} | {ceiling:.2f}x | "
               f"{ratio / ceiling:.0%} | {same}/{b} | {base.prefill_s:.2f}, {t.prefill_s:.2f} | "
               f"{base.compile_s:.0f}, {t.compile_s:.0f} |")

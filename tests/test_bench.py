@@ -4,7 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hamburger_jax.benchmarks.timing import batch_decode_s, lockstep_cost, time_batches
+from hamburger_jax.benchmarks.timing import (BatchTiming, batch_decode_s, lockstep_cost,
+                                             macro_step_cost, time_batches)
 from hamburger_jax.decode.requests import Generation
 
 
@@ -22,6 +23,17 @@ def test_lockstep_cost_follows_the_largest_group_and_the_slowest_row():
   # step 1: max group 3 -> 1 + 2r; step 2: 1 -> 1; step 3 (row b only): 2 -> 1 + r
   gens = [_gen([3, 1]), _gen([1, 1, 2])]
   assert lockstep_cost(gens, 0.5) == pytest.approx((1 + 2 * 0.5) + 1 + (1 + 0.5))
+
+
+def test_a_macro_step_costs_its_batchs_time_over_the_steps_its_slowest_row_ran():
+  # The base: 64 steps in 6.4 s. HAMburger: one row finishes in 20 macro steps, the other in
+  # 59, and the batch took 7.08 s: 0.12 s a macro step, 1.2 base steps, whatever the mean k
+  # (128 tokens / 79 steps = 1.62) would suggest.
+  timing = lambda s, steps: BatchTiming(s, 0.0, 0.0, 128, [_gen([1] * n) for n in steps])
+  base, ham = timing(6.4, [64, 64]), timing(7.08, [20, 59])
+  assert macro_step_cost(ham, base) == pytest.approx(1.2)
+  ratio = ham.tokens_per_s / base.tokens_per_s
+  assert ratio == pytest.approx(64 / 59 / macro_step_cost(ham, base))
 
 
 def test_run_serve_reports_the_serving_figures():

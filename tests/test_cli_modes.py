@@ -76,6 +76,7 @@ def test_bench_hamburger_against_its_base(tiny, capsys, tmp_path):
   assert [r["micro rule"] for r in rows] == ["off", "auto"] * 4
   # every row goes on: the rule cuts nothing, so 3 micro steps a macro step and the same tokens
   assert all(r["micro steps/step"] == "3.00" and r["last row's steps"] == "1" for r in rows)
+  assert all(float(r["macro step / base step"]) > 0 for r in rows)
   # each row against the full vocabulary's first rule, whatever settings came before it
   full = [r["same tokens"] for r in rows if r["micro vocab"] == "full"]
   assert full == ["1/1"] * 2 + ["2/2"] * 2
@@ -171,6 +172,11 @@ def test_accelerator_check_parts_on_tiny_models():
   batch1 = [l for l in decode if l.startswith("| 1 |")]
   assert len(measuring_after) == 2 and measuring_after[0] <= batch4[0], measuring_after
   assert len(batch4) == 6 and batch4[-1] < measuring_after[1], decode
+  # the steps each batch ran (its slowest row's) and what one cost against a base step
+  table = {r["run"]: r for r in _tables("\n".join(decode))[0]}
+  assert table["base"]["last row's steps"] == "32" and table["forced"]["last row's steps"] == "8"
+  assert table["base"]["macro step / base step"] == "1.00"
+  assert all(float(r["macro step / base step"]) > 0 for r in table.values())
   assert any(l.startswith("- batch 4, base,") for l in decode[batch4[-1]:measuring_after[1]])
   assert [ac.COMMAND_BUFFERS in l for l in batch1] == [False] * 6 + [True] * 6, batch1
   assert any("a GPU flag, no effect on cpu" in l for l in decode)

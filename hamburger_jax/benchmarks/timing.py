@@ -101,10 +101,24 @@ def lockstep_cost(gens, r: float) -> float:
   return sum(1 + r * (m - 1) for m in largest_groups(gens))
 
 
+def last_row_steps(gens) -> int:
+  """The macro steps a batch decoded together ran: its slowest row's (the batch decodes until
+  that row finishes; the base's: one a token)."""
+  return max(g.macro_steps for g in gens)
+
+
+def macro_step_cost(ham: BatchTiming, base: BatchTiming) -> float:
+  """What one of a batch's macro steps cost, in the base's steps of the same batch: each
+  setting's decode time over the steps its batch ran (last_row_steps). It keeps apart what the
+  tokens/s ratio mixes: a batch's speed over its base's is (the base's steps / its steps) /
+  this, and its steps are its slowest row's, whatever the others' groups."""
+  return (ham.decode_s / last_row_steps(ham.gens)) / (base.decode_s / last_row_steps(base.gens))
+
+
 def largest_groups(gens) -> list[int]:
   """The largest group of each macro step of a batch decoded together (generate: every row
   starts at the same step): the micro steps that step ran, plus one."""
-  steps = max(g.macro_steps for g in gens)
+  steps = last_row_steps(gens)
   return [max((g.groups[j] for g in gens if j < len(g.groups)), default=1)
           for j in range(steps)]
 
@@ -131,4 +145,4 @@ def profile_decode(engine, ids, n_new: int, trace_dir: str, **generate_kw):
     return jnp.zeros(())  # generate returns once the batch is done: nothing left to wait for
 
   prof = profile_calls(call, 1, trace_dir)
-  return prof, max(g.macro_steps for g in box["gens"]), box["gens"]
+  return prof, last_row_steps(box["gens"]), box["gens"]
