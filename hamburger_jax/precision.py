@@ -30,15 +30,21 @@ from hamburger_jax.model.decode_layout import DTYPES
 DEFAULT_PRECISION = "default"
 DECODE_DTYPES = {"cpu": "float32", "gpu": "bfloat16", "tpu": "bfloat16"}
 DECODE_MIXED = {"gpu": "kernels"}  # else "factors"
+# Where the plain base forward of a decode step runs as a branch of its own (skipped when
+# every row is done): XLA's CPU backend then reads the gathered KV view as laid out, not
+# transposed into each layer (SmolLM2, 16 rows on 2 CPU cores: a base step ~4% faster). A GPU
+# pays a host round trip for a branch's predicate, so the forward stays inline there.
+DECODE_PLAIN_BRANCH = {"cpu": True}  # else False
 _pinned: dict[str, str | None] = {"decode_dtype": None}
 
 
 def decode_defaults(platform: str) -> dict:
-  """{"dtype", "fused", "mixed"}: how an engine on `platform` (a jax device's `platform`:
-  "cpu", "gpu", "tpu") decodes unless told otherwise (or `pin` fixed the dtype for every
-  backend); float32 on a platform the table does not name."""
+  """{"dtype", "fused", "mixed", "plain_branch"}: how an engine on `platform` (a jax device's
+  `platform`: "cpu", "gpu", "tpu") decodes unless told otherwise (or `pin` fixed the dtype for
+  every backend); float32 on a platform the table does not name."""
   dtype = _pinned["decode_dtype"] or DECODE_DTYPES.get(platform, "float32")
-  return {"dtype": dtype, "fused": True, "mixed": DECODE_MIXED.get(platform, "factors")}
+  return {"dtype": dtype, "fused": True, "mixed": DECODE_MIXED.get(platform, "factors"),
+          "plain_branch": DECODE_PLAIN_BRANCH.get(platform, False)}
 
 
 def pin(decode_dtype: str = "float32", matmuls: str = "highest") -> None:

@@ -186,14 +186,14 @@ def test_engine_decodes_in_the_backends_layout(adapted):
     assert [(g.token_ids, g.groups) for g in a] == [(g.token_ids, g.groups) for g in b]
 
 
-@pytest.mark.parametrize("platform,dtype,mixed", [
-    ("cpu", "float32", "factors"), ("gpu", "bfloat16", "kernels"), ("tpu", "bfloat16", "factors"),
-    ("metal", "float32", "factors")])
-def test_each_backend_decodes_in_its_own_dtype(platform, dtype, mixed):
+@pytest.mark.parametrize("platform,dtype,mixed,branch", [
+    ("cpu", "float32", "factors", True), ("gpu", "bfloat16", "kernels", False),
+    ("tpu", "bfloat16", "factors", False), ("metal", "float32", "factors", False)])
+def test_each_backend_decodes_in_its_own_dtype(platform, dtype, mixed, branch):
   """The policy as stated (precision.py), not read back from the function under test."""
   with precision.backend_policy():
     assert precision.decode_defaults(platform) == {"dtype": dtype, "fused": True,
-                                                   "mixed": mixed}
+                                                   "mixed": mixed, "plain_branch": branch}
 
 
 def test_a_pin_overrides_every_backend_and_can_be_undone():
@@ -226,7 +226,7 @@ def test_an_engine_takes_its_devices_dtype(adapted, monkeypatch, platform, dtype
   with precision.backend_policy(), monkeypatch.context() as patch:
     patch.setattr(jax, "devices", lambda *args, **kwargs: [device])
     engine = Engine(adapted, None, stop_ids=())
-  assert (engine.fused, engine.dtype) == (True, dtype)
+  assert (engine.fused, engine.dtype, engine.plain_branch) == (True, dtype, platform == "cpu")
   assert {a.mixed for _, a in nnx.iter_graph(engine.runner)
           if isinstance(a, lora.FoldedAdapter)} == {mixed}
   kernels = [v for p, v in nnx.to_flat_state(nnx.state(engine.runner)) if p[-1] == "kernel"]

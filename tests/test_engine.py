@@ -72,6 +72,20 @@ def test_base_cached_decode_equals_uncached_rollout(model, engine):
   assert alone.token_ids == gens[2].token_ids
 
 
+@pytest.mark.parametrize("plain_branch", [False, True])
+def test_the_plain_forward_inline_or_in_its_branch_decodes_the_same(model, plain_branch):
+  """The base step's forward inline (accelerators) or in a branch skipped when every row is
+  done (this CPU's default, precision.DECODE_PLAIN_BRANCH): the uncached rollout's tokens, and
+  the branch is in the program only when asked."""
+  engine = Engine(model, None, stop_ids=[STOP], plain_branch=plain_branch)
+  gens = engine.generate(PROMPTS[:2], max_new_tokens=8, mode="base")
+  for prompt, g in zip(PROMPTS, gens):
+    assert g.token_ids == argmax_rollout(model.base, prompt, 8)
+  layout = engine.layout("base", 2, 8, max(len(p) for p in PROMPTS[:2]))
+  hlo = engine.lower_decode(layout, False, False, engine.views(layout)[0]).as_text()
+  assert ("stablehlo.case" in hlo or "stablehlo.if" in hlo) == plain_branch
+
+
 def test_base_engine_on_plain_llama(model):
   engine = Engine(model.base, None, stop_ids=[STOP])
   g = engine.generate([PROMPTS[0]], max_new_tokens=10)[0]

@@ -73,11 +73,12 @@ class Engine(EnginePrograms):
                prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
                turn_end_ids: Sequence[int] | None = None, fused: bool | None = None,
                dtype: str | None = None, mixed: str | None = None,
-               variant: StepVariant = StepVariant(),
+               plain_branch: bool | None = None, variant: StepVariant = StepVariant(),
                matmul_precision: str = precision.DEFAULT_PRECISION,
                micro_rule: str | float = micro_rules.DEFAULT_MICRO_RULE):
     """`fused`, `dtype`, `mixed`: the decoding layout (model/decode_layout.py; None: the
-    backend's default, precision.decode_defaults). `variant`: what each macro step computes
+    backend's default, precision.decode_defaults); `plain_branch`: a base step's forward in a
+    branch of its own (decode/step.py: advance; None: the backend's default). `variant`: what each macro step computes
     (decode/step.py; the default is HAMburger as specified). `matmul_precision`: of float32
     matmuls (hamburger_jax/precision.py: "highest" for the same greedy tokens on any
     backend). `micro_rule`: when a batch's next micro step runs (decode/micro_rule.py: "off",
@@ -87,6 +88,7 @@ class Engine(EnginePrograms):
     self.fused = defaults["fused"] if fused is None else fused
     self.dtype = defaults["dtype"] if dtype is None else dtype
     self.mixed = defaults["mixed"] if mixed is None else mixed
+    self.plain_branch = defaults["plain_branch"] if plain_branch is None else bool(plain_branch)
     self.variant = variant
     self.precision = precision.check(matmul_precision)
     self.micro_rule = micro_rules.parse(micro_rule)

@@ -33,7 +33,7 @@ COMPILE_THREADS = 8
 
 class EnginePrograms:
   """Programs of an engine (decode/engine.Engine sets what they read: graphdef, params, mesh,
-  precision, stop_ids, variant, block_size, turn_end_ids, prefix_cache, programs, and its
+  precision, stop_ids, variant, plain_branch, block_size, turn_end_ids, prefix_cache, programs, and its
   `put`, `_empty_state` and `max_group`)."""
 
   def _abstract_state(self, layout: Layout):
@@ -109,7 +109,7 @@ class EnginePrograms:
       # and the loop ends.
       state = decode_step.macro_step(
           model, mode, state, stop_ids=stop_ids, stochastic=stochastic, offset=offset,
-          variant=self.variant, report=report)
+          variant=self.variant, report=report, plain_branch=self.plain_branch)
       return step + 1, state, asked[0] if asked else jnp.bool_(False)
 
     def cond(carry):

@@ -264,10 +264,11 @@ def propose(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids
 
 
 def advance(model: Llama | Hamburger, mode: str, state: DecodeState, group: jax.Array,
-            count: jax.Array, *, offset: int, variant: StepVariant = StepVariant()
-            ) -> DecodeState:
+            count: jax.Array, *, offset: int, variant: StepVariant = StepVariant(),
+            plain_branch: bool = False) -> DecodeState:
   """The emitted group becomes ONE base input at the position of its last token; the base
-  forward of it gives the next features and its KV entry."""
+  forward of it gives the next features and its KV entry. `plain_branch`: a forward without
+  adapters runs in a branch, skipped when every row is done (precision.DECODE_PLAIN_BRANCH)."""
   if mode == "hamburger" and variant.embedder == "graft":
     x = model.smash(group, jnp.maximum(count, 1))
   else:
@@ -278,7 +279,12 @@ def advance(model: Llama | Hamburger, mode: str, state: DecodeState, group: jax.
   run = lambda merged: forward_features(model, mode, x[:, None], pos, view, slot, merged,
                                         write=False)
   if mode != "hamburger" or not has_adapters(model) or not variant.adapters:
-    feats, kv = run(None)
+    if plain_branch:
+      idle = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                  jax.eval_shape(lambda: run(None)))
+      feats, kv = jax.lax.cond(jnp.all(state.done), idle, lambda: run(None))
+    else:
+      feats, kv = run(None)
   elif variant.forced:
     feats, kv = run(ALL_MERGED)
   else:
@@ -298,10 +304,12 @@ def advance(model: Llama | Hamburger, mode: str, state: DecodeState, group: jax.
 
 def macro_step(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids: jax.Array,
                stochastic: bool, offset: int = 0, variant: StepVariant = StepVariant(),
-               report: Callable[[jax.Array, jax.Array], None] | None = None) -> DecodeState:
+               report: Callable[[jax.Array, jax.Array], None] | None = None,
+               plain_branch: bool = False) -> DecodeState:
   """One macro step of every slot: the group proposed, emitted into the state's buffers
-  (`report(group, count)` sees it), then the base step that reads it. Done slots emit nothing
-  and write only where nothing is read (their own unused entries, or a pool's trash block)."""
+  (`report(group, count)` sees it), then the base step that reads it (`plain_branch`: see
+  advance). Done slots emit nothing and write only where nothing is read (their own unused
+  entries, or a pool's trash block)."""
   group, count = propose(model, mode, state, stop_ids=stop_ids, stochastic=stochastic,
                          variant=variant)
   k = group.shape[1]
@@ -319,4 +327,5 @@ def macro_step(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_
     report(group, count)
   state = state.replace(tokens=tokens, groups=groups, n_tokens=n_tokens,
                         n_steps=state.n_steps + (count > 0), done=done)
-  return advance(model, mode, state, group, count, offset=offset, variant=variant)
+  return advance(model, mode, state, group, count, offset=offset, variant=variant,
+                 plain_branch=plain_branch)
