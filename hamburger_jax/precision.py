@@ -2,9 +2,10 @@
 runs in, and the precision of float32 matmuls.
 
 Decoding (Engine; model/decode_layout.py):
-  cpu      float32 weights and compute, fused projections;
+  cpu      float32 weights and compute, fused projections, a base step's forward in a branch
+           of its own (DECODE_PLAIN_BRANCH);
   gpu/tpu  bfloat16 weights and compute (norms, softmax, logits and the argmax over them stay
-           float32 in the model code), fused projections.
+           float32 in the model code), fused projections, the forward inline.
 A step of merged and plain entries runs the adapters as low-rank factors beside the plain
 kernels ("factors": the weights read once), but on a GPU as a second, folded kernel ("kernels":
 one matmul fewer a projection, where a small model's step is bound by kernel launches: SmolLM2's
