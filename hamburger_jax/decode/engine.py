@@ -78,10 +78,10 @@ class Engine(EnginePrograms):
                micro_rule: str | float = micro_rules.DEFAULT_MICRO_RULE):
     """`fused`, `dtype`, `mixed`: the decoding layout (model/decode_layout.py; None: the
     backend's default, precision.decode_defaults); `plain_branch`: a base step's forward in a
-    branch of its own (decode/step.py: advance; None: the backend's default). `variant`: what each macro step computes
-    (decode/step.py; the default is HAMburger as specified). `matmul_precision`: of float32
-    matmuls (hamburger_jax/precision.py: "highest" for the same greedy tokens on any
-    backend). `micro_rule`: when a batch's next micro step runs (decode/micro_rule.py: "off",
+    branch of its own (decode/step.py: advance; None: the backend's default). `variant`: what
+    each macro step computes (decode/step.py; the default is HAMburger as specified).
+    `matmul_precision`: of float32 matmuls (hamburger_jax/precision.py: "highest" for the same
+    greedy tokens on any backend). `micro_rule`: when a batch's next micro step runs (decode/micro_rule.py: "off",
     "auto" or a cost ratio; with "off", a row's tokens do not depend on its batch mates)."""
     self.tokenizer = tokenizer
     defaults = precision.decode_defaults(placement.platform(mesh))

@@ -33,8 +33,8 @@ COMPILE_THREADS = 8
 
 class EnginePrograms:
   """Programs of an engine (decode/engine.Engine sets what they read: graphdef, params, mesh,
-  precision, stop_ids, variant, plain_branch, block_size, turn_end_ids, prefix_cache, programs, and its
-  `put`, `_empty_state` and `max_group`)."""
+  precision, stop_ids, variant, plain_branch, block_size, turn_end_ids, prefix_cache, programs,
+  and its `put`, `_empty_state` and `max_group`)."""
 
   def _abstract_state(self, layout: Layout):
     state = jax.eval_shape(lambda: self._empty_state(layout))
