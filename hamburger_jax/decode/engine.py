@@ -81,8 +81,9 @@ class Engine(EnginePrograms):
     branch of its own (decode/step.py: advance; None: the backend's default). `variant`: what
     each macro step computes (decode/step.py; the default is HAMburger as specified).
     `matmul_precision`: of float32 matmuls (hamburger_jax/precision.py: "highest" for the same
-    greedy tokens on any backend). `micro_rule`: when a batch's next micro step runs (decode/micro_rule.py: "off",
-    "auto" or a cost ratio; with "off", a row's tokens do not depend on its batch mates)."""
+    greedy tokens on any backend). `micro_rule`: when a batch's next micro step runs
+    (decode/micro_rule.py: "off", "auto" or a cost ratio; with "off", a row's tokens do not
+    depend on its batch mates)."""
     self.tokenizer = tokenizer
     defaults = precision.decode_defaults(placement.platform(mesh))
     self.fused = defaults["fused"] if fused is None else fused
