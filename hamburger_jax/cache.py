@@ -23,6 +23,7 @@ import hashlib
 import inspect
 import os
 import sys
+import threading
 
 import jax
 
@@ -56,6 +57,9 @@ class CompileCounts:
 
 
 _COUNTS = CompileCounts()
+# Programs compile on a thread pool (decode/programs.py), and JAX reports each lookup from the
+# thread that compiles it: a read-modify-write of the counts from two threads at once loses one.
+_COUNTS_LOCK = threading.Lock()
 # JAX records a request for each program it looks up, then a hit when it finds it.
 _JAX_REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
 _JAX_HIT = "/jax/compilation_cache/cache_hits"
@@ -96,14 +100,16 @@ def enable_compilation_cache(enabled: bool = True,
 
 def compile_counts() -> CompileCounts:
   """A copy of this process's counts so far (subtract an earlier copy for a stretch of work)."""
-  return dataclasses.replace(_COUNTS)
+  with _COUNTS_LOCK:
+    return dataclasses.replace(_COUNTS)
 
 
 def _count_jax_event(event: str, **_) -> None:
-  if event == _JAX_REQUEST:
-    _COUNTS.misses += 1
-  elif event == _JAX_HIT:
-    _COUNTS.misses, _COUNTS.hits = _COUNTS.misses - 1, _COUNTS.hits + 1
+  with _COUNTS_LOCK:
+    if event == _JAX_REQUEST:
+      _COUNTS.misses += 1
+    elif event == _JAX_HIT:
+      _COUNTS.misses, _COUNTS.hits = _COUNTS.misses - 1, _COUNTS.hits + 1
 
 
 def _callback_program_path(backend, computation, devices, options, host_callbacks) -> str | None:
@@ -152,7 +158,8 @@ def _keep_callback_programs() -> None:
           serialized = jax_cache.decompress_executable(f.read())
         loaded = backend.deserialize_executable(serialized, executable_devices, compile_options,
                                                 host_callbacks=list(host_callbacks))
-        _COUNTS.hits += 1
+        with _COUNTS_LOCK:
+          _COUNTS.hits += 1
         return loaded
       except Exception as e:  # pylint: disable=broad-except
         warn(f"compilation cache entry {path} is unreadable ({type(e).__name__}: {e}); "

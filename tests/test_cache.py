@@ -195,3 +195,40 @@ def test_corrupt_or_unwritable_weight_cache_is_survived(weights_env, tmp_path, m
   monkeypatch.setenv(cache.CACHE_DIR_ENV, str(blocked))
   _assert_same(_params(pretrained.load_llama(path)[0]), want)
   assert "could not write the converted-weights cache" in capsys.readouterr().err
+
+
+def test_counts_from_many_compiling_threads_are_exact(monkeypatch):
+  """Programs compile on a thread pool, each lookup reported from its own thread: every request
+  and hit counted, none lost to two threads updating the counts at once. The counts here let
+  other threads run between reading a count and writing it back (the GIL makes a plain
+  attribute update atomic on CPython 3.11, not on a free-threaded Python)."""
+  import threading  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+
+  class YieldingCounts:
+    def __init__(self):
+      self._hits = self._misses = 0
+
+    def _get(name):
+      def get(self):
+        value = getattr(self, name)
+        time.sleep(0)  # another thread may update the count now
+        return value
+      return property(get, lambda self, v: setattr(self, name, v))
+
+    hits, misses = _get("_hits"), _get("_misses")
+
+  counts = YieldingCounts()
+  monkeypatch.setattr(cache, "_COUNTS", counts)
+
+  def lookups():
+    for i in range(300):
+      cache._count_jax_event(cache._JAX_REQUEST)  # pylint: disable=protected-access
+      if i % 2:
+        cache._count_jax_event(cache._JAX_HIT)  # pylint: disable=protected-access
+  threads = [threading.Thread(target=lookups) for _ in range(8)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert (counts.hits, counts.misses) == (8 * 150, 8 * 150)
