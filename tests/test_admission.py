@@ -184,3 +184,35 @@ def test_text_stream_holds_back_stop_strings_and_partial_characters():
   assert tail.feed([4]) == "\n\n" and tail.feed([5]) == "User"
   no_stop = TextStream(_decode(vocab), stops=["Userx"])
   assert no_stop.feed([5]) == "" and no_stop.finish() == "User"
+
+
+def test_a_failing_observer_is_said_once_and_serving_goes_on(engine, capsys):
+  class Broken:
+    def __init__(self):
+      self.calls = 0
+
+    def refused(self, mode):
+      self.calls += 1
+      raise RuntimeError("metrics backend down")
+
+    def ended(self, ticket, gen):
+      self.calls += 1
+      raise KeyError("no such label")
+
+  loop = AdmissionLoop(engine, ("hamburger",), Limits(slots=2, max_prompt_tokens=48,
+                                                      max_tokens=24))
+  broken = Broken()
+  loop.observers.append(broken)
+  for _ in range(2):
+    with pytest.raises(GenerationError):
+      loop.submit(Request(PROMPTS[0], max_new_tokens=99))
+  loop.start()
+  try:
+    got = [t.wait(120) for t in [loop.submit(_request(i)) for i in (0, 1, 3)]]
+  finally:
+    loop.close()
+  assert all(g.error is None and g.token_ids for g in got)
+  assert broken.calls == 2 + 3  # every request still reaches the observer
+  err = capsys.readouterr().err
+  assert err.count("metrics backend down") == 1 and err.count("no such label") == 1
+  assert "Broken.refused" in err and "Broken.ended" in err

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 import threading
 import time
 from typing import Callable
@@ -166,6 +167,7 @@ class AdmissionLoop:
     self._current: Scheduler | None = None  # the scheduler whose round is decoding
     self._scheds: tuple[Scheduler, ...] = ()
     self.observers: list = []
+    self._observer_errors: set[tuple[str, str]] = set()
 
   # ------------------------------------------------------------------ any thread
 
@@ -193,7 +195,7 @@ class AdmissionLoop:
       return self._queue(request, mode, on_tokens, on_done)
     except (GenerationError, QueueFull, LoopClosed):
       for observer in self.observers:
-        _guarded(observer.refused, mode)
+        self._observe(observer.refused, mode)
       raise
 
   def _queue(self, request: Request, mode: str, on_tokens: Callable | None,
@@ -329,7 +331,20 @@ class AdmissionLoop:
       return
     ticket.finish(gen)
     for observer in self.observers:
-      _guarded(observer.ended, ticket, gen)
+      self._observe(observer.ended, ticket, gen)
+
+  def _observe(self, callback: Callable, *args) -> None:
+    """An observer's callback, guarded: its failure never ends serving, and is said once per
+    callback and kind of error (on stderr), not once per request."""
+    try:
+      callback(*args)
+    except Exception as e:  # pylint: disable=broad-except
+      key = (getattr(callback, "__qualname__", repr(callback)), type(e).__name__)
+      if key not in self._observer_errors:
+        self._observer_errors.add(key)
+        print(f"warning: an observer of served requests failed ({key[0]}: {key[1]}: {e}); "
+              "serving goes on, and its further failures of this kind are not reported",
+              file=sys.stderr)
 
   def _deliver(self, group: np.ndarray, count: np.ndarray) -> bool:
     """One macro step of the scheduler now decoding (the loop's thread waits on it). True (end
