@@ -113,3 +113,16 @@ def test_auto_measures_a_ratio_per_micro_batch(engine):
 def test_bad_rules_are_refused(rule):
   with pytest.raises(GenerationError, match="give off, auto, or a cost ratio"):
     micro_rule.parse(rule)
+
+
+def test_an_engine_with_another_rule_keeps_its_prefix_cache_when_the_other_changes_weights(model):
+  from hamburger_jax.decode.prefix_cache import CachedPrefix  # pylint: disable=C0415
+  engine = Engine(model, None, stop_ids=[DECODE_STOP])
+  other = engine.with_micro_rule(5.0)
+  assert other.prefix_cache is engine.prefix_cache  # the same weights: one cache
+  entry = CachedPrefix(np.zeros((1, 2)), np.zeros((1, 2)), 2)
+  engine.prefix_cache.put("base", [1, 2], entry)
+  other.set_model(model)  # new weights for `other` only
+  assert len(other.prefix_cache) == 0
+  assert engine.prefix_cache.get("base", [1, 2]) is entry  # the original's entries survive
+  assert other.programs is engine.programs  # the compiled programs stay shared
