@@ -157,6 +157,10 @@ LLAMA_3_2_1B = LlamaConfig(
 KNOWN_ARCHITECTURES = {"Llama-3.2-1B-Instruct": LLAMA_3_2_1B, "Llama-3.2-1B": LLAMA_3_2_1B}
 
 
+# Where a graft's merged-entry adapters act (GraftConfig.adapter_scope).
+ADAPTER_SCOPES = ("merged", "after_merge")
+
+
 @dataclasses.dataclass(frozen=True)
 class GraftConfig:
   """The two HAMburger modules grafted around the base (docs/SPEC.md 1.1-1.4)."""
@@ -169,6 +173,15 @@ class GraftConfig:
   micro_init: str = "fresh"  # fresh (release) | copy_top (the base's top layers)
   base_lora_rank: int = 0  # > 0: low-rank adapters on the base's projections (frozen-base runs)
   base_lora_alpha: float = 32.0
+  # Where those adapters act (ADAPTER_SCOPES): "merged", at merged entries only; "after_merge",
+  # at merged entries and at every later entry of the same answer (the entries whose context
+  # holds a merged one read it through adapted weights). Nothing merged, nothing adapted: a
+  # confidence of 1.0 decodes the base exactly either way.
+  adapter_scope: str = "merged"
+  # A contextual merged entry: the compositional embedder also reads the micro decoder's hidden
+  # states of the group's tokens (they saw the base's features), normed and projected, added to
+  # the tokens' embeddings (model/compositional_embedder.py).
+  contextual_entry: bool = False
 
   def __post_init__(self):
     if self.max_group < 1:
@@ -177,6 +190,12 @@ class GraftConfig:
       raise ConfigError(f"micro_init={self.micro_init!r}: use 'fresh' or 'copy_top'")
     if self.position_offset not in (0, 1):
       raise ConfigError(f"position_offset={self.position_offset} must be 0 or 1")
+    if self.adapter_scope not in ADAPTER_SCOPES:
+      raise ConfigError(f"adapter_scope={self.adapter_scope!r}: use one of "
+                        f"{', '.join(ADAPTER_SCOPES)}")
+    if self.adapter_scope != "merged" and not self.base_lora_rank:
+      raise ConfigError(f"adapter_scope={self.adapter_scope!r} places merged-entry adapters, but "
+                        "base_lora_rank is 0 (no adapters): set base_lora_rank > 0")
 
   def resolved_feature_layers(self, num_layers: int) -> tuple[int, ...]:
     """0-based base layer indices whose outputs feed the micro decoder; the last is normed."""

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Mapping
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -217,7 +218,7 @@ def load_graft(model: Hamburger, checkpoint: str) -> None:
   which `load_hamburger` cannot reload by name.
   """
   meta = read_meta(checkpoint)
-  if meta["graft"] != to_dict(model.cfg.graft):
+  if _graft_config(meta, checkpoint) != model.cfg.graft:
     raise WeightsError(f"checkpoint {checkpoint} has graft config {meta['graft']} but the model "
                        f"has {to_dict(model.cfg.graft)}: build the model from the run's config")
   tables = [(GRAFT, graft_table(model))]
@@ -226,6 +227,77 @@ def load_graft(model: Hamburger, checkpoint: str) -> None:
   for name, table in tables:
     mapping.load(model, read_tensors(checkpoint, name, meta), table,
                  tensors_source(checkpoint, name, meta))
+
+
+def _graft_config(meta: Mapping[str, Any], checkpoint: str) -> GraftConfig:
+  """A checkpoint's graft config; options it predates take their defaults (what it trained)."""
+  try:
+    return from_dict(GraftConfig, meta["graft"])
+  except ConfigError as e:
+    raise WeightsError(f"{checkpoint}: {e}; the checkpoint's metadata is damaged, re-export "
+                       "it") from None
+
+
+# Graft options a run may add to the graft it starts from (train.init_from): each starts as the
+# identity (a zero projection, adapters acting at more entries, zero-initialised extra rank), so
+# the new graft starts as the old one.
+GROWABLE = ("adapter_scope", "contextual_entry", "base_lora_rank", "base_lora_alpha")
+
+
+def warm_start(model: Hamburger, checkpoint: str) -> list[str]:
+  """Loads a graft checkpoint into a model whose graft may add GROWABLE options to it: what the
+  checkpoint holds is loaded (adapters of a smaller rank into the leading rank, rescaled so that
+  their change is the same), the rest keeps its initialisation. Returns what was grown
+  (empty: the same graft, loaded strictly)."""
+  meta = read_meta(checkpoint)
+  old, new = _graft_config(meta, checkpoint), model.cfg.graft
+  if old == new:
+    load_graft(model, checkpoint)
+    return []
+  fixed = {f.name for f in dataclasses.fields(GraftConfig)} - set(GROWABLE)
+  differs = sorted(n for n in fixed if getattr(old, n) != getattr(new, n))
+  if differs or new.base_lora_rank < old.base_lora_rank or (old.base_lora_rank and
+                                                           not new.base_lora_rank):
+    raise WeightsError(
+        f"train.init_from={checkpoint} has graft config {to_dict(old)}; this run's "
+        f"{to_dict(new)} differs in {', '.join(differs) or 'a smaller adapter rank'}: a run may "
+        f"only add to the graft it starts from ({', '.join(GROWABLE)}, a larger rank)")
+  if meta.get("include_base"):
+    raise WeightsError(f"train.init_from={checkpoint} trained the base too; grow a graft of a "
+                       "frozen base only")
+  tensors = read_tensors(checkpoint, GRAFT, meta)
+  table = graft_table(model)
+  params = mapping.flat_params(model)
+  unknown = sorted(set(tensors) - set(table))
+  if unknown:
+    raise WeightsError(f"{checkpoint}: unexpected tensor {unknown[0]!r}; it is not a graft this "
+                       "model can grow from")
+  grown = []
+  ratio = ((old.base_lora_alpha / old.base_lora_rank) / (new.base_lora_alpha / new.base_lora_rank)
+           if old.base_lora_rank else 1.0)
+  for name, rule in table.items():
+    var = params[rule.target]
+    if name not in tensors:
+      grown.append(name)
+      continue
+    value = np.asarray(tensors[name], np.float32)
+    if value.shape != tuple(var.shape):
+      leaf = rule.target[-1]
+      if leaf not in ("a", "b") or value.ndim != 2:
+        raise WeightsError(f"{checkpoint}: tensor {name!r} has shape {value.shape}, the model "
+                           f"{tuple(var.shape)}")
+      full = np.asarray(var[...], np.float32).copy()
+      if leaf == "a":  # [in, r]: the old columns first; the new ones keep their random init
+        full[:, :value.shape[1]] = value
+      else:  # [r, out]: the new rows stay zero, so the adapter's change is the old one
+        full[:value.shape[0]] = value * ratio
+        full[value.shape[0]:] = 0
+      value = full
+      grown.append(name)
+    elif rule.target[-1] == "b" and ratio != 1.0:
+      value = value * ratio
+    var.set_value(jnp.asarray(value, dtype=var.dtype))
+  return grown
 
 
 def load_base_for_run(model_cfg, seed: int = 0) -> tuple[Llama, Tokenizer | None]:
@@ -247,7 +319,7 @@ def build_run_model(cfg) -> tuple[Hamburger, Tokenizer | None]:
   if cfg.graft.micro_init == "copy_top":
     copy_top_layers_into_micro(model)
   if cfg.train.init_from:
-    load_graft(model, cfg.train.init_from)
+    warm_start(model, cfg.train.init_from)
   return model, tok
 
 

@@ -91,6 +91,11 @@ class TrainConfig:
   generate_prompts: int = 8
   generate_tokens: int = 64
   generate_confidence: float = DEFAULT_CONFIDENCE
+  # 0: off; else every N steps (and at the start and the end), the fidelity figures of the
+  # current graft on a fidelity set (hamburger_jax/evaluation/fidelity.py; "" the committed set):
+  # the learning curve of agreement after merged entries, logged as fid_* metrics
+  fidelity_every: int = 0
+  fidelity_set: str = ""
   seed: int = 0
   # How the base's and the micro decoder's layers run in the train and evaluation steps:
   # scan_layers runs them as one loop over stacked weights (a compiler sees one layer: minutes
@@ -113,7 +118,8 @@ class TrainConfig:
                         "features: it needs train.recipe=distill")
     _at_least("train", self, 1, "steps", hint="an untrained run has nothing to export")
     _at_least("train", self, 1, "log_every", "ce_chunk", "generate_prompts", "generate_tokens")
-    _at_least("train", self, 0, "eval_every", "generate_every", hint="0 turns it off")
+    _at_least("train", self, 0, "eval_every", "generate_every", "fidelity_every",
+              hint="0 turns it off")
     _at_least("train", self, 0, "warmup_steps", "lr_base", "lr_graft", "lr_final",
               "weight_decay", "clip_norm")
     if self.warmup_steps > self.steps:
@@ -152,6 +158,10 @@ class DistillConfig:
   stop_weight: float = 0.5
   ce_weight: float = 0.0
   stop_target: str = "teacher"  # teacher | segments | harm (hamburger_jax.objectives.distillation)
+  # Dense alignment at merged entries: every base layer's residual, keys and values against the
+  # exact base's at the group's last token (distillation.dense_alignment; the teacher runs in
+  # the step over the rows unmerged, data.tokens slots a row)
+  dense_weight: float = 0.0
   teacher: str = "stored"  # one of TEACHERS
   top_k: int = DEFAULT_TEACHER_TOP_K  # the online teacher's (a stored one's is in its data)
 
@@ -162,7 +172,7 @@ class DistillConfig:
     if self.stop_target not in STOP_TARGETS:
       raise ConfigError(f"distill.stop_target={self.stop_target!r}: use one of "
                         f"{', '.join(STOP_TARGETS)}")
-    for name in ("kl_weight", "feature_weight", "stop_weight", "ce_weight"):
+    for name in ("kl_weight", "feature_weight", "stop_weight", "ce_weight", "dense_weight"):
       if getattr(self, name) < 0:
         raise ConfigError(f"distill.{name}={getattr(self, name)} must be >= 0")
 
@@ -253,6 +263,13 @@ class RunConfig:
   stage: str = ""  # the stage of the config's `stages:` this run is ("" = no stages)
 
   def __post_init__(self):
+    if self.distill.dense_weight and not (self.train.recipe == "distill" and
+                                          self.train.trainable in ("merger", "graft", "all")):
+      raise ConfigError("distill.dense_weight aligns the merged entries' layers: it needs "
+                        "train.recipe=distill and train.trainable merger, graft or all")
+    if self.distill.dense_weight and not self.data.tokens:
+      raise ConfigError("distill.dense_weight runs the base over each row unmerged: set "
+                        "data.tokens to the unmerged tokens a row holds (e.g. 2 x data.entries)")
     if (self.train.recipe == "distill" and self.train.trainable == "micro"
         and self.distill.stop_target == "harm"):
       raise ConfigError("distill.stop_target=harm labels each merge by how the base reads it, "

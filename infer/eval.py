@@ -4,6 +4,8 @@
   python -m infer.eval --tasks gsm_symbolic,humaneval --confidence 0.6,0.7,0.8,0.9 --batch 8
   python -m infer.eval --tasks nll --data runs/data/smollm2-distill
   python -m infer.eval --config configs/tiny.yaml --tasks synthetic,nll --data runs/tiny-data
+  python -m infer.eval --tasks fidelity --checkpoint C
+  python -m infer.eval --tasks fidelity --data runs/data/D --split train --limit 96
 
 Each task is decoded greedily in mode "base" (the base weights alone) and in mode "hamburger" at
 each confidence c, in batches, with the same engine. Reported per task: the score, the KV
@@ -20,7 +22,11 @@ HAMburger on a tfds split, next to the base's NLL on the same response tokens; o
 teacher signals (train.prepare_data --teacher-top-k) also the agreement with the teacher's greedy
 token after merged and unmerged entries and per micro step. The nll numbers come from the
 trainer's own validation evaluator (hamburger_jax/evaluation/teacher_forced.py, which says how
-each metric is pooled over the split).
+each metric is pooled over the split). `fidelity` is teacher-forced too, on the committed
+fidelity set (the base's own greedy answers to held-out prompts; --fidelity-set another, --data
+a prepared split instead): how often the token after a merged entry, after a single one, after
+one merged entry in a plain context and at micro steps 2-4 is the base's own, with the KL, each
+by group size (hamburger_jax/evaluation/fidelity.py).
 
 `--config RUN.yaml` builds the model of a run config instead (e.g. configs/tiny.yaml: a random
 tiny model with no tokenizer, where only the token-id tasks `synthetic` and `nll` make sense).
@@ -104,6 +110,12 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 def _add_data_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--data", default=None, help="tfds dataset directory for the nll task")
   p.add_argument("--split", default="validation", help="split of --data for nll")
+  p.add_argument("--fidelity-set", default=None, metavar="PATH",
+                 help="the fidelity task's set (default: the committed one, "
+                      "hamburger_jax/evaluation/fidelity_set.json)")
+  p.add_argument("--write-fidelity-set", default=None, metavar="PATH",
+                 help="write a fidelity set (the base's greedy answers to held-out prompts, "
+                      "grouped) to PATH, and exit")
   p.add_argument("--train-data", default=None,
                  help="training data (a token corpus, a tfds directory or JSONL): check that no "
                       "eval prompt is in it")
@@ -147,7 +159,10 @@ def _check_suite_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
   for path in args.against:
     if not os.path.isfile(os.path.join(path, "hamburger.json")):
       p.error(f"--against {path} is not a graft checkpoint (no hamburger.json there)")
-  if suite_mode:
+  if args.write_fidelity_set and (suite_mode or args.tasks is not None):
+    p.error("--write-fidelity-set writes a set and exits: leave out --tasks, --suite and "
+            "--write-suite")
+  if suite_mode or args.write_fidelity_set:
     args.tasks = "none"  # parse_args then skips the humaneval sandbox check
 
 
@@ -187,6 +202,9 @@ def _check_paths(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         files.check_local(path, flag, DATASET_READER)
   except files.StorageError as e:
     p.error(str(e))
+  if args.fidelity_set is not None and not os.path.isfile(args.fidelity_set):
+    p.error(f"--fidelity-set {args.fidelity_set} does not exist: write one with "
+            "--write-fidelity-set PATH, or leave the flag out for the committed set")
   if args.tasks and "nll" in args.tasks and args.data is None:
     p.error("task nll needs --data DIR (a tfds dataset written by train.prepare_data)")
   if args.data is not None and not os.path.isdir(args.data):
@@ -219,6 +237,7 @@ def settings(args, argv: Sequence[str]) -> EvalSettings:
       confidences=tuple(args.confidence), tasks=tuple(args.tasks) if args.tasks else None,
       limit=args.limit, batch=args.batch, max_new_tokens=args.max_new_tokens,
       max_group=args.max_group, micro_rule=args.micro_rule, data=args.data, split=args.split,
+      fidelity_set=args.fidelity_set,
       train_data=args.train_data, out=args.out, plots=not args.no_plots,
       unsafe_exec=args.unsafe_exec,
       command=" ".join(shlex.quote(a) for a in ["python", "-m", "infer.eval", *argv]))
@@ -238,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   from hamburger_jax.evaluation.run import EvalError, evaluate
   from hamburger_jax.evaluation.sandbox import SandboxUnavailable
   cache.enable_compilation_cache()
+  if args.write_fidelity_set:
+    return write_fidelity_set(args, argv)
   if args.write_suite or args.suite:
     return run_suite(args, argv)
   try:
@@ -251,6 +272,26 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(markdown(results))
   print(f"wrote {args.out}/results.json, results.md, generations.jsonl" +
         ("" if args.no_plots else " and the plots"), file=sys.stderr)
+  return 0
+
+
+def write_fidelity_set(args, argv: Sequence[str]) -> int:
+  """--write-fidelity-set PATH: the base's greedy answers to the held-out prompts, grouped."""
+  from hamburger_jax.assets import AssetError
+  from hamburger_jax.decode.engine import Engine, GenerationError
+  from hamburger_jax.evaluation import fidelity_set
+  log = lambda line: print(line, file=sys.stderr)
+  try:
+    model, tok, _ = model_to_evaluate(args)
+    command = " ".join(shlex.quote(a) for a in ["python", "-m", "infer.eval", *argv])
+    fset = fidelity_set.build(Engine(model, tok), batch=args.batch, command=command, log=log)
+  except (fidelity_set.FidelitySetError, AssetError, GenerationError, cli.ModelLoadError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  path = fidelity_set.save(fset, args.write_fidelity_set)
+  tokens = sum(len(r.response) for r in fset.records)
+  groups = sum(len(r.groups) for r in fset.records)
+  print(f"wrote {path}: {len(fset.records)} records, {tokens} answer tokens in {groups} groups")
   return 0
 
 

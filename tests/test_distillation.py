@@ -228,3 +228,77 @@ def test_acceptance_follows_decoding_at_a_confidence():
   assert float(ratios["tf_accepted_agree_c80"]) == 0.5
   assert got["accepted"] < int(acceptance(jnp.asarray(stop), jnp.asarray(agree),
                                           jnp.asarray(size), 0.0)["accepted"])
+
+
+# ----------------------------------------------------------------------------- dense alignment
+
+
+def test_unmerged_rows_lay_each_group_out_and_find_the_predicting_token(batch):
+  from hamburger_jax.objectives.distillation import unmerged_rows
+  b = {k: np.asarray(v) for k, v in batch.items()}
+  ids, seg, at = (np.asarray(a) for a in unmerged_rows({k: jnp.asarray(v) for k, v in b.items()},
+                                                       40))
+  expect_ids, expect_seg, last = [], [], []
+  for m in range(b["input_size"].shape[1]):
+    n = int(b["input_size"][0, m])
+    expect_ids += b["input_ids"][0, m, :n].tolist()
+    expect_seg += [int(b["segment_ids"][0, m])] * n
+    last.append(len(expect_ids) - 1)
+  assert ids[0, :len(expect_ids)].tolist() == expect_ids
+  assert seg[0, :len(expect_seg)].tolist() == expect_seg and not seg[0, len(expect_seg):].any()
+  valid = b["window_size"][0] > 0
+  assert at[0][valid].tolist() == [last[e] for e in b["pred_index"][0][valid]]
+  # A row too short for an entry marks it as not fitting.
+  short = np.asarray(unmerged_rows({k: jnp.asarray(v) for k, v in b.items()}, 6)[2])
+  assert (short[0][valid] == 6).sum() == sum(last[e] >= 6 for e in b["pred_index"][0][valid])
+
+
+def test_dense_alignment_is_zero_where_nothing_is_merged_and_trains_where_it_is():
+  from flax import nnx
+  import dataclasses
+  from hamburger_jax.config import HamburgerConfig
+  from hamburger_jax.objectives.distillation import dense_alignment, predicting_features
+  from hamburger_jax.testing import sharpen
+  plain = Hamburger(HamburgerConfig(CFG, dataclasses.replace(GRAFT, base_lora_rank=0)),
+                    rngs=nnx.Rngs(0))
+  sharpen(plain, 4.0)
+  rng = np.random.default_rng(1)
+
+  def packed(groups):
+    r = sum(groups)
+    s = layout.layout_sample([3, 4, 5], rng.integers(3, CFG.vocab_size, r), groups, K,
+                             teacher=_teacher(rng, r, len(groups), plain.num_features))
+    return {k: jnp.asarray(v) for k, v in layout.pack_rows([[s]], 16, 8, K).as_dict().items()}
+
+  singles = packed([1] * 6)
+  _, _, inputs, last = predicting_features(plain, singles, layers=True)
+  err, fits = dense_alignment(plain, singles, inputs, last, 32)
+  valid = np.asarray(singles["window_size"][0] > 0)
+  # Every entry is the plain run's own: the pairing of entries and unmerged tokens is exact.
+  assert np.asarray(fits)[0][valid].all() and np.abs(np.asarray(err)[0][valid]).max() < 1e-5
+  merged = packed([2, 3, 1, 2])
+  _, _, inputs, last = predicting_features(plain, merged, layers=True)
+  err = np.asarray(dense_alignment(plain, merged, inputs, last, 32)[0])[0]
+  size = np.asarray(merged["input_size"])[0][np.asarray(merged["pred_index"])[0]]
+  assert (err[valid & (size >= 2)] > 1e-3).all()  # a merged entry is not the plain state
+
+
+def test_distill_loss_with_dense_alignment_has_gradients(model, batch):
+  from flax import nnx
+  cfg = DistillConfig(dense_weight=1.0)
+  own = {k: jnp.asarray(v) for k, v in batch.items()}
+  with pytest.raises(ValueError, match="dense_tokens"):
+    distill_loss(model, own, cfg)
+  graphdef, state = nnx.split(model)
+  loss = lambda st: distill_loss(nnx.merge(graphdef, st), own, cfg, dense_tokens=48)
+  (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(state)
+  base = distill_loss(model, own, DistillConfig(), dense_tokens=48)[0]
+  assert float(metrics["dense_loss"]) > 0
+  assert float(value) == pytest.approx(float(base) + float(metrics["dense_loss"]), rel=1e-5)
+  leaves = jax.tree.leaves(grads)
+  assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
+
+
+def test_dense_alignment_needs_the_unmerged_row_length():
+  with pytest.raises(ConfigError, match="data.tokens"):
+    load_run_config(None, ["distill.dense_weight=1.0", "train.recipe=distill"])

@@ -950,3 +950,85 @@ def test_remat_needs_scanned_layers():
     load_run_config(TINY, ["train.remat=layers"])
   with pytest.raises(ConfigError, match="train.remat"):
     load_run_config(TINY, ["train.scan_layers=true", "train.remat=everything"])
+
+
+# ----------------------------------------------------------------------------- fidelity curves
+
+
+def _tiny_fidelity_set(model, path: Path, n: int = 6) -> str:
+  """A fidelity set for the tiny random base: synthetic token ids, random groups."""
+  from hamburger_jax.data.teacher_pass import base_fingerprint  # pylint: disable=C0415
+  from hamburger_jax.evaluation import fidelity_set  # pylint: disable=C0415
+  rng = np.random.default_rng(3)
+  records = []
+  for i in range(n):
+    groups = tuple(int(g) for g in rng.choice([1, 2, 3, 4], 8))
+    records.append(fidelity_set.FidelityRecord(
+        "synthetic", f"s{i}", tuple(int(t) for t in rng.integers(1, 250, 6)),
+        tuple(int(t) for t in rng.integers(1, 250, sum(groups))), groups))
+  fset = fidelity_set.FidelitySet(tuple(records),
+                                  {"base_fingerprint": base_fingerprint(model.base)})
+  return fidelity_set.save(fset, str(path))
+
+
+def test_fidelity_check_logs_the_learning_curve(staged, tmp_path: Path, no_gguf_tokenizer):
+  """train.fidelity_every measures the fidelity set at the start, every N steps and at the end
+  (fid_* metrics); a set from another base is refused before training."""
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  start = f"train.init_from={staged.run / 'micro' / 'export'}"
+  cfg = load_run_config(staged.config, [f"checkpoint.dir={tmp_path / 'fid'}", start],
+                        stage="merger")
+  fset = _tiny_fidelity_set(pretrained.build_run_model(cfg)[0], tmp_path / "set.json")
+  cfg = load_run_config(staged.config, [
+      f"checkpoint.dir={tmp_path / 'fid'}", "train.steps=4", "train.fidelity_every=2",
+      f"train.fidelity_set={fset}", start], stage="merger")
+  training.run(cfg, progress=False, log=lambda *_: None)
+  rows = [r for r in _metrics(tmp_path / "fid" / "merger") if "fid_agree_merged" in r]
+  assert [r["step"] for r in rows] == [0, 2, 4]
+  for r in rows:
+    assert 0 <= r["fid_agree_merged"] <= 1 and r["fid_kl_merged"] >= 0
+    assert {"fid_agree_single", "fid_agree_one_merge", "fid_agree_s2"} <= set(r)
+  assert rows[0]["fid_kl_merged"] != rows[-1]["fid_kl_merged"]  # the graft trained between
+  other = load_run_config(staged.config, [
+      f"checkpoint.dir={tmp_path / 'fid2'}", "train.steps=2", "train.fidelity_every=2",
+      f"train.fidelity_set={fset}", "train.seed=5", start], stage="merger")
+  with pytest.raises(ConfigError, match="another base"):
+    training.run(other, progress=False, log=lambda *_: None)
+
+
+def test_a_run_grows_the_graft_it_starts_from(staged, teacher_data_dir: str, tmp_path: Path,
+                                              no_gguf_tokenizer):
+  """train.init_from a graft without the options this run adds (a contextual entry, a larger
+  adapter rank): the grown graft computes what the old one did; its export loads with its own
+  options. A change that is not growth is refused."""
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.evaluation import teacher_forced  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.objectives.distillation import distill_loss  # pylint: disable=C0415
+  from hamburger_jax.run_config import DistillConfig  # pylint: disable=C0415
+  export = str(staged.run / "merger" / "export")
+  base_cfg = load_run_config(staged.config, [f"train.init_from={export}"], stage="stop")
+  grown_cfg = load_run_config(staged.config, [
+      f"train.init_from={export}", "graft.contextual_entry=true", "graft.base_lora_rank=8",
+      "graft.base_lora_alpha=4.0"], stage="stop")
+  old, _ = pretrained.build_run_model(base_cfg)
+  grown, _ = pretrained.build_run_model(grown_cfg)
+  records = teacher_forced.read_records(teacher_data_dir, "validation", 4, 4)
+  batch = next(iter(teacher_forced.split_batches(records, 4, 2)))
+  batch = {k: jax.numpy.asarray(v) for k, v in batch.items()}
+  a = distill_loss(old, batch, DistillConfig())[1]
+  b = distill_loss(grown, batch, DistillConfig())[1]
+  for name in ("loss", "kl", "feature_loss", "agree_merged"):
+    assert float(a[name]) == pytest.approx(float(b[name]), rel=1e-5, abs=1e-6), name
+  out = tmp_path / "grown"
+  graft_checkpoint.save_graft(grown, str(out), "random", dtype="float32")
+  again = pretrained.build_run_model(load_run_config(staged.config, [
+      "graft.contextual_entry=true", "graft.base_lora_rank=8", "graft.base_lora_alpha=4.0"],
+      stage="stop"))[0]
+  pretrained.load_graft(again, str(out))
+  for (path, x), (_, y) in zip(nnx.to_flat_state(nnx.state(grown, GraftParam)),
+                               nnx.to_flat_state(nnx.state(again, GraftParam))):
+    np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]), err_msg=str(path))
+  shrunk = load_run_config(staged.config, [f"train.init_from={export}",
+                                           "graft.base_lora_rank=2"], stage="stop")
+  with pytest.raises(Exception, match="a run may only add to the graft"):
+    pretrained.build_run_model(shrunk)

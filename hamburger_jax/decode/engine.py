@@ -146,8 +146,9 @@ class Engine(EnginePrograms):
 
   def with_micro_rule(self, rule: str | float) -> "Engine":
     """This engine deciding micro steps by `rule` (decode/micro_rule.py): its weights,
-    compiled programs, measured costs and prefix cache shared (the rule is a runtime operand
-    of the same programs)."""
+    compiled programs, measured costs (by rule and slots) and prefix cache shared while both
+    hold the same weights (the rule is a runtime operand of the same programs); `set_model` on
+    either gives that one a prefix cache of its own."""
     other = copy.copy(self)
     other.micro_rule = micro_rules.parse(rule)
     return other
@@ -298,6 +299,15 @@ class Engine(EnginePrograms):
     is a merged entry, so mode "base" (which never marks an input merged) is the base model,
     exactly. An abstract model (nnx.eval_shape) gives an engine whose programs can be lowered
     and compiled (for a mesh of devices that are not attached) but not run."""
+    if isinstance(model, Hamburger):
+      g = model.cfg.graft
+      unbuilt = [f"{name}={value!r}" for name, value, built in (
+          ("adapter_scope", g.adapter_scope, "merged"),
+          ("contextual_entry", g.contextual_entry, False)) if value != built]
+      if unbuilt:
+        raise GenerationError(f"this graft has {', '.join(unbuilt)}, which the decode engine "
+                              "does not run yet: judge it teacher-forced (infer.eval --tasks "
+                              "fidelity), or train it without")
     runner, abstract = decode_runner(model, fused=self.fused, dtype=self.dtype,
                                      mixed=self.mixed)
     graphdef, params = nnx.split(runner)
@@ -307,4 +317,6 @@ class Engine(EnginePrograms):
     self.model, self.runner = model, runner
     self.base_cfg = base_of(runner).cfg
     self.graphdef, self.params = graphdef, params
-    self.prefix_cache.clear()  # its entries were computed with the old weights
+    # Its entries were computed with the old weights. A new cache, not a cleared one: an engine
+    # made by with_micro_rule shares this one, and keeps its weights.
+    self.prefix_cache = PrefixCache(self.prefix_cache.capacity_tokens)

@@ -24,6 +24,7 @@ import matplotlib
 from matplotlib.figure import Figure
 
 from hamburger_jax import files
+from hamburger_jax.evaluation.report import TEACHER_FORCED_TASKS
 
 # Figures are built with matplotlib.figure.Figure, not pyplot: they render with Agg straight to PNG
 # on any machine, and importing this module leaves a notebook's own (inline) backend alone.
@@ -72,7 +73,7 @@ def _confidences(results: dict[str, Any]) -> list[str]:
 
 
 def _generation_tasks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
-  return {n: r for n, r in results["tasks"].items() if r["metric"] != "nll"}
+  return {n: r for n, r in results["tasks"].items() if n not in TEACHER_FORCED_TASKS}
 
 
 def _yerr(summaries: Sequence[dict[str, Any]]) -> list[list[float]] | None:

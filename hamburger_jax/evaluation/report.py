@@ -7,6 +7,9 @@ from typing import Any, Sequence
 from hamburger_jax.evaluation.agreement import DIVERGENCE_KINDS
 from hamburger_jax.evaluation.scoring import ckey
 
+# Teacher-forced tasks (infer.eval): no decoding and no score against the base; tabled apart.
+TEACHER_FORCED_TASKS = ("nll", "fidelity")
+
 
 def fmt(x: float | None, digits: int = 3) -> str:
   return "-" if x is None or x != x else f"{x:.{digits}f}"
@@ -23,7 +26,7 @@ def fmt_ci(x: float | None, ci: Sequence[float] | None, digits: int = 3) -> str:
 def markdown(results: dict[str, Any]) -> str:
   """results.md: the run's header, the generation tasks' tables, then the nll task's."""
   cs = results["config"]["confidence"]
-  gen_tasks = {n: r for n, r in results["tasks"].items() if r["metric"] != "nll"}
+  gen_tasks = {n: r for n, r in results["tasks"].items() if n not in TEACHER_FORCED_TASKS}
   lines = _header(results)
   if gen_tasks:
     lines += _scores_table(gen_tasks, cs)
@@ -35,7 +38,34 @@ def markdown(results: dict[str, Any]) -> str:
     lines += _nll_table(r)
     lines += _teacher_agreement_table(r.get("teacher_agreement"))
     lines += _teacher_acceptance_table(r.get("teacher_acceptance"))
+  if "fidelity" in results["tasks"]:
+    lines += fidelity_table(results["tasks"]["fidelity"])
   return "\n".join(lines) + "\n"
+
+
+FIDELITY_COLUMNS = ("agree_merged", "agree_single", "agree_one_merge", "agree_s2", "agree_s3",
+                    "agree_s4", "kl_merged", "kl_single", "kl_one_merge")
+
+
+def fidelity_table(r: dict[str, Any]) -> list[str]:
+  """The fidelity task: each figure with its items, then the after-merged ones by group size."""
+  where = (f"{r['data']} ({r['split']})" if "data" in r else f"the fidelity set {r['set']}")
+  cols = [c for c in FIDELITY_COLUMNS if c in r]
+  sizes = sorted({s for c in ("agree_merged", "agree_one_merge")
+                  for s in r["by_size"].get(c, {})}, key=int)
+  lines = ["", f"Fidelity, teacher-forced on {where}, {r['n']} records: the share of tokens that "
+           "are the base's own greedy token (agree_*) and the KL from its top-k (kl_*); merged "
+           "/ single = token 0 after a merged / a single-token entry, one_merge = after a "
+           "merged entry in an otherwise plain context, s_i = micro step i (items in "
+           "parentheses).", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
+           "| " + " | ".join(f"{fmt(r[c])} ({r['items'][c]})" for c in cols) + " |"]
+  if sizes:
+    lines += ["", "By the merged entry's group size:", "",
+              "| figure | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for c in ("agree_merged", "agree_one_merge", "kl_merged", "kl_one_merge"):
+      if c in r:
+        lines.append(f"| {c} | " + " | ".join(fmt(r["by_size"][c].get(s)) for s in sizes) + " |")
+  return lines
 
 
 def _header(results: dict[str, Any]) -> list[str]:

@@ -19,12 +19,12 @@ from typing import Any, Callable
 from hamburger_jax import files
 from hamburger_jax.data import heldout
 from hamburger_jax.evaluation import tasks as eval_tasks
-from hamburger_jax.evaluation.report import markdown
+from hamburger_jax.evaluation.report import TEACHER_FORCED_TASKS, markdown
 from hamburger_jax.evaluation.scoring import SyntheticTask, ckey
 
 TEXT_TASKS = ("gsm_symbolic", "basic_arithmetic", "chain_sum", "letter_counting", "gcd", "lcm",
               "humaneval", "mt_bench", "sharegpt_heldout")
-TOKEN_TASKS = ("synthetic", "nll")
+TOKEN_TASKS = ("synthetic", *TEACHER_FORCED_TASKS)
 ALL_TASKS = TEXT_TASKS + TOKEN_TASKS
 # New-token budgets that fit each task's expected answer (a chain of thought, a function, a
 # chat answer, a number); --max-new-tokens overrides them all.
@@ -50,7 +50,8 @@ class EvalSettings:
   max_new_tokens: int | None = None  # None: MAX_NEW_TOKENS per task
   max_group: int | None = None
   micro_rule: str | float = "off"  # when a batch's next micro step runs (decode/micro_rule.py)
-  data: str | None = None  # a tfds dataset, for nll
+  data: str | None = None  # a tfds dataset, for nll (and fidelity: its split instead of the set)
+  fidelity_set: str | None = None  # the fidelity task's set (None: the committed one)
   split: str = "validation"
   train_data: str | None = None  # prompts that must not be evaluation prompts
   out: str = "runs/eval"
@@ -141,7 +142,7 @@ def evaluate(model, tok, model_info: dict[str, Any], s: EvalSettings,
                     f"(graft.max_group={model.max_group}): give 1..{model.max_group}")
   engine = Engine(model, tok, micro_rule=s.micro_rule)
   tasks = {name: SyntheticTask(model.cfg.base.vocab_size, model.max_group) if name == "synthetic"
-           else eval_tasks.get_task(name) for name in names if name != "nll"}
+           else eval_tasks.get_task(name) for name in names if name not in TEACHER_FORCED_TASKS}
   examples = {name: task_examples(task, s.limit, tok) for name, task in tasks.items()}
   if s.train_data:
     n = check_disjoint(s.train_data, engine, examples)
@@ -181,6 +182,17 @@ def _run_tasks(model, tok, engine, s: EvalSettings, names, tasks, examples, resu
                                                          s.batch)
       except teacher_forced.SplitError as e:
         raise EvalError(str(e)) from None
+      continue
+    if name == "fidelity":
+      from hamburger_jax.evaluation import fidelity, fidelity_set  # pylint: disable=C0415
+      try:
+        results["tasks"][name] = r = fidelity.fidelity_task(
+            model, path=s.fidelity_set, data=s.data, split=s.split, limit=s.limit,
+            batch=s.batch)
+      except (fidelity_set.FidelitySetError, teacher_forced.SplitError) as e:
+        raise EvalError(str(e)) from None
+      log(f"fidelity: agree after merged {r['agree_merged']:.3f}, after single "
+          f"{r['agree_single']:.3f}, one merge {r.get('agree_one_merge') or float('nan'):.3f}")
       continue
     max_new = s.max_new_tokens or MAX_NEW_TOKENS[name]
     scored = run_task(engine, tasks[name], examples[name], list(s.confidences), max_new,

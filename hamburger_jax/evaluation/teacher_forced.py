@@ -19,7 +19,8 @@ The items of each metric:
     stop_bce, stop_acc, continue_rate  the window tokens with a stop label (all of them; for
                                        distill.stop_target "segments" those inside the group)
     acc_s{i}, agree_s{i}               the windows with an i-th token
-    agree_merged, feature_loss         the windows predicted from a merged entry
+    agree_merged, feature_loss,        the windows predicted from a merged entry
+    dense_loss
     agree_unmerged                     the other windows
   counts n_* (distillation.acceptance's n_tf_*)  summed over the split
   ratios tf_*                          recomputed from the summed counts (acceptance_metrics):
@@ -76,6 +77,8 @@ def item_counts(batch: Mapping[str, Any], max_group: int, recipe: str = "paper",
   steps = lambda sizes: {i: jnp.sum(sizes >= i) for i in range(1, k + 1)}
   window_steps = steps(window)
   counts = {"agree_merged": jnp.sum(from_merged), "feature_loss": jnp.sum(from_merged),
+            # dense_loss averages the merged windows that fit the unmerged rows: almost all
+            "dense_loss": jnp.sum(from_merged),
             "agree_unmerged": jnp.sum((window > 0) & ~from_merged),
             **{f"agree_s{i}": n for i, n in window_steps.items()}}
   if recipe == "paper":

@@ -7,14 +7,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hamburger_jax.model.llama import GraftParam, Linear, torch_linear_init
+from hamburger_jax.model.llama import GraftParam, Linear, RMSNorm, torch_linear_init
 
 
 class CompositionalEmbedder(nnx.Module):
-  """Attention merger: the group mean is the query; keys/values read [embedding ; in-group pos]."""
+  """Attention merger: the group mean is the query; keys/values read [embedding ; in-group pos].
+
+  `contextual` (GraftConfig.contextual_entry): each token's embedding first gets its context
+  added, a projection of its normed hidden state (the micro decoder's, at the step that chose the
+  token). The projection starts at zero, so a contextual embedder starts as the plain one (and
+  continues a trained plain graft unchanged)."""
 
   def __init__(self, hidden_size: int, max_group: int, head_dim: int, *, rngs: nnx.Rngs,
-               param_dtype=jnp.float32, dtype=jnp.float32):
+               param_dtype=jnp.float32, dtype=jnp.float32, contextual: bool = False,
+               eps: float = 1e-5):
     d, half = hidden_size, hidden_size // 2
     if d % head_dim:
       raise ValueError(f"merger_head_dim={head_dim} must divide hidden_size={d}")
@@ -31,15 +37,35 @@ class CompositionalEmbedder(nnx.Module):
     self.num_heads = d // head_dim
     self.head_dim = head_dim
     self.dtype = dtype
+    self.context_norm = nnx.data(None)
+    self.context_proj = nnx.data(None)
+    if contextual:
+      self.context_norm = RMSNorm(d, eps, param_type=GraftParam, param_dtype=param_dtype,
+                                  dtype=dtype)
+      self.context_proj = Linear(d, d, ("embed", "heads"), rngs=rngs, param_type=GraftParam,
+                                 init=nnx.initializers.zeros, param_dtype=param_dtype,
+                                 dtype=dtype)
 
-  def __call__(self, e_nkd: jax.Array, size_n: jax.Array) -> jax.Array:
-    """Embeddings of each group padded to K [..., K, D] and group sizes [...] -> [..., D].
+  @property
+  def contextual(self) -> bool:
+    return self.context_proj is not None
+
+  def __call__(self, e_nkd: jax.Array, size_n: jax.Array,
+               context_nkd: jax.Array | None = None) -> jax.Array:
+    """Embeddings of each group padded to K [..., K, D] and group sizes [...] -> [..., D];
+    a contextual embedder also takes the tokens' hidden states [..., K, D].
 
     Groups of one token are returned unchanged (never merged); size 0 (padding) returns row 0.
     """
     *lead, k, d = e_nkd.shape
     valid = jnp.arange(k) < size_n[..., None]  # [..., K]
+    single = e_nkd[..., 0, :].astype(self.dtype)
+    if self.contextual != (context_nkd is not None):
+      raise ValueError("a contextual embedder takes the group tokens' hidden states, a plain "
+                       "one none")
     e = e_nkd.astype(self.dtype)
+    if context_nkd is not None:
+      e = e + self.context_proj(self.context_norm(context_nkd.astype(self.dtype)))
     mean = jnp.sum(jnp.where(valid[..., None], e, 0), axis=-2) / jnp.maximum(
         size_n[..., None], 1).astype(self.dtype)
     pos = jnp.broadcast_to(self.pos[...].astype(self.dtype), (*lead, k, d // 2))
@@ -54,4 +80,4 @@ class CompositionalEmbedder(nnx.Module):
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
     o = jnp.einsum("...hk,...khd->...hd", probs, vals).reshape(*lead, d)
     merged = mean + self.out_proj(o)
-    return jnp.where((size_n <= 1)[..., None], e[..., 0, :], merged)
+    return jnp.where((size_n <= 1)[..., None], single, merged)

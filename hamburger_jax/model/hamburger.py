@@ -46,7 +46,8 @@ class Hamburger(nnx.Module):
       lora.attach(self.base, g.base_lora_rank, g.base_lora_alpha, rngs, folded_adapters)
     self.embedder = CompositionalEmbedder(b.hidden_size, g.max_group, g.merger_head_dim, rngs=rngs,
                                           param_dtype=dtype_of(b.param_dtype),
-                                          dtype=dtype_of(b.dtype))
+                                          dtype=dtype_of(b.dtype),
+                                          contextual=g.contextual_entry, eps=b.rms_norm_eps)
     self.micro = MicroStepDecoder(b, g, rngs=rngs)
     self.feature_layers = g.resolved_feature_layers(b.num_layers)
     self.micro_ids = nnx.data(None)  # [N] token ids, when micro steps use a reduced vocabulary
@@ -61,13 +62,38 @@ class Hamburger(nnx.Module):
   def num_features(self) -> int:
     return len(self.feature_layers)
 
-  def smash(self, ids_nk: jax.Array, size_n: jax.Array) -> jax.Array:
-    """Token ids of groups [..., K] and sizes [...] -> one base-input embedding each [..., D]."""
+  def smash(self, ids_nk: jax.Array, size_n: jax.Array,
+            context_nkd: jax.Array | None = None) -> jax.Array:
+    """Token ids of groups [..., K] and sizes [...] -> one base-input embedding each [..., D].
+    A contextual embedder (graft.contextual_entry) also reads the tokens' micro-decoder hidden
+    states [..., K, D] (`group_context`)."""
     e = self.base.embed(ids_nk)
     if self.merged_entry == "last_token":
       last = jnp.clip(size_n - 1, 0, ids_nk.shape[-1] - 1)
       return jnp.take_along_axis(e, last[..., None, None], axis=-2)[..., 0, :]
-    return self.embedder(e, size_n)
+    return self.embedder(e, size_n, context_nkd)
+
+  def group_context(self, features_nfd: jax.Array, ids_nk: jax.Array) -> jax.Array:
+    """What a contextual embedder reads of a group: the micro decoder's hidden state at each of
+    its tokens [N, K, D] (h_i, the state token i was chosen from), teacher-forced from the
+    features that predicted the group [N, F, D]; no gradient (the micro decoder learns from its
+    own losses)."""
+    return jax.lax.stop_gradient(self.micro_hidden(features_nfd, ids_nk))
+
+  def adapted_entries(self, size_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
+    """Where the merged-entry adapters act in a packed row of entries [B, T] (group sizes, and
+    the sample each entry belongs to): the merged entries, and with graft.adapter_scope
+    "after_merge" every later entry of the same sample."""
+    merged = size_bt >= 2
+    if self.cfg.graft.adapter_scope == "merged":
+      return merged
+    t = size_bt.shape[1]
+    count = jnp.cumsum(merged.astype(jnp.int32), axis=1)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids_bt[:, :1], bool),
+                              segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1]], axis=1)
+    first = jax.lax.cummax(jnp.where(starts, jnp.arange(t), 0), axis=1)  # the sample's start
+    before = jnp.take_along_axis(count - merged.astype(jnp.int32), first, axis=1)
+    return count - before > 0
 
   def base_features(self, x_btd: jax.Array, positions_bt: jax.Array,
                     mask_bts: jax.Array | None = None, cache=None,

@@ -35,6 +35,8 @@ from hamburger_jax import layout
 from hamburger_jax.objectives.losses import bce_with_logits, chunked_token_stats
 from hamburger_jax.model.attention import PackedMask
 from hamburger_jax.model.hamburger import Hamburger, continues
+from hamburger_jax.model.llama import ALL_MERGED
+from hamburger_jax.segmentation import segment_positions
 from hamburger_jax.run_config import DistillConfig
 
 
@@ -82,16 +84,12 @@ def acceptance_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
   return out
 
 
-def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str, jax.Array],
-                      cfg: DistillConfig, ce_chunk: int, group_end_n: jax.Array | None = None,
-                      merge_read_n: jax.Array | None = None
-                      ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
-  """KL / CE / stop losses of every micro step of each window, given the features that predict
-  it [N, F, D] (N = flattened groups). Returns (weighted loss, metrics, agreement of each micro
-  step's argmax with the teacher's greedy token [N, K]).
-
-  `merge_read_n` [N] bool (stop target "harm"): group n is a merged entry, and group n + 1's
-  token 0 is predicted from it."""
+def window_stats(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str, jax.Array],
+                 ce_chunk: int) -> dict[str, jax.Array]:
+  """Every micro step of each window, teacher-forced from the features that predict it [N, F,
+  D] (N = flattened groups): the hidden states h [N, K, D], and per step [N, K] the CE, the KL
+  from the teacher's top-k, the argmax, whether it is the teacher's greedy token (`agree`) and
+  whether the window has that step (`valid`); `size` [N] the window sizes."""
   k = model.max_group
   window = batch["window_ids"].reshape(-1, k)
   size = batch["window_size"].reshape(-1)
@@ -103,9 +101,26 @@ def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str
                               ce_chunk, h.dtype, topk_ids.reshape(n * k, -1),
                               topk_logp.reshape(n * k, -1), rows=batch["window_size"].shape[0])
   ce, kl, argmax = (stats[name].reshape(n, k) for name in ("ce", "kl", "argmax"))
+  return {"h": h, "ce": ce, "kl": kl, "argmax": argmax, "window": window, "size": size,
+          "agree": argmax == topk_ids[..., 0],  # the student's token is the teacher's greedy one
+          "valid": jnp.arange(k)[None, :] < size[:, None]}
+
+
+def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str, jax.Array],
+                      cfg: DistillConfig, ce_chunk: int, group_end_n: jax.Array | None = None,
+                      merge_read_n: jax.Array | None = None
+                      ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
+  """KL / CE / stop losses of every micro step of each window, given the features that predict
+  it [N, F, D] (N = flattened groups). Returns (weighted loss, metrics, agreement of each micro
+  step's argmax with the teacher's greedy token [N, K]).
+
+  `merge_read_n` [N] bool (stop target "harm"): group n is a merged entry, and group n + 1's
+  token 0 is predicted from it."""
+  k = model.max_group
+  w = window_stats(model, feats_nfd, batch, ce_chunk)
+  h, ce, kl, argmax, window, size = (w[n] for n in ("h", "ce", "kl", "argmax", "window", "size"))
   step = jnp.arange(k)[None, :]
-  valid = step < size[:, None]  # [N, K]
-  agree = argmax == topk_ids[..., 0]  # the student's token is the teacher's greedy token
+  valid, agree = w["valid"], w["agree"]
   if cfg.stop_target in ("teacher", "harm"):
     next_agrees = jnp.pad(agree[:, 1:], ((0, 0), (0, 1)))
     stop_target = ~(next_agrees & (step + 1 < size[:, None]))
@@ -154,21 +169,112 @@ def micro_distill_loss(model: Hamburger, batch: Mapping[str, jax.Array], cfg: Di
   return loss, metrics
 
 
-def distill_loss(model: Hamburger, batch: Mapping[str, jax.Array], cfg: DistillConfig,
-                 ce_chunk: int = 1024) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Stages 2 and 3: the HAMburger forward (merged entries, adapters on them) against the
-  teacher: micro-step KL and stop on each window, feature regression at merged entries."""
+def predicting_features(model: Hamburger, batch: Mapping[str, jax.Array], *,
+                        layers: bool = False) -> tuple[jax.Array, ...]:
+  """The HAMburger forward of a packed batch (merged entries, adapters where the graft puts
+  them): the features at each group's predicting entry [B, G, F, D], and that entry's group
+  size [B, G] (1: a prompt token or a single-token group; >= 2: a merged entry). With `layers`,
+  also that entry's input to every base layer [B, G, L, D] (the entry itself, then each layer's
+  residual output) and the last layer's residual output [B, G, D] (`dense_alignment`)."""
   ids, size = batch["input_ids"], batch["input_size"]
-  b = ids.shape[0]
-  merged = size >= 2
-  x = model.smash(ids, size)
-  feats, _ = model.base_features(x, batch["positions"], PackedMask(batch["segment_ids"]),
-                                 merged_bt=merged)
+  rows = jnp.arange(ids.shape[0])[:, None]
+  at = lambda a: a[rows, batch["pred_index"]]
+  context = entry_context(model, batch) if model.embedder.contextual else None
+  x = model.smash(ids, size, context)
+  adapted = model.adapted_entries(size, batch["segment_ids"])
+  mask = PackedMask(batch["segment_ids"])
+  if not layers:
+    feats, _ = model.base_features(x, batch["positions"], mask, merged_bt=adapted)
+    return at(feats), at(size)
+  n = model.cfg.base.num_layers
+  out = model.base.forward(x, batch["positions"], mask, collect=tuple(range(n)), merged_bt=adapted)
+  outs = [at(o) for o in out.collected]  # [B, G, D] each
+  feats = jnp.stack([outs[i] for i in model.feature_layers[:-1]] + [at(out.hidden)], axis=-2)
+  return feats, at(size), jnp.stack([at(x)] + outs[:-1], axis=-2), outs[-1]
+
+
+def unmerged_rows(batch: Mapping[str, jax.Array], tokens: int
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A packed batch's rows unmerged, in `tokens` slots: token ids and segment ids [B, tokens]
+  (each entry's group laid out token by token, in order), and the unmerged index of each
+  group's predicting entry's last token [B, G] (`tokens` where the row is too short for it)."""
+  ids, size, seg = batch["input_ids"], batch["input_size"], batch["segment_ids"]
+  b, m, k = ids.shape
+  valid = (jnp.arange(k)[None, None, :] < size[..., None]).reshape(b, m * k)
+  dest = jnp.where(valid, jnp.cumsum(valid, axis=1) - 1, tokens)
   rows = jnp.arange(b)[:, None]
-  feats = feats[rows, batch["pred_index"]]  # [B, G, F, D]
+  flat = lambda a: a.reshape(b, m * k)
+  out_ids = jnp.zeros((b, tokens), ids.dtype).at[rows, dest].set(flat(ids), mode="drop")
+  out_seg = jnp.zeros((b, tokens), seg.dtype).at[rows, dest].set(
+      flat(jnp.broadcast_to(seg[..., None], (b, m, k))), mode="drop")
+  last = jnp.cumsum(size, axis=1) - 1  # [B, M]
+  pred = last[rows, batch["pred_index"]]
+  return out_ids, out_seg, jnp.where(pred < tokens, pred, tokens)
+
+
+def _relative_error(student: jax.Array, teacher: jax.Array) -> jax.Array:
+  """feature_error over every axis after the leading [B, G] (a head's keys: heads x dims)."""
+  s, t = (a.reshape(*a.shape[:2], -1) for a in (student, teacher))
+  return feature_error(s, t)
+
+
+def dense_alignment(model: Hamburger, batch: Mapping[str, jax.Array], inputs: jax.Array,
+                    last: jax.Array, tokens: int) -> tuple[jax.Array, jax.Array]:
+  """Per predicting entry [B, G]: the relative error of every base layer's residual output, keys
+  and values there against the exact base's at the same token of the unmerged rows (the last of
+  the entry's group), averaged over the layers and the three; and whether the entry fits the
+  unmerged rows (`tokens` slots). The teacher runs here, under stop_gradient."""
+  base, n = model.base, model.cfg.base.num_layers
+  ids, seg, at = unmerged_rows(batch, tokens)
+  b = ids.shape[0]
+  rows = jnp.arange(b)[:, None]
+  t_out = base.forward(base.embed(ids), segment_positions(seg), PackedMask(seg),
+                       collect=tuple(range(n)))
+  gather = lambda a: jax.lax.stop_gradient(jnp.pad(a, ((0, 0), (0, 1), (0, 0)))[rows, at])
+  t_in = [gather(base.embed(ids))] + [gather(o) for o in t_out.collected[:-1]]
+  t_last = gather(t_out.collected[-1])
+  err = []
+  for i, layer in enumerate(base.decoder.layers):
+    s_kv = layer.self_attn.project(layer.input_layernorm(inputs[:, :, i]), ALL_MERGED)[1:]
+    t_kv = layer.self_attn.project(layer.input_layernorm(t_in[i]))[1:]
+    err += [_relative_error(s, jax.lax.stop_gradient(t)) for s, t in zip(s_kv, t_kv)]
+    s_res = inputs[:, :, i + 1] if i + 1 < n else last
+    err.append(_relative_error(s_res, t_in[i + 1] if i + 1 < n else t_last))
+  return jnp.mean(jnp.stack(err, axis=-1), axis=-1), at < tokens
+
+
+def entry_context(model: Hamburger, batch: Mapping[str, jax.Array]) -> jax.Array:
+  """A contextual embedder's input at every entry [B, M, K, D] (zero at prompt entries): each
+  group's hidden states from the teacher's features at its predicting position, as the micro
+  decoder produced its tokens. Teacher-forced: decoding reads the states of its own features."""
+  ids = batch["input_ids"]
+  b, m, k = ids.shape
+  feats = batch["teacher_features"]  # [B, G, F, D]
+  g, f, d = feats.shape[1:]
+  h = model.group_context(feats.reshape(b * g, f, d).astype(jnp.dtype(model.cfg.base.dtype)),
+                          batch["window_ids"].reshape(b * g, k)).reshape(b, g, k, d)
+  # Group g's own entry follows the entry that predicts it (padded groups go nowhere).
+  entry = jnp.where(batch["window_size"] > 0, batch["pred_index"] + 1, m)
+  rows = jnp.arange(b)[:, None]
+  return jnp.zeros((b, m, k, d), h.dtype).at[rows, entry].set(h, mode="drop")
+
+
+def distill_loss(model: Hamburger, batch: Mapping[str, jax.Array], cfg: DistillConfig,
+                 ce_chunk: int = 1024, dense_tokens: int | None = None
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Stages 2 and 3: the HAMburger forward (merged entries, adapters on them) against the
+  teacher: micro-step KL and stop on each window, feature regression at merged entries, and
+  with distill.dense_weight the dense alignment of every layer there (`dense_alignment`, on
+  unmerged rows of `dense_tokens` slots)."""
+  b = batch["input_ids"].shape[0]
+  dense = cfg.dense_weight > 0
+  if dense and not dense_tokens:
+    raise ValueError("distill.dense_weight > 0 aligns against the unmerged rows: give their "
+                     "length (dense_tokens; the trainer passes data.tokens)")
+  feats, read_size, *layer_states = predicting_features(model, batch, layers=dense)
   g, f, d = feats.shape[1:]
   # Groups predicted from a merged entry: the teacher saw the same context unmerged.
-  from_merged = merged[rows, batch["pred_index"]] & (batch["window_size"] > 0)  # [B, G]
+  from_merged = (read_size >= 2) & (batch["window_size"] > 0)  # [B, G]
   # Groups are laid out in order, so group g + 1 reads the entry of group g (false across rows:
   # the last group of a row is padded).
   merge_read = jnp.pad(from_merged[:, 1:], ((0, 0), (0, 1))).reshape(-1)
@@ -179,6 +285,12 @@ def distill_loss(model: Hamburger, batch: Mapping[str, jax.Array], cfg: DistillC
   n_merged = jnp.maximum(from_merged.sum(), 1)
   feature_loss = jnp.sum(jnp.where(from_merged, err, 0)) / n_merged
   loss = loss + cfg.feature_weight * feature_loss
+  if dense:
+    dense_err, fits = dense_alignment(model, batch, *layer_states, dense_tokens)
+    aligned = from_merged & fits
+    dense_loss = jnp.sum(jnp.where(aligned, dense_err, 0)) / jnp.maximum(aligned.sum(), 1)
+    loss = loss + cfg.dense_weight * dense_loss
+    metrics["dense_loss"] = dense_loss
   # Token-0 agreement with the teacher after merged vs unmerged entries: the quality split.
   agree0 = agree[:, 0].reshape(b, g)
   unmerged = (batch["window_size"] > 0) & ~from_merged

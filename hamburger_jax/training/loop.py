@@ -156,6 +156,33 @@ class GenerationCheck:
     return out
 
 
+class FidelityCheck:
+  """The fidelity figures of the current graft on a fidelity set (train.fidelity_every): the
+  teacher's signals are computed once, at the first call; each call then runs the graft's
+  teacher-forced forwards (evaluation/fidelity.py). Metrics fid_<figure>."""
+
+  FIGURES = ("agree_merged", "agree_single", "agree_one_merge", "agree_s2", "agree_s3",
+             "agree_s4", "kl_merged", "kl_single", "kl_one_merge")
+
+  def __init__(self, trainer: Trainer, t: TrainConfig):
+    self.trainer, self.path = trainer, t.fidelity_set or None
+    self.records = None
+
+  def __call__(self) -> dict[str, float]:
+    # pylint: disable=import-outside-toplevel
+    from hamburger_jax.evaluation import fidelity, fidelity_set
+    model = self.trainer.current_model()
+    if self.records is None:
+      fset = fidelity_set.load(self.path)
+      try:
+        fidelity_set.check_fits(fset, model.base, model.max_group)
+      except fidelity_set.FidelitySetError as e:
+        raise ConfigError(f"train.fidelity_every: {e}") from None
+      self.records = fidelity.teacher_records(model, fset.records)
+    out = fidelity.fidelity_figures(model, self.records, progress=False)
+    return {f"fid_{name}": out[name] for name in self.FIGURES if out.get(name) is not None}
+
+
 def _close(iterator) -> None:
   if hasattr(iterator, "close"):
     iterator.close()
@@ -324,8 +351,10 @@ def _timed_step(trainer: Trainer, iterator, cfg: RunConfig, budget: _Budget) -> 
 
 
 def _checks_due(trainer: Trainer, cfg: RunConfig, done: int, last_step: bool,
-                generation_check: GenerationCheck) -> dict[str, float]:
-  """The validation and the generation check that fall after step `done`."""
+                generation_check: GenerationCheck,
+                fidelity_check: FidelityCheck) -> dict[str, float]:
+  """The validation, the generation check and the fidelity check that fall after step
+  `done`."""
   d, t, out = cfg.data, cfg.train, {}
   if t.eval_every and (done % t.eval_every == 0 or last_step):
     out.update(trainer.evaluate(pipeline.validation_batches(
@@ -335,6 +364,8 @@ def _checks_due(trainer: Trainer, cfg: RunConfig, done: int, last_step: bool,
         max(d.validation_rows // d.rows, 1)))
   if t.generate_every and (done % t.generate_every == 0 or last_step):
     out.update(generation_check())
+  if t.fidelity_every and (done % t.fidelity_every == 0 or last_step):
+    out.update(fidelity_check())
   return out
 
 
@@ -361,20 +392,25 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
   interrupted = []
   previous = signal.signal(signal.SIGTERM, lambda *_: interrupted.append("SIGTERM"))
   generation_check = GenerationCheck(trainer, cfg.data.dir, t)
+  fidelity_check = FidelityCheck(trainer, t)
   last: dict[str, float] = {}
   bar = tqdm(total=end, initial=start, unit="step", disable=not progress or trainer.process_index)
   budget = _Budget(max_minutes, max_cpu_minutes)
   try:
-    if t.generate_every and start == 0 < end:  # where the curve starts: the initial graft
-      metrics_log.write(0, generation_check())
+    if start == 0 < end:  # where the curves start: the initial graft
+      first = {**(generation_check() if t.generate_every else {}),
+               **(fidelity_check() if t.fidelity_every else {})}
+      if first:
+        metrics_log.write(0, first)
     for step in range(start, end):
       m = _timed_step(trainer, iterator, cfg, budget)
       done = step + 1
       timed_out = done < end and budget.spent()
       last_step = done == end or timed_out  # a time-boxed stop evaluates and logs like an end
-      m.update(_checks_due(trainer, cfg, done, last_step, generation_check))
+      m.update(_checks_due(trainer, cfg, done, last_step, generation_check, fidelity_check))
       last = m
-      if done % t.log_every == 0 or last_step or any(k.startswith("val_") for k in m):
+      if (done % t.log_every == 0 or last_step
+          or any(k.startswith(("val_", "fid_")) for k in m)):
         metrics_log.write(done, m)
       bar.update(1)
       bar.set_postfix(loss=f"{m['loss']:.3f}", acc_s2=f"{m.get('acc_s2', 0):.2f}",

@@ -294,8 +294,10 @@ class Trainer:
       return hamburger_loss(model, batch, t.ce_chunk)
     if self.online_teacher:
       batch = with_teacher(model, batch, self.cfg.distill.top_k, t.ce_chunk)
-    loss_fn = micro_distill_loss if t.trainable == "micro" else distill_loss
-    return loss_fn(model, batch, self.cfg.distill, t.ce_chunk)
+    if t.trainable == "micro":
+      return micro_distill_loss(model, batch, self.cfg.distill, t.ce_chunk)
+    return distill_loss(model, batch, self.cfg.distill, t.ce_chunk,
+                        dense_tokens=self.cfg.data.row_tokens)
 
   def _sizes(self, batch: dict) -> jax.Array:
     """Tokens each predicted group is trained on: its window (distill) or the group (paper)."""
