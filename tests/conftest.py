@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import time
+
 import pytest
 
 from hamburger_jax import precision
@@ -50,3 +54,49 @@ def gcs():
         os.environ.pop(k, None)
       else:
         os.environ[k] = v
+
+
+# ----------------------------------------------------------------------------- where time goes
+
+# With HAMBURGER_TEST_TIMINGS=DIR, each test process writes one line per test to DIR/<worker>.jsonl:
+# its wall seconds (setup, call and teardown) and the seconds this process spent tracing,
+# lowering and compiling programs with XLA meanwhile (jax.monitoring's durations; programs that a
+# test's subprocesses compile are not seen). tests/suite_timings.py tables them.
+TIMINGS_ENV = "HAMBURGER_TEST_TIMINGS"
+_JAX_DURATIONS = {"/jax/core/compile/backend_compile_duration": "compile_s",
+                  "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration": "trace_s"}
+_spent = {"compile_s": 0.0, "trace_s": 0.0}
+
+
+def _on_duration(event: str, seconds: float, **_) -> None:
+  if event in _JAX_DURATIONS:
+    _spent[_JAX_DURATIONS[event]] += seconds
+
+
+def pytest_configure(config):
+  if os.environ.get(TIMINGS_ENV):
+    import jax  # pylint: disable=import-outside-toplevel
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+    config.stash[_TIMINGS_KEY] = {}
+
+
+_TIMINGS_KEY = pytest.StashKey[dict]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  timings = item.config.stash.get(_TIMINGS_KEY, None)
+  if timings is None:
+    yield
+    return
+  before, t0 = dict(_spent), time.perf_counter()
+  yield
+  line = {"test": item.nodeid, "file": item.nodeid.split("::", 1)[0],
+          "wall_s": round(time.perf_counter() - t0, 3),
+          **{k: round(_spent[k] - before[k], 3) for k in _spent}}
+  worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+  os.makedirs(os.environ[TIMINGS_ENV], exist_ok=True)
+  with open(os.path.join(os.environ[TIMINGS_ENV], f"{worker}.jsonl"), "a",
+            encoding="utf-8") as f:
+    f.write(json.dumps(line) + "\n")
