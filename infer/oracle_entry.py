@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import os
 import sys
 
 from hamburger_jax import cli
@@ -64,6 +64,7 @@ def main(argv=None) -> int:
       f"{s}: {curve.by_size['agree_0'][s]:.3f} -> {curve.by_size['agree_final'][s]:.3f}"
       for s in curve.by_size["agree_0"]))
   print(f"the optimised entries moved {curve.relative_change:.2f} of their norm")
+  files.makedirs(os.path.dirname(args.out) or ".")
   files.write_json_atomic(args.out, {"command": " ".join(["python", "-m", "infer.oracle_entry",
                                                           *(argv or sys.argv[1:])]),
                                      **dataclasses.asdict(curve)}, indent=2)

@@ -217,3 +217,18 @@ def test_the_committed_set_is_held_out_and_well_formed():
   chat = [r for r in fset.records if r.source == "sharegpt_heldout"]
   assert min(e.reference["index"] for e in heldout.SHAREGPT_HELDOUT.examples(
       len(chat), count_tokens=lambda s: len(tok.encode(s)))) >= heldout.SHAREGPT_HELDOUT_START
+
+
+def test_the_oracle_entry_fits_the_slots_better_than_the_embedder():
+  """Free entries optimised against the frozen reading side: step 0 is the embedder's own
+  one-merge figure on the same slots; the KL falls and agreement does not drop."""
+  from hamburger_jax.evaluation import oracle_entry
+  model = tiny_distill_model()
+  taught = fidelity.teacher_records(model, _records(4))
+  curve = oracle_entry.optimise(model, taught, slots=12, steps=40, lr=1.0, report_every=20)
+  assert curve.steps == [0, 20, 40] and curve.slots == 12
+  assert curve.kl[-1] < 0.5 * curve.kl[0], curve.kl
+  assert curve.agree[-1] >= curve.agree[0]
+  single = [dict(taught[0], groups=np.ones(sum(taught[0]["groups"]), np.int32))]
+  with pytest.raises(ValueError, match="no merged group"):
+    oracle_entry.optimise(model, single, slots=4, steps=2)
