@@ -14,6 +14,10 @@ import yaml
 # The inference rule's default: a group continues while the stop head's P(continue) >= this
 # (docs/method.md, section 3). The engine, the CLIs and training's generation probes use it.
 DEFAULT_CONFIDENCE = 0.8
+# Verify mode's drafts go on while the stop head's P(continue) >= this (0: every micro step
+# drafts, up to K - 1 drafts a step; 1: none, the base one token a forward). Measured in
+# docs/results/decode_speed.md (verify mode).
+DEFAULT_DRAFT_CONFIDENCE = 0.0
 # The engine's prefix cache capacity, in KV entries (hamburger_jax/decode/prefix_cache.py;
 # SmolLM2 in fp32: 46 KB each, so ~94 MB): a hundred system turns, or a few long histories.
 DEFAULT_PREFIX_CACHE_TOKENS = 2048

@@ -22,7 +22,8 @@ import numpy as np
 from flax import nnx
 
 from hamburger_jax import precision
-from hamburger_jax.config import DEFAULT_CONFIDENCE, DEFAULT_PREFIX_CACHE_TOKENS
+from hamburger_jax.config import (DEFAULT_CONFIDENCE, DEFAULT_DRAFT_CONFIDENCE,
+                                  DEFAULT_PREFIX_CACHE_TOKENS)
 from hamburger_jax.decode import micro_rule as micro_rules, placement, serving, shapes
 from hamburger_jax.decode.prefix_cache import PrefixCache
 from hamburger_jax.decode.programs import EnginePrograms
@@ -30,7 +31,7 @@ from hamburger_jax.decode.requests import Generation, GenerationError, Request
 from hamburger_jax.decode.runner import decode_runner
 from hamburger_jax.decode.sampling import SamplingParams
 from hamburger_jax.decode.shapes import DEFAULT_BLOCK_SIZE, Layout, generate_slots
-from hamburger_jax.decode.step import DecodeState, StepVariant, base_of
+from hamburger_jax.decode.step import FEATURE_MODES, MODES, DecodeState, StepVariant, base_of
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import Llama
 
@@ -120,8 +121,8 @@ class Engine(EnginePrograms):
   # ------------------------------------------------------------------ traced pieces
 
   def _empty_state(self, layout: Layout) -> DecodeState:
-    k = self.runner.max_group if layout.mode == "hamburger" else 1
-    f = self.runner.num_features if layout.mode == "hamburger" else 1
+    k = self.runner.max_group if layout.mode in FEATURE_MODES else 1
+    f = self.runner.num_features if layout.mode in FEATURE_MODES else 1
     return shapes.empty_state(layout, self.base_cfg, k, f)
 
   def init_state(self, layout: Layout) -> DecodeState:
@@ -195,10 +196,11 @@ class Engine(EnginePrograms):
 
   def check_mode(self, mode: str | None) -> str:
     mode = mode or ("hamburger" if isinstance(self.model, Hamburger) else "base")
-    if mode not in ("base", "hamburger"):
-      raise GenerationError(f"mode={mode!r}: use 'base' or 'hamburger'")
-    if mode == "hamburger" and not isinstance(self.model, Hamburger):
-      raise GenerationError("mode 'hamburger' needs a HAMburger model (load a checkpoint)")
+    if mode not in MODES:
+      raise GenerationError(f"mode={mode!r}: use one of {', '.join(MODES)}")
+    if mode in FEATURE_MODES and not isinstance(self.model, Hamburger):
+      raise GenerationError(f"mode {mode!r} needs a HAMburger model (its micro decoder "
+                            "proposes the tokens): load a graft checkpoint")
     return mode
 
   def serve(self, requests: Iterable, *, slots: int = 8, kv_blocks: int | None = None,
@@ -217,19 +219,21 @@ class Engine(EnginePrograms):
   def requests(self, prompts: Sequence, *, max_new_tokens: int = 128,
                sampling: SamplingParams = SamplingParams(),
                confidence: float | Sequence[float] = DEFAULT_CONFIDENCE, seed: int = 0,
-               max_group: int | None = None) -> list[Request]:
+               max_group: int | None = None,
+               draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE) -> list[Request]:
     """Checked requests for `prompts` (texts, message lists or token-id lists), with ids 0..n-1
     and one confidence for all or one per prompt. Each prompt is encoded here, once: `compile`,
     `generate` and `serve` take these requests and use their ids as they are. Raises
     GenerationError on the first bad prompt or setting."""
-    reqs = self._batch(prompts, max_new_tokens, sampling, confidence, seed, max_group)
+    reqs = self._batch(prompts, max_new_tokens, sampling, confidence, seed, max_group,
+                       draft_confidence)
     for r in reqs:
       r.check(self)
     return reqs
 
   def _batch(self, prompts: Sequence, max_new_tokens: int, sampling: SamplingParams,
-             confidence: float | Sequence[float], seed: int,
-             max_group: int | None) -> list[Request]:
+             confidence: float | Sequence[float], seed: int, max_group: int | None,
+             draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE) -> list[Request]:
     """A Request per item, unchecked: items that are Requests already are kept as they are
     (their own settings); the others take these settings and their index as id."""
     if isinstance(prompts, (str, dict)) or not len(prompts):
@@ -241,7 +245,8 @@ class Engine(EnginePrograms):
     conf = np.broadcast_to(conf, (len(prompts),))
     return [p if isinstance(p, Request) else Request(
         p, max_new_tokens=max_new_tokens, confidence=float(c), sampling=sampling, seed=seed, id=i,
-        max_group=max_group) for i, (p, c) in enumerate(zip(prompts, conf))]
+        max_group=max_group, draft_confidence=draft_confidence)
+        for i, (p, c) in enumerate(zip(prompts, conf))]
 
   def compile(self, prompts: Sequence, *, max_new_tokens: int = 128, mode: str | None = None,
               sampling: SamplingParams = SamplingParams(), stream: bool = False) -> float:
@@ -263,17 +268,20 @@ class Engine(EnginePrograms):
   def generate(self, prompts: Sequence, *, max_new_tokens: int = 128, mode: str | None = None,
                sampling: SamplingParams = SamplingParams(),
                confidence: float | Sequence[float] = DEFAULT_CONFIDENCE, seed: int = 0,
-               stream: StreamCallback | None = None,
-               max_group: int | None = None) -> list[Generation]:
+               stream: StreamCallback | None = None, max_group: int | None = None,
+               draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE) -> list[Generation]:
     """Generates for a batch of prompts (texts, message lists or token-id lists) or Requests
     (from `requests`: encoded once there; each carries its own settings, which the arguments
     here do not change): one slot per prompt, results in prompt order. Raises GenerationError on
-    any bad prompt or setting. `max_group`: the most tokens a macro step may emit (None: the
-    model's K). `stream`: as for `serve`."""
+    any bad prompt or setting. `mode`: decode/step.py MODES (default: hamburger for a HAMburger
+    model). `max_group`: the most tokens a macro step may emit (None: the model's K).
+    `draft_confidence`: verify mode's drafts go on while the stop head's P(continue) >= it.
+    `stream`: as for `serve`."""
     mode = self.check_mode(mode)
     # serve checks each request; it reports the bad ones before any work, so the first error
     # stops the batch before anything compiles.
-    reqs = self._batch(prompts, max_new_tokens, sampling, confidence, seed, max_group)
+    reqs = self._batch(prompts, max_new_tokens, sampling, confidence, seed, max_group,
+                       draft_confidence)
     # Results come back by id; serve gives an id-less request its index.
     ids = [i if r.id is None else r.id for i, r in enumerate(reqs)]
     try:

@@ -69,7 +69,8 @@ class EnginePrograms:
           features=at(state.features, feats[0, n_valid - 1]),
           prompt_len=at(state.prompt_len, prompt_len), tokens=zero(state.tokens),
           n_tokens=zero(state.n_tokens), groups=zero(state.groups), n_steps=zero(state.n_steps),
-          done=at(state.done, False), **{k: at(getattr(state, k), v) for k, v in request.items()})
+          done=at(state.done, False), veto=at(state.veto, -1),
+          **{k: at(getattr(state, k), v) for k, v in request.items()})
 
     # The pool stays out of the cond, which would copy it (see _decode_impl).
     k, v = state.cache.k, state.cache.v
@@ -78,9 +79,11 @@ class EnginePrograms:
     return small.replace(cache=small.cache.replace(k=k, v=v))
 
   def _decode_impl(self, params, state: DecodeState, refill, limit, sink, *, mode: str,
-                   stochastic: bool, stream: bool, view: int) -> DecodeState:
+                   stochastic: bool, stream: bool, view: int,
+                   step_entries: int = 1) -> DecodeState:
     """Macro steps until every slot is done, or (with `refill`) a slot finishes so the host can
-    give it the next request, or a live slot's blocks are full so the host can add one, or
+    give it the next request, or a live slot's blocks cannot hold the `step_entries` a macro
+    step writes so the host can add one, or
     `limit` macro steps have run, or (with `stream`) the sink asks for the host.
 
     Attention reads the first `view` blocks of each slot's table (the host picks a view that
@@ -115,7 +118,7 @@ class EnginePrograms:
     def cond(carry):
       step, state, host = carry
       finished = jnp.any(state.done & ~done_at_start)
-      full = jnp.any(~state.done & (state.cache.length >= state.cache.capacity()))
+      full = jnp.any(~state.done & (state.cache.length + step_entries > state.cache.capacity()))
       return (step < jnp.minimum(n_max, limit)) & ~jnp.all(state.done) & ~(
           refill & finished) & ~full & ~host
 
@@ -127,8 +130,9 @@ class EnginePrograms:
   def layout(self, mode: str, slots: int, max_new: int, longest_prompt: int,
              kv_blocks: int | None = None) -> Layout:
     """The static shapes for requests up to `longest_prompt` + `max_new` tokens, in this
-    engine's blocks (shapes.plan_layout)."""
-    return shapes.plan_layout(mode, slots, max_new, longest_prompt, self.block_size, kv_blocks)
+    engine's blocks (shapes.plan_layout); a verify step writes K entries."""
+    return shapes.plan_layout(mode, slots, max_new, longest_prompt, self.block_size, kv_blocks,
+                              step_entries=self.max_group if mode == "verify" else 1)
 
   def _spec(self, shape: tuple, dtype) -> jax.ShapeDtypeStruct:
     """An abstract argument, replicated over the mesh if there is one (as `put` places it)."""
@@ -189,11 +193,13 @@ class EnginePrograms:
                    view: int) -> jax.stages.Lowered:
     """The decode loop of `decode_program`, lowered."""
     state = self._abstract_state(layout)
-    fn = self._jit(self._decode_impl, static_argnames=("mode", "stochastic", "stream", "view"))
+    fn = self._jit(self._decode_impl, static_argnames=("mode", "stochastic", "stream", "view",
+                                                       "step_entries"))
     i32 = self._spec((), jnp.int32)
     with precision.matmuls(self.precision):
       return fn.lower(self.params, state, self._spec((), bool), i32, i32, mode=layout.mode,
-                      stochastic=stochastic, stream=stream, view=view)
+                      stochastic=stochastic, stream=stream, view=view,
+                      step_entries=layout.step_entries)
 
   def views(self, layout: Layout) -> list[int]:
     """The decode programs' views of a slot's table, in blocks (shapes.views)."""
@@ -206,8 +212,9 @@ class EnginePrograms:
   def prefill(self, layout: Layout, state: DecodeState, r: Request, slot: int) -> DecodeState:
     """Prefills request `r` (checked: its `ids` set) into `slot` (its blocks already in the
     state's table), chunk by chunk; the slot then decodes with the request's settings."""
+    confidence = r.draft_confidence if layout.mode == "verify" else r.confidence
     request = self.put({
-        "max_new": np.int32(r.max_new_tokens), "confidence": np.float32(r.confidence),
+        "max_new": np.int32(r.max_new_tokens), "confidence": np.float32(confidence),
         "max_group": np.int32(r.max_group or self.max_group or 1),
         "temperature": np.float32(r.sampling.temperature), "top_k": np.int32(r.sampling.top_k),
         "top_p": np.float32(r.sampling.top_p), "key": r.key()})

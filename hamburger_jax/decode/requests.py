@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from hamburger_jax.config import DEFAULT_CONFIDENCE
+from hamburger_jax.config import DEFAULT_CONFIDENCE, DEFAULT_DRAFT_CONFIDENCE
 from hamburger_jax.decode.sampling import SamplingError, SamplingParams
 
 
@@ -36,11 +36,12 @@ class Generation:
   queue_s: float = 0.0  # from the call (arrival) to its admission into a slot
   latency_s: float = 0.0  # from the call (arrival) to its result
   preemptions: int = 0  # times it was evicted for KV blocks and recomputed
-  mode: str = ""  # "base" or "hamburger"
+  mode: str = ""  # "base", "hamburger" or "verify" (decode/step.py: MODES)
   confidence: float = DEFAULT_CONFIDENCE
   max_group: int | None = None  # None: the model's K
   seed: int = 0
   sampling: SamplingParams = SamplingParams()
+  draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE
 
   @property
   def new_tokens(self) -> int:
@@ -66,25 +67,28 @@ class Generation:
             "decode_s": r(self.decode_s)}
 
   def settings(self) -> dict:
-    """The HAMburger settings the CLIs print after `record()` ({} in mode "base", where they
-    change nothing)."""
+    """The mode's settings the CLIs print after `record()` ({} in mode "base", where none
+    changes anything)."""
+    if self.mode == "verify":
+      return {"draft_confidence": self.draft_confidence, "max_group": self.max_group}
     if self.mode != "hamburger":
       return {}
     return {"confidence": self.confidence, "max_group": self.max_group}
 
 
 def check_settings(max_new_tokens: Any = 1, confidence: Any = DEFAULT_CONFIDENCE,
-                   max_group: Any = None, seed: Any = 0, group_limit: int | None = None) -> None:
+                   max_group: Any = None, seed: Any = 0, group_limit: int | None = None,
+                   draft_confidence: Any = DEFAULT_DRAFT_CONFIDENCE) -> None:
   """A request's settings, checked in the one place every entry point uses (CLIs call it before
   a model loads, with `group_limit` None when the model's K is not known yet); raises
   GenerationError saying what to change."""
   m = max_new_tokens
   if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
     raise GenerationError(f"max_new_tokens={m!r} must be an integer >= 1")
-  c = confidence
-  if isinstance(c, bool) or not isinstance(c, (int, float, np.floating, np.integer)) or not (
-      0 <= c <= 1):
-    raise GenerationError(f"confidence must be in [0, 1], got {c!r}")
+  for name, c in (("confidence", confidence), ("draft_confidence", draft_confidence)):
+    if isinstance(c, bool) or not isinstance(c, (int, float, np.floating, np.integer)) or not (
+        0 <= c <= 1):
+      raise GenerationError(f"{name} must be in [0, 1], got {c!r}")
   g, k = max_group, group_limit
   if g is not None and (isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1
                         or (k is not None and g > k)):
@@ -104,10 +108,13 @@ class Request:
   sampling: SamplingParams = SamplingParams()
   seed: int = 0
   id: Any = None
-  # The most tokens one macro step may emit (HAMburger mode; None: the model's K). A smaller cap
-  # bounds a step's micro-step work and merges fewer tokens into each KV entry (less
+  # The most tokens one macro step may emit (HAMburger and verify modes; None: the model's K). A
+  # smaller cap bounds a step's micro-step work and merges fewer tokens into each KV entry (less
   # compression; docs/results/quality.md: no better quality at equal compression).
   max_group: int | None = None
+  # Verify mode: drafts go on while the stop head's P(continue) >= this (`confidence` is
+  # HAMburger mode's; verify's output is the base's whatever either is)
+  draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE
   # The encoded prompt: set once, by the first check(), and reused by every later one (a
   # request checked by one engine is for that engine's tokenizer).
   ids: list[int] | None = dataclasses.field(default=None, repr=False)
@@ -116,7 +123,7 @@ class Request:
     """Validates, and encodes the prompt unless `ids` holds it already; raises GenerationError
     saying what to change."""
     check_settings(self.max_new_tokens, self.confidence, self.max_group, self.seed,
-                   engine.max_group)
+                   engine.max_group, self.draft_confidence)
     if not isinstance(self.sampling, SamplingParams):
       raise GenerationError("sampling must be a SamplingParams(temperature, top_k, top_p)")
     try:

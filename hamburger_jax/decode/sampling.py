@@ -74,15 +74,29 @@ def filter_top_p(logits_bv: jax.Array, top_p_b) -> jax.Array:
   return jnp.where(logits_bv < cutoff, -jnp.inf, logits_bv)
 
 
+def sampling_logits(logits_bv: jax.Array, temperature_b: jax.Array, top_k_b: jax.Array,
+                    top_p_b: jax.Array) -> jax.Array:
+  """The logits a sampling row draws from: scaled by its temperature, then its top-k and top-p
+  filters (-inf outside); their softmax is the row's sampling distribution."""
+  logits = logits_bv.astype(jnp.float32) / jnp.maximum(temperature_b, 1e-6)[:, None]
+  return filter_top_p(filter_top_k(logits, top_k_b), top_p_b)
+
+
 def sample_rows(logits_bv: jax.Array, keys_b: jax.Array, temperature_b: jax.Array,
-                top_k_b: jax.Array, top_p_b: jax.Array, *, stochastic: bool) -> jax.Array:
+                top_k_b: jax.Array, top_p_b: jax.Array, *, stochastic: bool,
+                veto_b: jax.Array | None = None) -> jax.Array:
   """One token per row, each row with its own key and settings. `stochastic` False compiles
-  the greedy-only program (no sort, no draw) for batches where every row is greedy."""
+  the greedy-only program (no sort, no draw) for batches where every row is greedy. `veto_b`
+  [B] (-1: none): a sampling row draws from its distribution with that token removed and the
+  rest renormalised (speculative sampling's residual after a rejected draft); a greedy row's
+  argmax never is a vetoed token (a draft is rejected only where it is not the argmax)."""
   best = greedy(logits_bv)
   if not stochastic:
     return best
-  logits = logits_bv.astype(jnp.float32) / jnp.maximum(temperature_b, 1e-6)[:, None]
-  logits = filter_top_p(filter_top_k(logits, top_k_b), top_p_b)
+  logits = sampling_logits(logits_bv, temperature_b, top_k_b, top_p_b)
+  if veto_b is not None:
+    logits = jnp.where(jnp.arange(logits.shape[-1])[None, :] == veto_b[:, None], -jnp.inf,
+                       logits)
   drawn = jax.vmap(jax.random.categorical)(keys_b, logits).astype(jnp.int32)
   return jnp.where(temperature_b > 0, drawn, best)
 

@@ -208,8 +208,9 @@ def _fitting(queue, layout, usable: int, mode: str, arrival: float
 
 def pool_error(r: Request, layout, usable: int) -> str | None:
   """Why a pool of `usable` blocks can never hold checked request `r` alone (one entry per
-  token, the worst case), or None when it can."""
-  need = blocks_for(len(r.ids) + r.max_new_tokens, layout.block_size)
+  token, the worst case, and the entries a last step writes past them), or None when it
+  can."""
+  need = blocks_for(len(r.ids) + r.max_new_tokens + layout.step_entries - 1, layout.block_size)
   if need <= usable:
     return None
   return (f"needs up to {need} KV blocks of {layout.block_size} entries (prompt {len(r.ids)} + "
@@ -272,7 +273,7 @@ class Scheduler:
     engine, stats = self.engine, self.stats
     while self.queue and self.free_slots:
       r = self.queue[0]
-      need = blocks_for(len(r.ids) + 1, self.layout.block_size)
+      need = blocks_for(len(r.ids) + self.layout.step_entries, self.layout.block_size)
       if need > self.pool.free:
         if not self.live:
           raise RuntimeError("KV pool accounting error: nothing is live and blocks are missing")
@@ -293,13 +294,15 @@ class Scheduler:
       self.lengths[slot] = len(r.ids)
 
   def make_room(self) -> None:
-    """Every live slot gets room for its next entry; the youngest gives way when blocks run
-    out (back to the queue's head, recomputed later)."""
+    """Every live slot gets room for the entries its next macro step writes
+    (Layout.step_entries); the youngest gives way when blocks run out (back to the queue's
+    head, recomputed later)."""
     live, size = self.live, self.layout.block_size
+    room = self.layout.step_entries
     for slot in sorted(live, key=lambda s: live[s].admitted):
       if slot not in live:
         continue
-      while self.lengths[slot] >= len(live[slot].blocks) * size:
+      while self.lengths[slot] + room > len(live[slot].blocks) * size:
         if self.pool.free == 0:
           victim = max(live, key=lambda s: live[s].admitted)
           self.preempted[id(live[victim].request)] += 1
@@ -426,7 +429,7 @@ def _serve(engine, requests: Iterable, stats: ServeStats, *, slots: int, kv_bloc
 def _settings(r: Request, mode: str) -> dict:
   """The request's settings a Generation carries (as given: the CLIs print them back)."""
   return dict(mode=mode, confidence=r.confidence, max_group=r.max_group, seed=r.seed,
-              sampling=r.sampling)
+              sampling=r.sampling, draft_confidence=r.draft_confidence)
 
 
 def _failed(r: Request, mode: str, error: str, arrival: float) -> Generation:

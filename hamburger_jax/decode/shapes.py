@@ -46,6 +46,9 @@ class Layout:
   blocks_per_row: int  # MB: a slot's view of the pool is MB x block_size entries
   num_blocks: int  # NB, the trash block included
   block_size: int
+  # KV entries a macro step writes past a slot's length: 1, or K in verify mode (the token it
+  # keeps for sure and K - 1 drafts); a slot needs room for them all before a step runs
+  step_entries: int = 1
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
@@ -83,15 +86,16 @@ def generate_slots(n: int) -> int:
 
 
 def plan_layout(mode: str, slots: int, max_new: int, longest_prompt: int, block_size: int,
-                kv_blocks: int | None = None) -> Layout:
-  """The static shapes for requests up to `longest_prompt` + `max_new` tokens. Without
-  `kv_blocks` the pool holds every slot's view (nothing ever waits for blocks)."""
+                kv_blocks: int | None = None, step_entries: int = 1) -> Layout:
+  """The static shapes for requests up to `longest_prompt` + `max_new` tokens, `step_entries`
+  written a macro step (Layout). Without `kv_blocks` the pool holds every slot's view (nothing
+  ever waits for blocks)."""
   n = bucket(max_new, LENGTH_BUCKETS)
   # Attention reads a slot's whole view every step: keep it tight (a multiple of VIEW_STEP).
-  view = -(-(longest_prompt + n + 1) // VIEW_STEP) * VIEW_STEP
+  view = -(-(longest_prompt + n + step_entries) // VIEW_STEP) * VIEW_STEP
   mb = blocks_for(view, block_size)
   nb = kv_blocks if kv_blocks is not None else slots * mb + 1
-  return Layout(mode, slots, n, mb, nb, block_size)
+  return Layout(mode, slots, n, mb, nb, block_size, step_entries)
 
 
 def views(layout: Layout) -> list[int]:
@@ -133,5 +137,5 @@ def decode_state(cache, cfg: LlamaConfig, *, slots: int, max_new: int, max_group
       confidence=jnp.ones((b,), jnp.float32), max_group=jnp.full((b,), k, jnp.int32),
       temperature=zeros(b, dt=jnp.float32),
       top_k=zeros(b), top_p=jnp.ones((b,), jnp.float32),
-      key=jax.random.split(jax.random.key(0), b),
+      key=jax.random.split(jax.random.key(0), b), veto=jnp.full((b,), -1, jnp.int32),
       micro_cost=jnp.zeros((micro_cost_size(b),), jnp.float32))

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hamburger_jax.decode.sampling import sample_rows
+from hamburger_jax.decode.sampling import sample_rows, sampling_logits
 from hamburger_jax.model.hamburger import Hamburger, continues
 from hamburger_jax.model.llama import ALL_MERGED, Llama
 
@@ -36,6 +36,13 @@ from hamburger_jax.model.llama import ALL_MERGED, Llama
 # those rows only (micro_batch_sizes).
 MICRO_BATCH_DIVISOR = 4
 PROPOSALS = ("micro", "stop_only", "token0")
+# How a slot decodes: "base" one base token a forward; "hamburger" a group of up to K tokens a
+# forward, smashed into one KV entry; "verify" the base's exact tokens, up to K a forward, the
+# micro decoder's drafts checked by the base (`verify_step`).
+MODES = ("base", "hamburger", "verify")
+# Modes whose base forward hands the micro decoder its F features (base mode: the last layer's
+# hidden state alone).
+FEATURE_MODES = ("hamburger", "verify")
 EMBEDDERS = ("graft", "token0")
 
 
@@ -56,6 +63,9 @@ class DecodeState:
   top_k: jax.Array  # [B] 0 = off
   top_p: jax.Array  # [B] 1 = off
   key: jax.Array  # [B] the slot's request key; token keys fold in the step and micro index
+  # [B] verify mode: the draft the base rejected last step (-1: none): the next token 0 is
+  # drawn from the base's distribution without it (`verify_step`)
+  veto: jax.Array
   # [micro_cost_size(B)] the micro steps' cost ratios (`pays`; all 0: off), each a time over a
   # base step's of the batch: micro step 2 and later at each of micro_sizes(B) rows, then micro
   # step 1 (it reads the F features and e(t0): more inputs) at each, then m, what a base step
@@ -101,19 +111,24 @@ def forward_features(model, mode: str, x_btd, positions_bt, cache, slots_bt, mer
                      write: bool = True):
   """The base forward of inputs at cache slots: features [B, T, F, D] (base mode: F = 1, the
   normed last layer) and the cache written (`write`) or the inputs' keys and values."""
-  if mode == "hamburger":
+  if mode in FEATURE_MODES:
     return model.base_features(x_btd, positions_bt, None, cache, slots_bt, merged_bt, write)
   out = base_of(model).forward(x_btd, positions_bt, None, cache, slots_bt, write=write)
   return out.hidden[:, :, None, :], out.cache if write else out.kv
 
 
-def sample(logits_bv, state: DecodeState, micro: int, stochastic: bool) -> jax.Array:
-  """Each row's token. A token's key depends only on its request, macro step and micro index:
-  never on the slot, the batch mates or when the request arrived."""
-  keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.fold_in(k, s), micro))(
+def token_keys(state: DecodeState, micro: int) -> jax.Array:
+  """Each row's key for draw `micro` of this macro step: from its request, its macro step and
+  `micro` only, never from the slot, the batch mates or when the request arrived."""
+  return jax.vmap(lambda k, s: jax.random.fold_in(jax.random.fold_in(k, s), micro))(
       state.key, state.n_steps)
-  return sample_rows(logits_bv, keys, state.temperature, state.top_k, state.top_p,
-                     stochastic=stochastic)
+
+
+def sample(logits_bv, state: DecodeState, micro: int, stochastic: bool,
+           veto: jax.Array | None = None) -> jax.Array:
+  """Each row's token (token_keys; `veto`: sampling.sample_rows)."""
+  return sample_rows(logits_bv, token_keys(state, micro), state.temperature, state.top_k,
+                     state.top_p, stochastic=stochastic, veto_b=veto)
 
 
 def micro_batch_sizes(slots: int) -> tuple[int, ...]:
@@ -209,12 +224,15 @@ def _micro_steps(model: Hamburger, rs: DecodeState, tokens, count, cont, *, stop
 
 def propose(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids: jax.Array,
             stochastic: bool, variant: StepVariant = StepVariant()) -> tuple[jax.Array, jax.Array]:
-  """One macro step's group: tokens [B, K'] and how many of them each row emits [B]."""
+  """One macro step's group: tokens [B, K'] and how many of them each row emits [B]. In verify
+  mode the group is token 0 (the base's own, drawn without last step's rejected draft) and
+  the micro decoder's drafts after it, each its argmax (what the acceptance rule assumes),
+  while the stop head goes on at the rows' draft confidence."""
   base = base_of(model)
   h0 = state.features[:, -1]  # skip connection: token 0 is the base's own prediction
-  t0 = sample(base.logits(h0), state, 0, stochastic)
+  t0 = sample(base.logits(h0), state, 0, stochastic, state.veto if mode == "verify" else None)
   count = jnp.where(state.done, 0, 1).astype(jnp.int32)
-  if mode != "hamburger" or model.max_group == 1:
+  if mode not in FEATURE_MODES or model.max_group == 1:
     return t0[:, None], count
   k = model.max_group
   b = t0.shape[0]
@@ -229,8 +247,8 @@ def propose(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids
   rows_state = state.replace(cache=None, micro_cost=None)  # the per-row fields
   n_live = jnp.sum(~state.done)
   micro = lambda rs, *ops, r: _micro_steps(model, rs, *ops, stop_ids=stop_ids,
-                                           stochastic=stochastic, forced=variant.forced,
-                                           n_live=n_live, r=r)
+                                           stochastic=stochastic and mode != "verify",
+                                           forced=variant.forced, n_live=n_live, r=r)
   if variant.forced:
     return micro(rows_state, tokens, count, cont, r=jnp.float32(0))
 
@@ -309,9 +327,20 @@ def macro_step(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_
   """One macro step of every slot: the group proposed, emitted into the state's buffers
   (`report(group, count)` sees it), then the base step that reads it (`plain_branch`: see
   advance). Done slots emit nothing and write only where nothing is read (their own unused
-  entries, or a pool's trash block)."""
+  entries, or a pool's trash block). Verify mode: `verify_step`."""
+  if mode == "verify":
+    return verify_step(model, state, stop_ids=stop_ids, stochastic=stochastic, report=report)
   group, count = propose(model, mode, state, stop_ids=stop_ids, stochastic=stochastic,
                          variant=variant)
+  state = emit(state, group, count, stop_ids, report)
+  return advance(model, mode, state, group, count, offset=offset, variant=variant,
+                 plain_branch=plain_branch)
+
+
+def emit(state: DecodeState, group: jax.Array, count: jax.Array, stop_ids: jax.Array,
+         report: Callable[[jax.Array, jax.Array], None] | None) -> DecodeState:
+  """Each row's first `count` tokens of `group` [B, K] into its buffers (`report` sees them):
+  one macro step's output. A row is done at a stop id or its max_new tokens."""
   k = group.shape[1]
   n_max = state.groups.shape[1]
   rows = jnp.arange(state.done.shape[0])[:, None]
@@ -325,7 +354,73 @@ def macro_step(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_
       n_tokens >= state.max_new)
   if report is not None:
     report(group, count)
-  state = state.replace(tokens=tokens, groups=groups, n_tokens=n_tokens,
-                        n_steps=state.n_steps + (count > 0), done=done)
-  return advance(model, mode, state, group, count, offset=offset, variant=variant,
-                 plain_branch=plain_branch)
+  return state.replace(tokens=tokens, groups=groups, n_tokens=n_tokens,
+                       n_steps=state.n_steps + (count > 0), done=done)
+
+
+# Verify mode's acceptance draws: micro index ACCEPT_DRAW + i for draft i (token keys 0..K-1
+# are the proposal's).
+ACCEPT_DRAW = 1 << 16
+
+
+def accepted_drafts(logits_bkv: jax.Array, drafts_bk: jax.Array, n_drafts: jax.Array,
+                    state: DecodeState, stochastic: bool) -> tuple[jax.Array, jax.Array]:
+  """How many of each row's drafts the base keeps [B], and the first draft it refused [B] (-1:
+  none). Draft i is checked against the base's distribution after the tokens before it
+  (logits [B, K', V], row i): greedy, kept while it is the argmax; sampling (speculative
+  sampling with a drafter that proposes its argmax), kept with probability p(d), p the row's
+  sampling distribution, so that a kept draft, or the residual drawn after a refusal
+  (sample_rows' veto), has exactly the base's distribution."""
+  k = drafts_bk.shape[1]
+  exists = jnp.arange(k)[None, :] < n_drafts[:, None]
+  argmax = jnp.argmax(logits_bkv, axis=-1)
+  ok = argmax == drafts_bk
+  if stochastic:
+    b, _, v = logits_bkv.shape
+    flat = lambda a: jnp.repeat(a, k, axis=0)
+    probs = jax.nn.softmax(sampling_logits(logits_bkv.reshape(b * k, v), flat(state.temperature),
+                                           flat(state.top_k), flat(state.top_p)), axis=-1)
+    p_draft = jnp.take_along_axis(probs, drafts_bk.reshape(-1, 1), axis=-1).reshape(b, k)
+    u = jnp.stack([jax.vmap(jax.random.uniform)(token_keys(state, ACCEPT_DRAW + i))
+                   for i in range(k)], axis=1)
+    ok = jnp.where(state.temperature[:, None] > 0, u < p_draft, ok)
+  run = jnp.cumprod((ok & exists).astype(jnp.int32), axis=1)
+  kept = jnp.sum(run, axis=1)
+  refused = jnp.where(kept < n_drafts,
+                      jnp.take_along_axis(drafts_bk, jnp.minimum(kept, k - 1)[:, None],
+                                          axis=1)[:, 0], -1)
+  return kept, refused
+
+
+def verify_step(model: Hamburger, state: DecodeState, *, stop_ids: jax.Array, stochastic: bool,
+                report: Callable[[jax.Array, jax.Array], None] | None = None) -> DecodeState:
+  """One macro step of verify mode: the base's exact output, several tokens a forward where
+  the micro decoder guesses them.
+
+  The group [t0, d1, ..] (`propose`): t0 the base's own next token, d_i the micro decoder's
+  drafts. One base forward reads all K as plain entries at the row's next K slots (the exact
+  weights: no adapters) and writes their keys and values; the base's output after t0 and
+  each kept draft checks the next draft (`accepted_drafts`). The row emits t0 and the drafts
+  it keeps, its slot counter moves by as many (entries past it are overwritten later, never
+  read), and the features after its last kept token predict the next step's t0, drawn without
+  a refused draft (DecodeState.veto)."""
+  base = model.base
+  group, count = propose(model, "verify", state, stop_ids=stop_ids, stochastic=stochastic)
+  b, k = group.shape
+  live = ~state.done
+  at = jnp.arange(k)[None, :]
+  positions = (state.prompt_len + state.n_tokens)[:, None] + at
+  slots = state.cache.length[:, None] + at
+  feats, kv = forward_features(model, "verify", base.embed(group), positions, state.cache.view(),
+                               slots, None, write=False)
+  logits = base.logits(feats[:, :-1, -1])  # after t0, d1, ..: what checks d1, d2, ..
+  kept, refused = accepted_drafts(logits, group[:, 1:], jnp.maximum(count - 1, 0), state,
+                                  stochastic)
+  count = jnp.where(live, 1 + kept, 0)
+  cache = state.cache.write_layers(slots, *kv)
+  cache = cache.replace(length=cache.length + count)
+  last = jnp.maximum(count - 1, 0)
+  state = state.replace(cache=cache, veto=jnp.where(live, refused, -1),
+                        features=jnp.take_along_axis(feats, last[:, None, None, None],
+                                                     axis=1)[:, 0])
+  return emit(state, group, count, stop_ids, report)
