@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, TypeVar
 
 from hamburger_jax import files
-from hamburger_jax.config import DEFAULT_CONFIDENCE
+from hamburger_jax.config import DEFAULT_CONFIDENCE, DEFAULT_DRAFT_CONFIDENCE
 
 T = TypeVar("T")
 
@@ -98,10 +98,15 @@ def parse_confidences(spec: str) -> list[float]:
 def add_decode_flags(p: argparse.ArgumentParser, *, max_new_tokens: int | None = 128,
                      max_new_help: str | None = None, confidence: bool = True,
                      sampling: bool = True) -> None:
-  """--max-new-tokens, --max-group, and (optionally) --confidence and the sampling flags."""
+  """--max-new-tokens, --max-group, --draft-confidence, and (optionally) --confidence and the
+  sampling flags."""
   p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=max_new_help)
   if confidence:
     add_confidence_flag(p)
+  p.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
+                 help="verify mode: the micro decoder drafts while the stop head's "
+                 f"P(continue) >= this (default {DEFAULT_DRAFT_CONFIDENCE:g}: up to K - 1 drafts "
+                 "a step; 1: none); the output is the base's whatever it is")
   p.add_argument("--max-group", type=int, default=None,
                  help="the most tokens one macro step may emit, 1..K (default: the model's K); "
                  "a smaller cap merges fewer tokens into each KV entry")
@@ -120,7 +125,7 @@ def check_decode_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
   try:
     check_settings(1 if args.max_new_tokens is None else args.max_new_tokens,
                    getattr(args, "confidence", DEFAULT_CONFIDENCE), args.max_group,
-                   getattr(args, "seed", 0))
+                   getattr(args, "seed", 0), draft_confidence=args.draft_confidence)
     if hasattr(args, "temperature"):
       args.sampling = sampling_params(args.temperature, args.top_k, args.top_p)
   except (GenerationError, SamplingError) as e:

@@ -149,7 +149,9 @@ def load_hamburger(checkpoint: str | None = None, base_source: str | None = None
   return model, tok
 
 
-MODES = ("base", "hamburger", "both")  # "both": one HAMburger model, decoded in either mode
+# What `load` loads for: a decode mode (decode/step.py: MODES), or "both": one HAMburger model,
+# decoded in any mode.
+MODES = ("base", "hamburger", "verify", "both")
 
 
 def default_mode(checkpoint: str | None = None, *, both: bool = False) -> str:
@@ -166,9 +168,9 @@ def load(mode: str = "hamburger", checkpoint: str | None = None, base: str | Non
   """The model and tokenizer an Engine serves in `mode`; the one load sequence of every entry
   point.
 
-  "base": the base model alone (`base`, default SmolLM2; `checkpoint` unused). "hamburger" and
-  "both": the graft checkpoint (default: the shipped one) on its own base or on `base`; an
-  engine decodes such a model in either mode. With no checkpoint given nor shipped, an untrained
+  "base": the base model alone (`base`, default SmolLM2; `checkpoint` unused). "hamburger",
+  "verify" and "both": the graft checkpoint (default: the shipped one) on its own base or on
+  `base`; an engine decodes such a model in any mode. With no checkpoint given nor shipped, an untrained
   graft where `untrained_ok` (smoke tests: its groups mean nothing), else a WeightsError.
   `micro_vocab` N: micro steps choose among the first N ids of the checkpoint's stored list
   (hamburger_jax/micro_vocab.py), checked before the weights load. `overrides` set LlamaConfig

@@ -1,8 +1,13 @@
-"""CLI: generate with the base model and/or HAMburger, side by side.
+"""CLI: generate with the base model, HAMburger and verify mode, side by side.
 
   python -m infer.generate                                # side by side on the default model
   python -m infer.generate --prompt "Why is the sky blue?" --mode hamburger --confidence 0.8
   python -m infer.generate --prompts-file prompts.txt --json --max-new-tokens 64
+  python -m infer.generate --mode verify --draft-confidence 0.3
+
+Modes: base (one token a base forward), hamburger (a group of up to K a forward, one KV entry
+each), verify (the base's exact tokens, the micro decoder's drafts checked by the base: up to K
+a forward), both (base and hamburger) or all (the three).
 
 Progress goes to stderr, one line per phase with its duration (loading weights, compiling each
 mode, generating). Compiled programs and converted weights are cached per user (see
@@ -33,8 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--prompt", action="append", help="a user message (repeatable)")
   p.add_argument("--prompts-file", help="a text file with one prompt per line")
-  p.add_argument("--mode", choices=("both", "hamburger", "base"), default=None,
-                 help="default: both when a HAMburger checkpoint is available, else base")
+  p.add_argument("--mode", choices=("all", "both", "hamburger", "verify", "base"), default=None,
+                 help="default: all when a HAMburger checkpoint is available, else base")
   cli.add_model_flags(p, micro_vocab=True)
   cli.add_decode_flags(p)
   p.add_argument("--json", action="store_true", help="one JSON object per prompt and mode")
@@ -71,16 +76,21 @@ def main(argv=None) -> int:
   from hamburger_jax.decode.engine import Engine, GenerationError  # pylint: disable=C0415
 
   prompts = read_prompts(args)
+  chosen = lambda ckpt: args.mode or {"both": "all"}.get(pretrained.default_mode(ckpt, both=True),
+                                                         "base")
   model, tok, checkpoint, mode = cli.load_for_decoding(
-      args, lambda ckpt: args.mode or pretrained.default_mode(ckpt, both=True))
+      args, lambda ckpt: "both" if chosen(ckpt) == "all" else chosen(ckpt))
+  mode = chosen(checkpoint)
   engine = Engine(model, tok)
-  modes = ("base", "hamburger") if mode == "both" else (mode,)
+  modes = {"all": ("base", "hamburger", "verify"), "both": ("base", "hamburger")}.get(mode,
+                                                                                       (mode,))
   colour = sys.stdout.isatty() and not args.no_color
   results = {}
   try:  # each prompt is templated once; both modes decode the same requests
     requests = engine.requests(prompts, max_new_tokens=args.max_new_tokens,
                                sampling=args.sampling, confidence=args.confidence,
-                               seed=args.seed, max_group=args.max_group)
+                               seed=args.seed, max_group=args.max_group,
+                               draft_confidence=args.draft_confidence)
     wall = {}
     for m in modes:
       cli.phase(f"compiling {m}", lambda: engine.compile(requests, mode=m))
@@ -101,15 +111,25 @@ def main(argv=None) -> int:
               f"({g.tokens_per_step:.2f} tokens/forward), its decode {g.decode_s:.2f} s "
               "(from its prefill to its last token, beside its batch mates)")
       print(head)
-      print(coloured(tok, g.token_ids, g.groups, colour) if m == "hamburger" else g.text)
-  if not args.json and len(modes) == 2:
-    b, h = results["base"], results["hamburger"]
-    tb, th = sum(g.new_tokens for g in b), sum(g.new_tokens for g in h)
-    sb, sh = sum(g.macro_steps for g in b), sum(g.macro_steps for g in h)
-    print(f"\nbase: {tb} tokens / {sb} forwards; hamburger: {th} tokens / {sh} forwards "
-          f"({th / max(sh, 1):.2f} tokens per KV entry); whole batch, prefill and decode after "
-          f"compilation: base {wall['base']:.2f} s, hamburger {wall['hamburger']:.2f} s")
+      print(coloured(tok, g.token_ids, g.groups, colour) if m != "base" else g.text)
+  if not args.json and len(modes) > 1:
+    print("\n" + summary(results, wall))
   return 0
+
+
+# What a mode's tokens per forward mean: verify keeps one KV entry per token.
+PER_FORWARD = {"base": "", "hamburger": " (tokens per KV entry)",
+               "verify": " (the base's tokens, one KV entry each)"}
+
+
+def summary(results: dict, wall: dict) -> str:
+  """One line: each mode's tokens, base forwards and whole-batch time (after compiling)."""
+  parts = []
+  for m, gens in results.items():
+    tokens, steps = sum(g.new_tokens for g in gens), sum(g.macro_steps for g in gens)
+    parts.append(f"{m}: {tokens} tokens / {steps} forwards = {tokens / max(steps, 1):.2f} a "
+                 f"forward{PER_FORWARD[m]}, {wall[m]:.2f} s")
+  return "; ".join(parts) + " (whole batch, prefill and decode, after compiling)"
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from hamburger_jax.config import DEFAULT_PREFIX_CACHE_TOKENS
 from hamburger_jax import cli
 
 REQUEST_FIELDS = ("prompt", "max_new_tokens", "confidence", "max_group", "temperature",
-                  "top_k", "top_p", "seed", "id")
+                  "top_k", "top_p", "seed", "id", "draft_confidence")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -32,8 +32,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--kv-blocks", type=int, default=None,
                  help="KV pool size in blocks (default: enough for every slot's longest request)")
   p.add_argument("--block-size", type=int, default=16, help="KV entries per block")
-  p.add_argument("--mode", choices=("hamburger", "base"), default=None,
-                 help="default: hamburger when a checkpoint is available, else base")
+  p.add_argument("--mode", choices=("hamburger", "base", "verify"), default=None,
+                 help="default: hamburger when a checkpoint is available, else base; verify: "
+                 "the base's exact output, drafted by the micro decoder")
   cli.add_model_flags(p, micro_vocab=True)
   cli.add_decode_flags(p)  # every request's defaults; a .jsonl line may set its own
   p.add_argument("--json", action="store_true", help="one JSON object per finished request")
@@ -98,7 +99,8 @@ def to_request(raw: dict, index: int, args):
   return Request(raw["prompt"], max_new_tokens=raw.get("max_new_tokens", args.max_new_tokens),
                  confidence=raw.get("confidence", args.confidence), sampling=sampling,
                  seed=raw.get("seed", args.seed), id=rid,
-                 max_group=raw.get("max_group", args.max_group))
+                 max_group=raw.get("max_group", args.max_group),
+                 draft_confidence=raw.get("draft_confidence", args.draft_confidence))
 
 
 def main(argv=None) -> int:

@@ -29,12 +29,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
   p.add_argument("--port", type=int, default=8000)
-  p.add_argument("--mode", choices=("hamburger", "base"), default=None,
+  p.add_argument("--mode", choices=("hamburger", "base", "verify"), default=None,
                  help="a request's mode when it names none (default: hamburger when a "
-                 "checkpoint is available, else base)")
+                 "checkpoint is available, else base); verify: the base's exact output, "
+                 "drafted by the micro decoder")
   p.add_argument("--modes", default=None,
                  help="the modes served, comma-separated, each with its own KV pool and "
-                 "programs (default: hamburger,base with a checkpoint, else base)")
+                 "programs (default: hamburger,base with a checkpoint, else base; add verify "
+                 "to serve it)")
   cli.add_model_flags(p, micro_vocab=True)
   p.add_argument("--served-model-name", default=None,
                  help="the model id clients send (default: the checkpoint's or base's name)")
@@ -75,6 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
+# The modes a graft checkpoint serves (the base is served by any).
+GRAFT_MODES = ("hamburger", "verify")
+
+
 def served_modes(args: argparse.Namespace, available: str) -> tuple[str, tuple[str, ...]]:
   """(a request's default mode, the modes served) from --mode and --modes; `available` is
   "hamburger" when a graft checkpoint is there, else "base"."""
@@ -82,10 +88,13 @@ def served_modes(args: argparse.Namespace, available: str) -> tuple[str, tuple[s
     modes = tuple(dict.fromkeys(m.strip() for m in args.modes.split(",")))
   else:
     modes = ("hamburger", "base") if available == "hamburger" else ("base",)
-  if not set(modes) <= {"hamburger", "base"}:
-    raise SystemExit(f"error: --modes {args.modes}: list hamburger and/or base")
-  if "hamburger" in modes and available != "hamburger":
-    raise SystemExit("error: mode hamburger needs a graft checkpoint (--checkpoint); or serve "
+  if args.mode and not args.modes and args.mode not in modes and available == "hamburger":
+    modes = (args.mode, *modes)  # --mode verify alone serves it beside the default modes
+  if not set(modes) <= set(GRAFT_MODES) | {"base"}:
+    raise SystemExit(f"error: --modes {args.modes}: list hamburger, verify and/or base")
+  needs = [m for m in modes if m in GRAFT_MODES]
+  if needs and available != "hamburger":
+    raise SystemExit(f"error: mode {needs[0]} needs a graft checkpoint (--checkpoint); or serve "
                      "--modes base")
   mode = args.mode or modes[0]
   if mode not in modes:
@@ -108,10 +117,11 @@ def build(args: argparse.Namespace):
   if args.tensor > len(jax.devices()):
     raise SystemExit(f"error: --tensor {args.tensor}: only {len(jax.devices())} devices here")
   served = lambda ckpt: served_modes(args, pretrained.default_mode(ckpt))
+  graft = lambda ms: any(m in GRAFT_MODES for m in ms)
   model, tok, checkpoint, _ = cli.load_for_decoding(
-      args, lambda ckpt: "hamburger" if "hamburger" in served(ckpt)[1] else "base")
+      args, lambda ckpt: "hamburger" if graft(served(ckpt)[1]) else "base")
   mode, modes = served(checkpoint)
-  loaded = "hamburger" if "hamburger" in modes else "base"
+  loaded = "hamburger" if graft(modes) else "base"
   mesh = tensor_mesh(jax.devices(), args.tensor) if args.tensor > 1 else None
   if args.tensor > 1 and mesh is None:
     raise SystemExit(f"error: --tensor {args.tensor}: the first {args.tensor} devices do not "
@@ -132,7 +142,7 @@ def build(args: argparse.Namespace):
   defaults = Defaults(model=name, mode=mode, max_tokens=args.max_tokens,
                       confidence=args.confidence, max_group=args.max_group,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                      seed=args.seed)
+                      seed=args.seed, draft_confidence=args.draft_confidence)
   return Server(loop, defaults), loop
 
 

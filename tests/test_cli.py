@@ -33,12 +33,17 @@ def graft_checkpoint(tmp_path_factory) -> str:
 @pytest.mark.slow
 def test_json_side_by_side(graft_checkpoint):
   res = _run("--prompt", "What is 2 + 2?", "--prompt", "Name a colour.", "--max-new-tokens", "6",
-             "--checkpoint", graft_checkpoint, "--mode", "both", "--confidence", "1.0", "--json")
+             "--checkpoint", graft_checkpoint, "--mode", "all", "--confidence", "1.0", "--json")
   assert res.returncode == 0, res.stderr[-2000:]
   rows = [json.loads(line) for line in res.stdout.splitlines()]
   assert [(r["prompt"], r["mode"]) for r in rows] == [
-      ("What is 2 + 2?", "base"), ("What is 2 + 2?", "hamburger"),
-      ("Name a colour.", "base"), ("Name a colour.", "hamburger")]
+      (p, m) for p in ("What is 2 + 2?", "Name a colour.") for m in ("base", "hamburger",
+                                                                     "verify")]
+  # Verify mode is the base's output whatever its drafts (here an untrained graft's).
+  for base, verify in zip(rows[::3], rows[2::3]):
+    assert verify["token_ids"] == base["token_ids"]
+    assert verify["draft_confidence"] == 0.0 and verify["macro_steps"] == len(verify["groups"])
+  rows = [r for r in rows if r["mode"] != "verify"]
   for r in rows:
     assert {"text", "token_ids", "new_tokens", "decode_tokens_per_s", "groups", "macro_steps",
             "kv_entries"} <= set(r)
@@ -56,6 +61,7 @@ def test_json_side_by_side(graft_checkpoint):
     (["--mode", "hamburger", "--checkpoint", "/nonexistent"], "not a HAMburger checkpoint"),
     (["--prompt", " "], "empty prompt"),
     (["--confidence", "1.5"], "confidence must be in [0, 1], got 1.5"),
+    (["--draft-confidence", "-0.1"], "draft_confidence must be in [0, 1], got -0.1"),
     (["--max-group", "0"], "max_group=0 must be an integer in [1, K]"),
     (["--top-k", "60000", "--temperature", "1"], "top_k=60000 exceeds the vocabulary (49152"),
 ])

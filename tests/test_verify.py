@@ -168,3 +168,43 @@ def test_bad_settings_are_refused(engine):
     Engine(engine.model.base, None).generate([[1, 2]], max_new_tokens=4, mode="verify")
   with pytest.raises(GenerationError, match="use one of base, hamburger, verify"):
     engine.generate([[1, 2]], max_new_tokens=4, mode="speculate")
+
+
+# ----------------------------------------------------------------------------- the HTTP server
+
+
+def test_the_server_serves_verify_beside_the_other_modes(engine, base_tokens):
+  """One server with verify, HAMburger and base pools: a verify completion is the base's, with
+  the base's log-probabilities; `draft_confidence` is a request field, checked like the rest."""
+  import asyncio  # pylint: disable=import-outside-toplevel
+  import httpx2 as httpx  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.admission import AdmissionLoop, Limits  # pylint: disable=C0415
+  from hamburger_jax.openai_api.app import Server  # pylint: disable=C0415
+  from hamburger_jax.openai_api.protocol import Defaults  # pylint: disable=C0415
+  loop = AdmissionLoop(engine, ("verify", "hamburger", "base"),
+                       Limits(slots=2, max_prompt_tokens=32, max_tokens=24))
+  server = Server(loop, Defaults(model="tiny", mode="verify", max_tokens=24, confidence=0.5))
+  loop.start()
+
+  async def ask(client, body):
+    r = await client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPTS[1],
+                                                   "max_tokens": MAX_NEW[1], **body})
+    return r.status_code, r.json()
+
+  async def run():
+    transport = httpx.ASGITransport(app=server.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://tiny") as client:
+      return await asyncio.gather(
+          ask(client, {"logprobs": 2}), ask(client, {"mode": "base", "logprobs": 2}),
+          ask(client, {"draft_confidence": 0.5}), ask(client, {"draft_confidence": 2}))
+  try:
+    verify, base, gated, bad = asyncio.run(run())
+  finally:
+    loop.close()
+  assert verify[0] == base[0] == gated[0] == 200
+  ids = lambda body: body["choices"][0]["logprobs"]["tokens"]
+  assert verify[1]["choices"][0]["text"] == base[1]["choices"][0]["text"]
+  assert ids(verify[1]) == ids(base[1])
+  lp = lambda body: body["choices"][0]["logprobs"]["token_logprobs"]
+  assert lp(verify[1]) == pytest.approx(lp(base[1]), abs=1e-5)
+  assert bad[0] == 400 and bad[1]["error"]["param"] == "draft_confidence"

@@ -5,7 +5,7 @@ a message that names it and says what to send (an `ApiError`, rendered as OpenAI
 `{"error": {"message", "type", "param", "code"}}`). Fields the API defines and the engine does
 not implement are refused when they would change the answer (tools, penalties, ...), and
 ignored when they would not (`user`, `metadata`, ...). HAMburger's own settings (`confidence`,
-`max_group`, `mode`) and `top_k` are extra body fields.
+`max_group`, `mode`, verify mode's `draft_confidence`) and `top_k` are extra body fields.
 
 Log-probabilities (decode/scoring.py says what they are in each mode): chat's `logprobs: true`
 with `top_logprobs` 0..20 alternatives, the completions' `logprobs: N` (0..5 alternatives) and
@@ -19,6 +19,7 @@ import math
 import numbers
 from typing import Any
 
+from hamburger_jax.config import DEFAULT_DRAFT_CONFIDENCE
 from hamburger_jax.decode.requests import GenerationError, Request, check_settings
 from hamburger_jax.decode.sampling import SamplingError, SamplingParams
 
@@ -61,6 +62,7 @@ class Defaults:
   top_k: int = 0
   top_p: float = 1.0
   seed: int = 0
+  draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE
 
 
 @dataclasses.dataclass
@@ -241,14 +243,18 @@ def parse(body: Any, *, chat: bool, defaults: Defaults, modes: tuple[str, ...],
     param = next((f for f in ("temperature", "top_p", "top_k") if f"{f}=" in str(e)), None)
     raise _bad(str(e), param) from None
   confidence = _get(body, "confidence", defaults.confidence, _number)
+  draft_confidence = _get(body, "draft_confidence", defaults.draft_confidence, _number)
   max_group = _get(body, "max_group", defaults.max_group, _int)
   seed = _get(body, "seed", defaults.seed, lambda v, n: _int(v, n, 0))
   try:
-    check_settings(max_tokens or 1, confidence, max_group, seed)
+    check_settings(max_tokens or 1, confidence, max_group, seed,
+                   draft_confidence=draft_confidence)
   except GenerationError as e:
-    param = next((f for f in ("confidence", "max_group", "seed") if f in str(e)), None)
+    param = next((f for f in ("draft_confidence", "confidence", "max_group", "seed")
+                  if f in str(e)), None)
     raise _bad(str(e), param) from None
   request = Request(prompt, max_new_tokens=max_tokens, confidence=confidence,
-                    sampling=sampling, seed=seed, id=0, max_group=max_group)
+                    sampling=sampling, seed=seed, id=0, max_group=max_group,
+                    draft_confidence=draft_confidence)
   return Call(request, mode, stream, include_usage, _get(body, "stop", (), _stop), chat,
               logprobs, echo)
