@@ -4,6 +4,9 @@
   python -m infer.bench --mode hamburger     # HAMburger vs base in our engine (+ ceiling)
   python -m infer.bench --mode hamburger --micro-rule off,auto
                                              # ... with and without the batch-aware micro loop
+  python -m infer.bench --mode verify --draft-confidence 0,0.5
+                                             # verify mode vs base (the same tokens), and what
+                                             # a forward of k tokens costs against 1
   python -m infer.bench --mode serve         # continuous batching: base vs HAMburger, slots, pool
   python -m infer.bench --mode server        # infer.server under concurrent streaming clients
                                              # vs serve() in process, the same requests
@@ -27,8 +30,9 @@ import argparse
 import sys
 
 from hamburger_jax import cli
+from hamburger_jax.config import DEFAULT_DRAFT_CONFIDENCE
 from hamburger_jax.decode.requests import GenerationError, check_settings
-from infer import bench_decode, bench_random, bench_serve, bench_server, bench_widths
+from infer import bench_decode, bench_random, bench_serve, bench_server, bench_verify, bench_widths
 
 
 def main(argv=None) -> int:
@@ -40,6 +44,9 @@ def main(argv=None) -> int:
   cli.add_micro_rule_flag(p, several=True)
   p.add_argument("--max-group", type=int, default=None,
                  help="hamburger / serve: cap HAMburger's groups at this many tokens (1..K)")
+  p.add_argument("--draft-confidence", default=None,
+                 help="verify: comma-separated draft confidences (default: the engine's, "
+                      f"{DEFAULT_DRAFT_CONFIDENCE:g})")
   p.add_argument("--profile", action="store_true",
                  help="hamburger: after the table, where one decode of each batch and setting "
                       "spends the device's time, by kind of operation (a profiler trace)")
@@ -58,8 +65,8 @@ def main(argv=None) -> int:
   args.batches = args.batches or default_batches
   try:
     {"base": bench_decode.bench_base, "hamburger": bench_decode.bench_hamburger,
-     "serve": bench_serve.bench_serve, "server": bench_server.bench_server,
-     "widths": bench_widths.bench_widths}[args.mode](args)
+     "verify": bench_verify.bench_verify, "serve": bench_serve.bench_serve,
+     "server": bench_server.bench_server, "widths": bench_widths.bench_widths}[args.mode](args)
   except cli.ModelLoadError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
@@ -68,7 +75,7 @@ def main(argv=None) -> int:
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
   """Which benchmark, its batches and lengths, and the weights it loads."""
-  p.add_argument("--mode", choices=("base", "hamburger", "serve", "server", "widths"),
+  p.add_argument("--mode", choices=("base", "hamburger", "verify", "serve", "server", "widths"),
                  default=None,
                  help="default: base (with --random-weights: base and hamburger)")
   p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=None,
@@ -148,8 +155,10 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
   try:
     check_settings(args.new_tokens, args.confidence, args.max_group)
     args.micro_rule = cli.parse_micro_rules(args.micro_rule)
+    args.draft_confidences = (cli.parse_confidences(args.draft_confidence)
+                              if args.draft_confidence else [DEFAULT_DRAFT_CONFIDENCE])
   except (GenerationError, ValueError) as e:
-    p.error(str(e))
+    p.error(str(e).replace("--confidence", "--draft-confidence"))
 
 
 if __name__ == "__main__":

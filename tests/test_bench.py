@@ -169,3 +169,16 @@ def test_server_load_summary_counts_lost_duplicated_and_failed():
   assert s["tokens"] == 12 and s["wall_s"] == 4.0 and s["tok_s"] == 3.0
   assert s["ttft_p50"] == 0.5 and s["latency_p50"] == 1.0
   assert s["errors"] == ["HTTP 503: full"]
+
+
+def test_verify_bench_parts():
+  """What the verify bench tables: the share of forwards keeping 1, 2, .. tokens, and the cost
+  of a k-token forward of each batch size (every (batch, k) timed)."""
+  import types  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.benchmarks import widths  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.testing import tiny_decode_model  # pylint: disable=import-outside-toplevel
+  from infer.bench_verify import kept_shares  # pylint: disable=import-outside-toplevel
+  gens = [types.SimpleNamespace(groups=[1, 2, 1, 4]), types.SimpleNamespace(groups=[1, 1])]
+  assert kept_shares(gens) == "0.67 / 0.17 / 0.00 / 0.17"
+  costs = widths.token_costs(tiny_decode_model().base, [1, 3], [1, 2], kv_len=32, repeats=1)
+  assert set(costs) == {(1, 1), (1, 3), (2, 1), (2, 3)} and min(costs.values()) > 0

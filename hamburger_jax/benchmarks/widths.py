@@ -45,14 +45,16 @@ def weight_bytes(base: Llama) -> int:
   return sum(v.size * v.dtype.itemsize for _, v in nnx.to_flat_state(nnx.state(base, nnx.Param)))
 
 
-def forward_loop(base: Llama, shape: str, width: int, kv_len: int):
+def forward_loop(base: Llama, shape: str, width: int, kv_len: int, sequences: int = 1):
   """(fn, args): `fn(params, cache, x)` runs STEPS base forwards of `width` rows (step_loop) and
-  returns (tokens, cache); the cache holds `kv_len` entries per sequence before the first."""
+  returns (tokens, cache); the cache holds `kv_len` entries per sequence before the first.
+  Shape "tokens" takes `width` new tokens in each of `sequences` sequences (a verify step of a
+  batch)."""
   if shape not in SHAPES:
     raise ValueError(f"shape={shape!r}: use one of {SHAPES}")
   cfg = base.cfg
   graphdef, params = nnx.split(base)
-  batch, rows = (width, 1) if shape == "slots" else (1, width)
+  batch, rows = (width, 1) if shape == "slots" else (sequences, width)
   dtype = jnp.dtype(cfg.dtype)
 
   def step(m, x, cache):
@@ -179,3 +181,21 @@ def report_variants(cfg, best: dict[tuple[str, int], float], copy_gb_s: float) -
              for w in widths]
     lines.append(f"| {v} | " + " | ".join(cells) + f" | {gb_s:.1f} ({gb_s / copy_gb_s:.0%}) |")
   return lines
+
+
+def token_costs(base: Llama, widths: list[int], batches: list[int], kv_len: int,
+                repeats: int) -> dict[tuple[int, int], float]:
+  """{(batch, k): seconds} of a forward of k new tokens in each of `batch` sequences (verify
+  mode's step: the kept token and k - 1 drafts), interleaved over `repeats` rounds as
+  `measure`."""
+  runs = {(b, k): forward_loop(base, "tokens", k, kv_len, b) for b in batches for k in widths}
+  compiled = {key: fn.lower(*args).compile() for key, (fn, args) in runs.items()}
+  state = {key: args[1] for key, (_, args) in runs.items()}
+  best = {key: float("inf") for key in runs}
+  for _ in range(repeats + 1):  # the first round warms up
+    for key, (_, (params, _, x)) in runs.items():
+      t = time.perf_counter()
+      token, state[key] = compiled[key](params, state[key], x)
+      jax.block_until_ready(token)
+      best[key] = min(best[key], (time.perf_counter() - t) / STEPS)
+  return best
