@@ -154,6 +154,12 @@ def load_for_decoding(args, choose_mode: Callable[[str | None], str]
     model, tok = load_model(mode, checkpoint, args.base, micro_vocab=args.micro_vocab)
   except ModelLoadError as e:
     raise SystemExit(f"error: {e}") from None
+  if getattr(model, "drafter", None) is not None:
+    print("verify mode drafts with the checkpoint's drafter (a micro decoder trained on plain "
+          "contexts); HAMburger mode with its micro decoder", file=sys.stderr)
+  elif mode != "base":
+    print("verify mode drafts with the checkpoint's micro decoder (it has no drafter)",
+          file=sys.stderr)
   return model, tok, checkpoint, mode
 
 

@@ -186,6 +186,9 @@ class GraftConfig:
   # states of the group's tokens (they saw the base's features), normed and projected, added to
   # the tokens' embeddings (model/compositional_embedder.py).
   contextual_entry: bool = False
+  # A second micro decoder (with its stop head) that drafts for verify mode: trained on plain
+  # contexts, where verify drafts (train.trainable "drafter"); HAMburger mode keeps the first.
+  drafter: bool = False
 
   def __post_init__(self):
     if self.max_group < 1:

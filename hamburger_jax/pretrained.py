@@ -241,9 +241,9 @@ def _graft_config(meta: Mapping[str, Any], checkpoint: str) -> GraftConfig:
 
 
 # Graft options a run may add to the graft it starts from (train.init_from): each starts as the
-# identity (a zero projection, adapters acting at more entries, zero-initialised extra rank), so
-# the new graft starts as the old one.
-GROWABLE = ("adapter_scope", "contextual_entry", "base_lora_rank", "base_lora_alpha")
+# identity (a zero projection, adapters acting at more entries, zero-initialised extra rank, a
+# drafter copied from the micro decoder), so the new graft starts as the old one.
+GROWABLE = ("adapter_scope", "contextual_entry", "base_lora_rank", "base_lora_alpha", "drafter")
 
 
 def warm_start(model: Hamburger, checkpoint: str) -> list[str]:
@@ -279,6 +279,11 @@ def warm_start(model: Hamburger, checkpoint: str) -> list[str]:
            if old.base_lora_rank else 1.0)
   for name, rule in table.items():
     var = params[rule.target]
+    if name not in tensors and name.startswith("drafter.") and "micro." + name[8:] in tensors:
+      name_in = "micro." + name[8:]  # a new drafter starts as the micro decoder it will draft as
+      var.set_value(jnp.asarray(np.asarray(tensors[name_in], np.float32), dtype=var.dtype))
+      grown.append(name)
+      continue
     if name not in tensors:
       grown.append(name)
       continue

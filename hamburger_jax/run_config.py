@@ -62,8 +62,9 @@ class DataConfig:
 # What a run trains. Stages of the distill recipe: "micro" (stage 1: micro-step decoder + stop
 # head), "merger" (stage 2: compositional embedder + merged-entry adapters), "graft" (every grafted
 # module, stage 3 or the paper recipe on a frozen base), "all" (the paper: base too), "stop" (the
-# stop head alone, e.g. on a target that needs the merged forward: distill.stop_target=harm).
-TRAINABLE = ("graft", "all", "micro", "merger", "stop")
+# stop head alone, e.g. on a target that needs the merged forward: distill.stop_target=harm),
+# "drafter" (verify mode's drafter, graft.drafter, on stored features like stage 1).
+TRAINABLE = ("graft", "all", "micro", "merger", "stop", "drafter")
 RECIPES = ("paper", "distill")
 
 
@@ -113,8 +114,8 @@ class TrainConfig:
       raise ConfigError(f"train.trainable={self.trainable!r}: use one of {', '.join(TRAINABLE)}")
     if self.recipe not in RECIPES:
       raise ConfigError(f"train.recipe={self.recipe!r}: use one of {', '.join(RECIPES)}")
-    if self.trainable == "micro" and self.recipe != "distill":
-      raise ConfigError("train.trainable=micro (stage 1) learns from the teacher's stored "
+    if self.trainable in ("micro", "drafter") and self.recipe != "distill":
+      raise ConfigError(f"train.trainable={self.trainable} learns from the teacher's stored "
                         "features: it needs train.recipe=distill")
     _at_least("train", self, 1, "steps", hint="an untrained run has nothing to export")
     _at_least("train", self, 1, "log_every", "ce_chunk", "generate_prompts", "generate_tokens")
@@ -263,6 +264,10 @@ class RunConfig:
   stage: str = ""  # the stage of the config's `stages:` this run is ("" = no stages)
 
   def __post_init__(self):
+    if self.train.trainable == "drafter" and not self.graft.drafter:
+      raise ConfigError("train.trainable=drafter trains verify mode's drafter: set "
+                        "graft.drafter=true (a run from a graft without one starts it as a copy "
+                        "of its micro decoder)")
     if self.distill.dense_weight and not (self.train.recipe == "distill" and
                                           self.train.trainable in ("merger", "graft", "all")):
       raise ConfigError("distill.dense_weight aligns the merged entries' layers: it needs "

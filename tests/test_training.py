@@ -1032,3 +1032,37 @@ def test_a_run_grows_the_graft_it_starts_from(staged, teacher_data_dir: str, tmp
                                            "graft.base_lora_rank=2"], stage="stop")
   with pytest.raises(Exception, match="a run may only add to the graft"):
     pretrained.build_run_model(shrunk)
+
+
+def test_a_drafter_grows_from_the_micro_decoder_and_trains_alone(staged, tmp_path: Path,
+                                                                no_gguf_tokenizer):
+  """train.trainable=drafter from a graft without a drafter: it starts as a copy of the micro
+  decoder (verify drafts as before), then only it moves; the export loads with it, and verify
+  mode drafts from it while still emitting the base's tokens."""
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  export = str(staged.run / "merger" / "export")
+  cfg = load_run_config(staged.config, [
+      f"train.init_from={export}", "graft.drafter=true", "train.trainable=drafter",
+      f"checkpoint.dir={tmp_path / 'drafter'}", "train.steps=4"], stage="micro")
+  grown, _ = pretrained.build_run_model(cfg)
+  for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(grown.drafter)),
+                            nnx.to_flat_state(nnx.state(grown.micro))):
+    np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(p))
+  before = _load_export(export)
+  training.run(cfg, progress=False, log=lambda *_: None)
+  after = _load_export(tmp_path / "drafter" / "micro" / "export")
+  for k, v in before.items():
+    np.testing.assert_array_equal(after[k], v, err_msg=k)  # nothing but the drafter moved
+  drafter = [k for k in after if k.startswith("drafter.")]
+  assert drafter and any(not np.array_equal(after[k], after["micro." + k[8:]]) for k in drafter)
+  model, _ = pretrained.build_run_model(load_run_config(staged.config, [
+      "graft.drafter=true", f"train.init_from={tmp_path / 'drafter' / 'micro' / 'export'}"],
+      stage="stop"))
+  engine = Engine(model, None, stop_ids=())
+  prompts = [[5, 6, 7, 8], [9, 10]]
+  base = engine.generate(prompts, max_new_tokens=10, mode="base")
+  verify = engine.generate(prompts, max_new_tokens=10, mode="verify")
+  assert [g.token_ids for g in verify] == [g.token_ids for g in base]
+  with pytest.raises(ConfigError, match="set graft.drafter=true"):
+    load_run_config(staged.config, ["train.trainable=drafter"], stage="micro")

@@ -191,7 +191,8 @@ def micro_branch(n_continuing: jax.Array, slots: int) -> jax.Array:
 
 
 def _micro_steps(model: Hamburger, rs: DecodeState, tokens, count, cont, *, stop_ids,
-                 stochastic: bool, forced: bool, n_live: jax.Array, r: jax.Array):
+                 stochastic: bool, forced: bool, n_live: jax.Array, r: jax.Array,
+                 drafting: bool = False):
   """Micro steps 1..K-1 for the rows of `rs` (the state's per-row fields, no cache, no
   micro_cost): unrolled, each emitting t_i where `cont`; step i + 1 runs only if the rows that
   go on pay for it (`pays`, at cost ratio `r`, `n_live` rows decoding), always if `forced`. A
@@ -201,13 +202,14 @@ def _micro_steps(model: Hamburger, rs: DecodeState, tokens, count, cont, *, stop
   left = rs.max_new - rs.n_tokens
 
   def step(i, x, cache, tokens, count, cont):
-    h, cache = model.micro_step(i, x, cache)
+    h, cache = model.micro_step(i, x, cache, drafting)
     ti = model.micro_token(sample(model.micro_logits(h), rs, i, stochastic))
     tokens = tokens.at[:, i].set(jnp.where(cont, ti, 0))
     count = count + cont
     if i == k - 1:  # the group is full: no decision left to take
       return tokens, count
-    go_on = (cont & continues(model.stop_logits(h), rs.confidence) & ~jnp.isin(ti, stop_ids)
+    go_on = (cont & continues(model.stop_logits(h, drafting), rs.confidence)
+             & ~jnp.isin(ti, stop_ids)
              & (left > i + 1) & (rs.max_group > i + 1))
     x = base.embed(ti[:, None])
     rest = lambda ops: step(i + 1, *ops)
@@ -240,15 +242,17 @@ def propose(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids
   if variant.proposal == "token0":
     return tokens, count
   remaining = state.max_new - state.n_tokens
-  cont = (~state.done & continues(model.stop_logits(h0), state.confidence)
+  drafting = mode == "verify"
+  cont = (~state.done & continues(model.stop_logits(h0, drafting), state.confidence)
           & ~jnp.isin(t0, stop_ids) & (remaining > 1) & (state.max_group > 1))
   if variant.proposal == "stop_only":  # the decision computed and kept, never acted on
     return tokens, count + (cont & (count > 9)).astype(count.dtype)
   rows_state = state.replace(cache=None, micro_cost=None)  # the per-row fields
   n_live = jnp.sum(~state.done)
   micro = lambda rs, *ops, r: _micro_steps(model, rs, *ops, stop_ids=stop_ids,
-                                           stochastic=stochastic and mode != "verify",
-                                           forced=variant.forced, n_live=n_live, r=r)
+                                           stochastic=stochastic and not drafting,
+                                           forced=variant.forced, n_live=n_live, r=r,
+                                           drafting=drafting)
   if variant.forced:
     return micro(rows_state, tokens, count, cont, r=jnp.float32(0))
 

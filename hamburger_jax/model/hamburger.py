@@ -49,6 +49,8 @@ class Hamburger(nnx.Module):
                                           dtype=dtype_of(b.dtype),
                                           contextual=g.contextual_entry, eps=b.rms_norm_eps)
     self.micro = MicroStepDecoder(b, g, rngs=rngs)
+    # Verify mode's drafter (graft.drafter), else its drafts come from `micro`.
+    self.drafter = MicroStepDecoder(b, g, rngs=rngs) if g.drafter else nnx.data(None)
     self.feature_layers = g.resolved_feature_layers(b.num_layers)
     self.micro_ids = nnx.data(None)  # [N] token ids, when micro steps use a reduced vocabulary
     self.micro_head = nnx.data(None)  # [N, D]: the head's rows for those ids
@@ -112,7 +114,13 @@ class Hamburger(nnx.Module):
                             collect=self.feature_layers[:-1], merged_bt=merged_bt, write=write)
     return jnp.stack([*out.collected, out.hidden], axis=-2), out.cache if write else out.kv
 
-  def micro_hidden(self, features_nfd: jax.Array, teacher_nk: jax.Array) -> jax.Array:
+  def micro_decoder(self, drafting: bool = False) -> MicroStepDecoder:
+    """The micro decoder of a step: verify mode's drafts (`drafting`) come from the drafter
+    where the graft has one."""
+    return self.drafter if drafting and self.drafter is not None else self.micro
+
+  def micro_hidden(self, features_nfd: jax.Array, teacher_nk: jax.Array,
+                   drafting: bool = False) -> jax.Array:
     """Teacher-forced micro steps: features [N, F, D], group tokens [N, K] -> h [N, K, D].
 
     h_0 is the skip connection (the base's normed last hidden state, so token 0 of a step is the
@@ -125,7 +133,8 @@ class Hamburger(nnx.Module):
     x = jnp.concatenate([features_nfd, self.base.embed(teacher_nk[:, :k - 1])], axis=1)
     t = f + k - 1
     positions = jnp.broadcast_to(jnp.arange(t), (n, t))
-    h, _ = self.micro(x, positions, causal_segment_mask(jnp.ones((n, t), jnp.int32)))
+    h, _ = self.micro_decoder(drafting)(x, positions,
+                                         causal_segment_mask(jnp.ones((n, t), jnp.int32)))
     return jnp.concatenate([features_nfd[:, -1:], h[:, f:]], axis=1)
 
   def micro_cache(self, batch: int) -> KVCache:
@@ -135,14 +144,14 @@ class Hamburger(nnx.Module):
     return KVCache.init(len(self.micro.decoder.layers), batch, slots, b.num_kv_heads, b.head_dim,
                         dtype_of(b.dtype))
 
-  def micro_step(self, i: int | jax.Array, x_btd: jax.Array,
-                 cache: KVCache) -> tuple[jax.Array, KVCache]:
+  def micro_step(self, i: int | jax.Array, x_btd: jax.Array, cache: KVCache,
+                 drafting: bool = False) -> tuple[jax.Array, KVCache]:
     """Micro step i >= 1 at decode time: the T new inputs end with e(t_{i-1}), at micro-cache
     slots (== RoPE positions) F-1+i-T+1 .. F-1+i. Returns h_i [B, D] and the cache. The
     engine runs step 1 with T = F + 1 (the features and e(t0) in one pass), later steps T = 1."""
     b, t, _ = x_btd.shape
     slots = jnp.broadcast_to(self.num_features + i - t + jnp.arange(t), (b, t))
-    h, cache = self.micro(x_btd, slots, None, cache, slots)
+    h, cache = self.micro_decoder(drafting)(x_btd, slots, None, cache, slots)
     return h[:, -1], cache
 
   def logits(self, h: jax.Array) -> jax.Array:
@@ -177,8 +186,8 @@ class Hamburger(nnx.Module):
     """The token id of a choice among micro_logits' entries."""
     return index if self.micro_ids is None else jnp.take(self.micro_ids[...], index)
 
-  def stop_logits(self, h: jax.Array) -> jax.Array:
-    return self.micro.stop_head(h)
+  def stop_logits(self, h: jax.Array, drafting: bool = False) -> jax.Array:
+    return self.micro_decoder(drafting).stop_head(h)
 
 
 def sharing_weights(model: Hamburger, micro_vocab=None) -> Hamburger:

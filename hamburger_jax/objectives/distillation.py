@@ -85,18 +85,19 @@ def acceptance_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
 
 
 def window_stats(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str, jax.Array],
-                 ce_chunk: int) -> dict[str, jax.Array]:
+                 ce_chunk: int, drafting: bool = False) -> dict[str, jax.Array]:
   """Every micro step of each window, teacher-forced from the features that predict it [N, F,
   D] (N = flattened groups): the hidden states h [N, K, D], and per step [N, K] the CE, the KL
   from the teacher's top-k, the argmax, whether it is the teacher's greedy token (`agree`) and
-  whether the window has that step (`valid`); `size` [N] the window sizes."""
+  whether the window has that step (`valid`); `size` [N] the window sizes. `drafting`: the
+  graft's drafter (verify mode's) instead of its micro decoder."""
   k = model.max_group
   window = batch["window_ids"].reshape(-1, k)
   size = batch["window_size"].reshape(-1)
   topk_ids = batch["teacher_topk_ids"].reshape(-1, k, batch["teacher_topk_ids"].shape[-1])
   topk_logp = batch["teacher_topk_logp"].reshape(topk_ids.shape)
   n, _, d = feats_nfd.shape
-  h = model.micro_hidden(feats_nfd, window)  # [N, K, D]
+  h = model.micro_hidden(feats_nfd, window, drafting)  # [N, K, D]
   stats = chunked_token_stats(h.reshape(-1, d), model.base.head_dv(), window.reshape(-1),
                               ce_chunk, h.dtype, topk_ids.reshape(n * k, -1),
                               topk_logp.reshape(n * k, -1), rows=batch["window_size"].shape[0])
@@ -108,7 +109,7 @@ def window_stats(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str, jax
 
 def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str, jax.Array],
                       cfg: DistillConfig, ce_chunk: int, group_end_n: jax.Array | None = None,
-                      merge_read_n: jax.Array | None = None
+                      merge_read_n: jax.Array | None = None, drafting: bool = False
                       ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
   """KL / CE / stop losses of every micro step of each window, given the features that predict
   it [N, F, D] (N = flattened groups). Returns (weighted loss, metrics, agreement of each micro
@@ -117,7 +118,7 @@ def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str
   `merge_read_n` [N] bool (stop target "harm"): group n is a merged entry, and group n + 1's
   token 0 is predicted from it."""
   k = model.max_group
-  w = window_stats(model, feats_nfd, batch, ce_chunk)
+  w = window_stats(model, feats_nfd, batch, ce_chunk, drafting)
   h, ce, kl, argmax, window, size = (w[n] for n in ("h", "ce", "kl", "argmax", "window", "size"))
   step = jnp.arange(k)[None, :]
   valid, agree = w["valid"], w["agree"]
@@ -133,7 +134,7 @@ def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str
     ends, inside = layout.stop_targets(group_end_n, k)
     stop_target = ends > 0
     stop_valid = valid & inside
-  stop = model.stop_logits(h)  # [N, K] fp32
+  stop = model.stop_logits(h, drafting)  # [N, K] fp32
   bce = bce_with_logits(stop, stop_target.astype(jnp.float32))
   n_tok = jnp.maximum(valid.sum(), 1)
   mean = lambda x: jnp.sum(jnp.where(valid, x, 0)) / n_tok
@@ -158,13 +159,16 @@ def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str
 
 
 def micro_distill_loss(model: Hamburger, batch: Mapping[str, jax.Array], cfg: DistillConfig,
-                       ce_chunk: int = 1024) -> tuple[jax.Array, dict[str, jax.Array]]:
+                       ce_chunk: int = 1024, drafting: bool = False
+                       ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Stage 1: the micro-step decoder and stop head on the teacher's stored features (exact base
-  features, nothing merged upstream). Never runs the base forward."""
+  features, nothing merged upstream). Never runs the base forward. `drafting`: the graft's
+  drafter instead (verify mode's: on data grouped one token a group, every position of a plain
+  context drafts, and the stop target "teacher" is "the next draft is the base's")."""
   feats = batch["teacher_features"]
   b, g, f, d = feats.shape
   loss, metrics, _ = micro_step_losses(model, feats.reshape(b * g, f, d), batch, cfg, ce_chunk,
-                                       batch["target_size"].reshape(-1))
+                                       batch["target_size"].reshape(-1), drafting=drafting)
   metrics["loss"] = loss
   return loss, metrics
 

@@ -34,11 +34,14 @@ from hamburger_jax.run_config import DEFAULT_TEACHER_TOP_K, RunConfig
 
 # The params each `train.trainable` optimises (the rest is frozen, and not checkpointed: it is
 # rebuilt from the base source and train.init_from). "all" trains the base as well.
+# Verify mode's drafter (graft.drafter) trains alone ("drafter"): no other loss reads it.
+_NOT_DRAFTER = nnx.Not(nnx.PathContains("drafter"))
 TRAINED = {
-    "graft": GraftParam, "all": GraftParam,
+    "graft": nnx.All(GraftParam, _NOT_DRAFTER), "all": nnx.All(GraftParam, _NOT_DRAFTER),
     "micro": nnx.All(GraftParam, nnx.PathContains("micro")),
-    "merger": nnx.All(GraftParam, nnx.Not(nnx.PathContains("micro"))),
-    "stop": nnx.All(GraftParam, nnx.PathContains("stop_head")),
+    "merger": nnx.All(GraftParam, nnx.Not(nnx.PathContains("micro")), _NOT_DRAFTER),
+    "stop": nnx.All(GraftParam, nnx.PathContains("stop_head"), _NOT_DRAFTER),
+    "drafter": nnx.All(GraftParam, nnx.PathContains("drafter")),
 }
 
 # Batch fields and their ranks (the leading accumulation axis included).
@@ -294,8 +297,9 @@ class Trainer:
       return hamburger_loss(model, batch, t.ce_chunk)
     if self.online_teacher:
       batch = with_teacher(model, batch, self.cfg.distill.top_k, t.ce_chunk)
-    if t.trainable == "micro":
-      return micro_distill_loss(model, batch, self.cfg.distill, t.ce_chunk)
+    if t.trainable in ("micro", "drafter"):
+      return micro_distill_loss(model, batch, self.cfg.distill, t.ce_chunk,
+                                drafting=t.trainable == "drafter")
     return distill_loss(model, batch, self.cfg.distill, t.ce_chunk,
                         dense_tokens=self.cfg.data.row_tokens)
 
