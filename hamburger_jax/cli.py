@@ -155,8 +155,9 @@ def load_for_decoding(args, choose_mode: Callable[[str | None], str]
   except ModelLoadError as e:
     raise SystemExit(f"error: {e}") from None
   if getattr(model, "drafter", None) is not None:
-    print("verify mode drafts with the checkpoint's drafter (a micro decoder trained on plain "
-          "contexts); HAMburger mode with its micro decoder", file=sys.stderr)
+    print(f"verify mode drafts with the checkpoint's drafter ({model.cfg.graft.drafter_layers} "
+          "layer(s) trained on plain contexts); HAMburger mode with its micro decoder",
+          file=sys.stderr)
   elif mode != "base":
     print("verify mode drafts with the checkpoint's micro decoder (it has no drafter)",
           file=sys.stderr)

@@ -186,9 +186,10 @@ class GraftConfig:
   # states of the group's tokens (they saw the base's features), normed and projected, added to
   # the tokens' embeddings (model/compositional_embedder.py).
   contextual_entry: bool = False
-  # A second micro decoder (with its stop head) that drafts for verify mode: trained on plain
-  # contexts, where verify drafts (train.trainable "drafter"); HAMburger mode keeps the first.
-  drafter: bool = False
+  # Layers of a second micro decoder (with its stop head) that drafts for verify mode (0:
+  # none, verify drafts with the micro decoder): trained on plain contexts, where verify drafts
+  # (train.trainable "drafter"); HAMburger mode keeps the first. EAGLE drafts with one layer.
+  drafter_layers: int = 0
 
   def __post_init__(self):
     if self.max_group < 1:
@@ -197,6 +198,8 @@ class GraftConfig:
       raise ConfigError(f"micro_init={self.micro_init!r}: use 'fresh' or 'copy_top'")
     if self.position_offset not in (0, 1):
       raise ConfigError(f"position_offset={self.position_offset} must be 0 or 1")
+    if not 0 <= self.drafter_layers:
+      raise ConfigError(f"drafter_layers={self.drafter_layers} must be >= 0 (0: no drafter)")
     if self.adapter_scope not in ADAPTER_SCOPES:
       raise ConfigError(f"adapter_scope={self.adapter_scope!r}: use one of "
                         f"{', '.join(ADAPTER_SCOPES)}")

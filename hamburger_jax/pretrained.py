@@ -241,9 +241,11 @@ def _graft_config(meta: Mapping[str, Any], checkpoint: str) -> GraftConfig:
 
 
 # Graft options a run may add to the graft it starts from (train.init_from): each starts as the
-# identity (a zero projection, adapters acting at more entries, zero-initialised extra rank, a
-# drafter copied from the micro decoder), so the new graft starts as the old one.
-GROWABLE = ("adapter_scope", "contextual_entry", "base_lora_rank", "base_lora_alpha", "drafter")
+# identity (a zero projection, adapters acting at more entries, zero-initialised extra rank), or
+# from what it has (a drafter: the micro decoder's first layers and its stop head), so the new
+# graft starts as the old one, or near it.
+GROWABLE = ("adapter_scope", "contextual_entry", "base_lora_rank", "base_lora_alpha",
+            "drafter_layers")
 
 
 def warm_start(model: Hamburger, checkpoint: str) -> list[str]:
@@ -280,7 +282,7 @@ def warm_start(model: Hamburger, checkpoint: str) -> list[str]:
   for name, rule in table.items():
     var = params[rule.target]
     if name not in tensors and name.startswith("drafter.") and "micro." + name[8:] in tensors:
-      name_in = "micro." + name[8:]  # a new drafter starts as the micro decoder it will draft as
+      name_in = "micro." + name[8:]  # a new drafter starts as the micro decoder drafted before
       var.set_value(jnp.asarray(np.asarray(tensors[name_in], np.float32), dtype=var.dtype))
       grown.append(name)
       continue

@@ -63,7 +63,7 @@ class DataConfig:
 # head), "merger" (stage 2: compositional embedder + merged-entry adapters), "graft" (every grafted
 # module, stage 3 or the paper recipe on a frozen base), "all" (the paper: base too), "stop" (the
 # stop head alone, e.g. on a target that needs the merged forward: distill.stop_target=harm),
-# "drafter" (verify mode's drafter, graft.drafter, on stored features like stage 1).
+# "drafter" (verify mode's drafter, graft.drafter_layers, on stored features like stage 1).
 TRAINABLE = ("graft", "all", "micro", "merger", "stop", "drafter")
 RECIPES = ("paper", "distill")
 
@@ -264,10 +264,10 @@ class RunConfig:
   stage: str = ""  # the stage of the config's `stages:` this run is ("" = no stages)
 
   def __post_init__(self):
-    if self.train.trainable == "drafter" and not self.graft.drafter:
+    if self.train.trainable == "drafter" and not self.graft.drafter_layers:
       raise ConfigError("train.trainable=drafter trains verify mode's drafter: set "
-                        "graft.drafter=true (a run from a graft without one starts it as a copy "
-                        "of its micro decoder)")
+                        "graft.drafter_layers (e.g. 1; a run from a graft without one starts it "
+                        "as a copy of its micro decoder's first layers)")
     if self.distill.dense_weight and not (self.train.recipe == "distill" and
                                           self.train.trainable in ("merger", "graft", "all")):
       raise ConfigError("distill.dense_weight aligns the merged entries' layers: it needs "

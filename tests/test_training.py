@@ -1037,13 +1037,14 @@ def test_a_run_grows_the_graft_it_starts_from(staged, teacher_data_dir: str, tmp
 def test_a_drafter_grows_from_the_micro_decoder_and_trains_alone(staged, tmp_path: Path,
                                                                 no_gguf_tokenizer):
   """train.trainable=drafter from a graft without a drafter: it starts as a copy of the micro
-  decoder (verify drafts as before), then only it moves; the export loads with it, and verify
-  mode drafts from it while still emitting the base's tokens."""
+  decoder (verify drafts as before; here both have the tiny graft's 2 layers), then only it
+  moves; the export loads with it, and verify mode drafts from it while still emitting the
+  base's tokens."""
   from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   export = str(staged.run / "merger" / "export")
   cfg = load_run_config(staged.config, [
-      f"train.init_from={export}", "graft.drafter=true", "train.trainable=drafter",
+      f"train.init_from={export}", "graft.drafter_layers=2", "train.trainable=drafter",
       f"checkpoint.dir={tmp_path / 'drafter'}", "train.steps=4"], stage="micro")
   grown, _ = pretrained.build_run_model(cfg)
   for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(grown.drafter)),
@@ -1057,12 +1058,12 @@ def test_a_drafter_grows_from_the_micro_decoder_and_trains_alone(staged, tmp_pat
   drafter = [k for k in after if k.startswith("drafter.")]
   assert drafter and any(not np.array_equal(after[k], after["micro." + k[8:]]) for k in drafter)
   model, _ = pretrained.build_run_model(load_run_config(staged.config, [
-      "graft.drafter=true", f"train.init_from={tmp_path / 'drafter' / 'micro' / 'export'}"],
+      "graft.drafter_layers=2", f"train.init_from={tmp_path / 'drafter' / 'micro' / 'export'}"],
       stage="stop"))
   engine = Engine(model, None, stop_ids=())
   prompts = [[5, 6, 7, 8], [9, 10]]
   base = engine.generate(prompts, max_new_tokens=10, mode="base")
   verify = engine.generate(prompts, max_new_tokens=10, mode="verify")
   assert [g.token_ids for g in verify] == [g.token_ids for g in base]
-  with pytest.raises(ConfigError, match="set graft.drafter=true"):
+  with pytest.raises(ConfigError, match="set graft.drafter_layers"):
     load_run_config(staged.config, ["train.trainable=drafter"], stage="micro")

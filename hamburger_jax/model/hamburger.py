@@ -49,8 +49,9 @@ class Hamburger(nnx.Module):
                                           dtype=dtype_of(b.dtype),
                                           contextual=g.contextual_entry, eps=b.rms_norm_eps)
     self.micro = MicroStepDecoder(b, g, rngs=rngs)
-    # Verify mode's drafter (graft.drafter), else its drafts come from `micro`.
-    self.drafter = MicroStepDecoder(b, g, rngs=rngs) if g.drafter else nnx.data(None)
+    # Verify mode's drafter (graft.drafter_layers), else its drafts come from `micro`.
+    self.drafter = (MicroStepDecoder(b, g, rngs=rngs, layers=g.drafter_layers)
+                    if g.drafter_layers else nnx.data(None))
     self.feature_layers = g.resolved_feature_layers(b.num_layers)
     self.micro_ids = nnx.data(None)  # [N] token ids, when micro steps use a reduced vocabulary
     self.micro_head = nnx.data(None)  # [N, D]: the head's rows for those ids

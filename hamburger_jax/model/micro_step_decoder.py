@@ -29,9 +29,11 @@ class StopHead(nnx.Module):
 class MicroStepDecoder(nnx.Module):
   """Reads [features..., e(t0), ..., e(t_{K-2})] causally at positions 0..F+K-2; no final norm."""
 
-  def __init__(self, base: LlamaConfig, graft: GraftConfig, *, rngs: nnx.Rngs):
-    self.decoder = DecoderStack(base, graft.micro_layers, rngs=rngs, param_type=GraftParam,
-                                init=torch_linear_init)
+  def __init__(self, base: LlamaConfig, graft: GraftConfig, *, rngs: nnx.Rngs,
+               layers: int | None = None):
+    """`layers`: its depth (default graft.micro_layers; a drafter's: graft.drafter_layers)."""
+    self.decoder = DecoderStack(base, layers or graft.micro_layers, rngs=rngs,
+                                param_type=GraftParam, init=torch_linear_init)
     self.stop_head = StopHead(base.hidden_size, rngs=rngs,
                               param_dtype=dtype_of(base.param_dtype), dtype=dtype_of(base.dtype))
 

@@ -34,7 +34,7 @@ from hamburger_jax.run_config import DEFAULT_TEACHER_TOP_K, RunConfig
 
 # The params each `train.trainable` optimises (the rest is frozen, and not checkpointed: it is
 # rebuilt from the base source and train.init_from). "all" trains the base as well.
-# Verify mode's drafter (graft.drafter) trains alone ("drafter"): no other loss reads it.
+# Verify mode's drafter (graft.drafter_layers) trains alone ("drafter"): no other loss reads it.
 _NOT_DRAFTER = nnx.Not(nnx.PathContains("drafter"))
 TRAINED = {
     "graft": nnx.All(GraftParam, _NOT_DRAFTER), "all": nnx.All(GraftParam, _NOT_DRAFTER),
