@@ -105,6 +105,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                  help="build the model of this run config (e.g. configs/tiny.yaml) instead")
   p.add_argument("--batch", type=int, default=8, help="prompts decoded together")
   cli.add_micro_rule_flag(p)
+  p.add_argument("--verify", type=float, default=None, metavar="DRAFT_CONFIDENCE",
+                 help="also decode each task in verify mode at this draft confidence (e.g. 0): "
+                      "the base's tokens drafted by the micro decoder, their tokens a forward "
+                      "and speed against the base")
 
 
 def _add_data_flags(p: argparse.ArgumentParser) -> None:
@@ -180,6 +184,8 @@ def _check_decode_flags(p: argparse.ArgumentParser, args: argparse.Namespace) ->
     p.error(str(e))
   # Checked here rather than by cli.check_decode_flags, which takes one confidence; the same
   # rules (positive counts, confidences in [0, 1]), with eval's messages.
+  if args.verify is not None and not 0 <= args.verify <= 1:
+    p.error(f"--verify={args.verify}: a draft confidence must be in [0, 1]")
   for name in ("limit", "batch", "max_new_tokens", "max_group"):
     value = getattr(args, name)
     if value is not None and value < 1:
@@ -237,7 +243,7 @@ def settings(args, argv: Sequence[str]) -> EvalSettings:
       confidences=tuple(args.confidence), tasks=tuple(args.tasks) if args.tasks else None,
       limit=args.limit, batch=args.batch, max_new_tokens=args.max_new_tokens,
       max_group=args.max_group, micro_rule=args.micro_rule, data=args.data, split=args.split,
-      fidelity_set=args.fidelity_set,
+      fidelity_set=args.fidelity_set, verify=args.verify,
       train_data=args.train_data, out=args.out, plots=not args.no_plots,
       unsafe_exec=args.unsafe_exec,
       command=" ".join(shlex.quote(a) for a in ["python", "-m", "infer.eval", *argv]))

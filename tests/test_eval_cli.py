@@ -582,3 +582,41 @@ def test_compare_evals_pairs_the_same_examples(tmp_path, capsys):
   assert "| gcd | 0.5 | 2 | 0.500 | 0.000 | +0.500" in capsys.readouterr().out
   with pytest.raises(SystemExit, match="generations.jsonl does not exist"):
     compare_evals.main([a, str(tmp_path / "missing")])
+
+
+def test_fidelity_and_verify_through_the_cli(tmp_path: Path):
+  """--tasks fidelity on a fidelity set of the tiny base (results.json's `fidelity` entry and
+  its results.md table), and --verify: each task's verify run gives the base's tokens."""
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.data.teacher_pass import base_fingerprint  # pylint: disable=C0415
+  from hamburger_jax.evaluation import fidelity_set  # pylint: disable=C0415
+  from hamburger_jax.run_config import load_run_config  # pylint: disable=C0415
+  model, _ = pretrained.build_run_model(load_run_config(TINY))
+  rng = np.random.default_rng(4)
+  records = []
+  for i in range(4):
+    groups = tuple(int(g) for g in rng.choice([1, 2, 3, 4], 6))
+    records.append(fidelity_set.FidelityRecord(
+        "synthetic", f"s{i}", tuple(int(t) for t in rng.integers(1, 250, 5)),
+        tuple(int(t) for t in rng.integers(1, 250, sum(groups))), groups))
+  path = fidelity_set.save(fidelity_set.FidelitySet(
+      tuple(records), {"base_fingerprint": base_fingerprint(model.base)}),
+      str(tmp_path / "set.json"))
+  out = tmp_path / "out"
+  proc = _eval("--config", TINY, "--tasks", "synthetic,fidelity", "--fidelity-set", path,
+               "--limit", "4", "--batch", "4", "--confidence", "0.3", "--max-new-tokens", "10",
+               "--verify", "0", "--no-plots", "--out", str(out))
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  results = json.loads((out / "results.json").read_text())
+  fid = results["tasks"]["fidelity"]
+  assert fid["n"] == 4 and fid["score"] == fid["agree_merged"]
+  assert {"agree_single", "agree_one_merge", "agree_s2", "kl_merged", "by_size"} <= set(fid)
+  verify = results["tasks"]["synthetic"]["verify"]
+  assert verify["identical"] == 1.0 and verify["tokens_per_forward"] >= 1.0
+  md = (out / "results.md").read_text()
+  assert "Fidelity, teacher-forced on the fidelity set" in md and "Verify mode" in md
+  rows = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+  assert {r["mode"] for r in rows} == {"base", "hamburger", "verify"}
+  proc = _eval("--config", TINY, "--tasks", "fidelity", "--limit", "2", "--out",
+               str(tmp_path / "other"))
+  assert proc.returncode == 1 and "another base" in proc.stderr  # the committed set: SmolLM2's

@@ -44,11 +44,13 @@ class ModeRun:
 
 def generate_batched(engine, prompts: list, *, mode: str, confidence: float, max_new: int,
                      batch: int, bar=None, max_group: int | None = None) -> ModeRun:
-  """Greedy generations of `prompts`, `batch` at a time; `bar` (a tqdm bar) counts batches."""
+  """Greedy generations of `prompts`, `batch` at a time; `bar` (a tqdm bar) counts batches.
+  In verify mode `confidence` is the draft confidence."""
   gens, decode_s, compile_s = [], 0.0, 0.0
   batch = min(batch, len(prompts))
+  setting = {"draft_confidence" if mode == "verify" else "confidence": confidence}
   run = lambda rows: engine.generate(rows, max_new_tokens=max_new, mode=mode,
-                                     confidence=confidence, max_group=max_group)
+                                     max_group=max_group, **setting)
   for i in range(0, len(prompts), batch):
     chunk = prompts[i:i + batch]
     # A short last batch is filled with copies of its last prompt, so that it reuses the compiled
@@ -68,16 +70,20 @@ def generate_batched(engine, prompts: list, *, mode: str, confidence: float, max
 
 
 def run_modes(engine, examples, confidences: Sequence[float], max_new: int, batch: int,
-              name: str, max_group: int | None = None) -> tuple[ModeRun, dict[float, ModeRun]]:
-  """The base run and one HAMburger run per confidence (groups capped at `max_group` tokens),
-  over the examples' prompts, with a progress bar on stderr."""
+              name: str, max_group: int | None = None, verify: float | None = None
+              ) -> tuple[ModeRun, dict[float, ModeRun], ModeRun | None]:
+  """The base run, one HAMburger run per confidence (groups capped at `max_group` tokens) and,
+  with `verify` (a draft confidence), a verify run, over the examples' prompts, with a progress
+  bar on stderr."""
   prompts = [ex.messages for ex in examples]
   n_batches = -(-len(prompts) // min(batch, len(prompts)))
-  with tqdm(total=n_batches * (1 + len(confidences)), desc=name, unit="batch",
-            file=sys.stderr) as bar:
+  runs = 1 + len(confidences) + (verify is not None)
+  with tqdm(total=n_batches * runs, desc=name, unit="batch", file=sys.stderr) as bar:
     kw = dict(max_new=max_new, batch=batch, bar=bar)
     base = generate_batched(engine, prompts, mode="base", confidence=1.0, **kw)
     ham = {c: generate_batched(engine, prompts, mode="hamburger", confidence=c,
                                max_group=max_group, **kw)
            for c in confidences}
-  return base, ham
+    checked = (None if verify is None else
+               generate_batched(engine, prompts, mode="verify", confidence=verify, **kw))
+  return base, ham, checked

@@ -33,6 +33,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines += _paired_table(gen_tasks, cs)
     lines += _divergence_table(gen_tasks, cs)
     lines += _speed_table(gen_tasks, cs)
+    lines += _verify_table(gen_tasks)
   if "nll" in results["tasks"]:
     r = results["tasks"]["nll"]
     lines += _nll_table(r)
@@ -136,6 +137,22 @@ def _speed_table(gen_tasks: dict[str, Any], cs: Sequence[float]) -> list[str]:
   for name, r in gen_tasks.items():
     lines.append(f"| {name} | {r['base']['tokens_per_s']:.1f} | " + " | ".join(
         f"{r['hamburger'][ckey(c)]['tokens_per_s']:.1f}" for c in cs) + " |")
+  return lines
+
+
+def _verify_table(gen_tasks: dict[str, Any]) -> list[str]:
+  """Verify mode, where it ran: its tokens are the base's (identical: the share of answers),
+  several a forward."""
+  rows = {n: r["verify"] for n, r in gen_tasks.items() if "verify" in r}
+  if not rows:
+    return []
+  lines = ["", "Verify mode (the base's tokens, the micro decoder's drafts checked by the base): "
+           "answers identical to the base's, score, tokens a base forward, decode tok/s against "
+           "the base's:", "", "| task | identical | score | tokens/forward | speed ratio |",
+           "|---|---|---|---|---|"]
+  for n, v in rows.items():
+    lines.append(f"| {n} | {v['identical']:.1%} | {fmt(v['score'])} | "
+                 f"{v['tokens_per_forward']:.2f} | {v['speed_ratio']:.2f}x |")
   return lines
 
 

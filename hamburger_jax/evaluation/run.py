@@ -50,6 +50,9 @@ class EvalSettings:
   max_new_tokens: int | None = None  # None: MAX_NEW_TOKENS per task
   max_group: int | None = None
   micro_rule: str | float = "off"  # when a batch's next micro step runs (decode/micro_rule.py)
+  # A draft confidence: each task is decoded in verify mode too (the base's tokens, drafted by
+  # the micro decoder: tokens a forward and speed against the base); None: not
+  verify: float | None = None
   data: str | None = None  # a tfds dataset, for nll (and fidelity: its split instead of the set)
   fidelity_set: str | None = None  # the fidelity task's set (None: the committed one)
   split: str = "validation"
@@ -196,7 +199,7 @@ def _run_tasks(model, tok, engine, s: EvalSettings, names, tasks, examples, resu
       continue
     max_new = s.max_new_tokens or MAX_NEW_TOKENS[name]
     scored = run_task(engine, tasks[name], examples[name], list(s.confidences), max_new,
-                      s.batch, s.max_group)
+                      s.batch, s.max_group, s.verify)
     results["tasks"][name] = result = scored.result(max_new)
     for rec in scored.records(name):
       gen_file.write(json.dumps(rec) + "\n")
@@ -207,4 +210,7 @@ def _run_tasks(model, tok, engine, s: EvalSettings, names, tasks, examples, resu
       results["example"] = groups_example(tok, name, scored.examples[0], scored.ham[c].gens[0], c)
     log(f"{name}: base {result['base']['score']:.3f}; " + "; ".join(
         f"c={c}: {h['score']:.3f} at {h['kv_compression']:.2f}x KV, {h['speed_ratio']:.2f}x "
-        "speed" for c, h in result["hamburger"].items()))
+        "speed" for c, h in result["hamburger"].items()) + (
+        f"; verify: {result['verify']['identical']:.0%} identical, "
+        f"{result['verify']['tokens_per_forward']:.2f} tokens a forward, "
+        f"{result['verify']['speed_ratio']:.2f}x speed" if "verify" in result else ""))

@@ -33,6 +33,8 @@ class Scored:
   ham: dict[float, ModeRun]
   base_scores: list[float]
   ham_scores: dict[float, list[float]]
+  verify: ModeRun | None = None  # verify mode's run (the base's tokens, drafted), if asked
+  verify_scores: list[float] | None = None
 
   def result(self, max_new: int) -> dict[str, Any]:
     """results.json's entry; speed ratio = HAMburger decode tokens/s over the base's; delta =
@@ -49,12 +51,21 @@ class Scored:
       summary.update(first_divergence(base_ids, [g.token_ids for g in run.gens],
                                       [g.groups for g in run.gens]))
       result["hamburger"][ckey(c)] = summary
+    if self.verify is not None:
+      summary = self.verify.summary(self.verify_scores)
+      summary.pop("kv_compression")  # one entry per token, as the base
+      summary["tokens_per_forward"] = self.verify.tokens / max(self.verify.macro_steps, 1)
+      summary["speed_ratio"] = summary["tokens_per_s"] / result["base"]["tokens_per_s"]
+      summary.update(token_agreement(base_ids, [g.token_ids for g in self.verify.gens]))
+      result["verify"] = summary
     return result
 
   def records(self, task: str) -> Iterator[dict[str, Any]]:
     """generations.jsonl lines: one per example and mode."""
     runs = [("base", None, self.base, self.base_scores)] + [
         ("hamburger", c, run, self.ham_scores[c]) for c, run in self.ham.items()]
+    if self.verify is not None:
+      runs.append(("verify", None, self.verify, self.verify_scores))
     for mode, c, run, scores in runs:
       for ex, g, s in zip(self.examples, run.gens, scores):
         yield {"task": task, "id": ex.id, "mode": mode, "confidence": c, "score": s,
@@ -62,24 +73,30 @@ class Scored:
                "macro_steps": g.macro_steps, "prompt_tokens": g.prompt_tokens}
 
 
-def score_by_task(engine, task, examples, confidences, max_new, batch,
-                  max_group=None) -> Scored:
+def _scored(metric, examples, base, ham, verify, score) -> Scored:
+  return Scored(metric, examples, base, ham, score(base), {c: score(run) for c, run in ham.items()},
+                verify, None if verify is None else score(verify))
+
+
+def score_by_task(engine, task, examples, confidences, max_new, batch, max_group=None,
+                  verify=None) -> Scored:
   """reasoning-gym exact match and HumanEval pass@1: task.score(text, example) per generation."""
-  base, ham = run_modes(engine, examples, confidences, max_new, batch, task.name, max_group)
+  runs = run_modes(engine, examples, confidences, max_new, batch, task.name, max_group, verify)
   score = lambda run: [task.score(g.text, ex) for g, ex in zip(run.gens, examples)]
-  return Scored("pass@1" if task.name == "humaneval" else "exact_match", examples, base, ham,
-                score(base), {c: score(run) for c, run in ham.items()})
+  return _scored("pass@1" if task.name == "humaneval" else "exact_match", examples, *runs, score)
 
 
-def score_vs_base(engine, task, examples, confidences, max_new, batch, max_group=None) -> Scored:
+def score_vs_base(engine, task, examples, confidences, max_new, batch, max_group=None,
+                  verify=None) -> Scored:
   """ROUGE-L of HAMburger's answers against the base's own answers (attached as references):
   mt_bench and sharegpt_heldout (tasks.VsReferenceTask), which have no judge offline."""
-  base, ham = run_modes(engine, examples, confidences, max_new, batch, task.name, max_group)
+  base, ham, checked = run_modes(engine, examples, confidences, max_new, batch, task.name,
+                                 max_group, verify)
   examples = [task.with_reference(ex, g.text) for ex, g in zip(examples, base.gens)]
-  return Scored("rouge_l_vs_base", examples, base, ham,
-                [1.0] * len(examples),  # the base against itself, by definition
-                {c: [task.score(g.text, ex) for g, ex in zip(run.gens, examples)]
-                 for c, run in ham.items()})
+  scored = _scored("rouge_l_vs_base", examples, base, ham, checked,
+                   lambda run: [task.score(g.text, ex) for g, ex in zip(run.gens, examples)])
+  scored.base_scores = [1.0] * len(examples)  # the base against itself, by definition
+  return scored
 
 
 class SyntheticTask:
@@ -106,16 +123,16 @@ class SyntheticTask:
 
 
 def score_synthetic(engine, task: SyntheticTask, examples, confidences, max_new, batch,
-                    max_group=None) -> Scored:
+                    max_group=None, verify=None) -> Scored:
   """Token match of the synthetic task (scored on ids: the model may have no tokenizer)."""
-  base, ham = run_modes(engine, examples, confidences, max_new, batch, task.name, max_group)
+  runs = run_modes(engine, examples, confidences, max_new, batch, task.name, max_group, verify)
   score = lambda run: [task.score(g.token_ids, ex, max_new) for g, ex in zip(run.gens, examples)]
-  return Scored("token_match", examples, base, ham, score(base),
-                {c: score(run) for c, run in ham.items()})
+  return _scored("token_match", examples, *runs, score)
 
 
-def run_task(engine, task, examples, confidences, max_new, batch, max_group=None) -> Scored:
+def run_task(engine, task, examples, confidences, max_new, batch, max_group=None,
+             verify=None) -> Scored:
   """Generates and scores one task by its family's rule (the three functions above)."""
   family = (score_vs_base if task.name in VS_BASE_TASKS else
             score_synthetic if task.name == "synthetic" else score_by_task)
-  return family(engine, task, examples, confidences, max_new, batch, max_group)
+  return family(engine, task, examples, confidences, max_new, batch, max_group, verify)
