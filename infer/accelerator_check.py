@@ -205,14 +205,15 @@ def part_precision(args) -> list[str]:
 def decode_rows(engine, ids: list, n_new: int, flags: str,
                 tps: dict[str, float] | None = None) -> Iterator[str]:
   """The decode table's rows of one batch: base and HAMburger at DECODE_CONFIDENCES (those of
-  MICRO_RULE_CONFIDENCES also with the micro rule auto), each run's tok/s over the time the
-  batch decoded (its prefills apart), best of 2 interleaved rounds, and the lockstep's waste:
-  micro steps a macro step ran against tokens a row emitted in it; `tps` gets each run's
-  tok/s."""
+  MICRO_RULE_CONFIDENCES also with the micro rule auto) and verify mode (the base's tokens; k:
+  tokens a base forward), each run's tok/s over the time the batch decoded (its prefills
+  apart), best of 2 interleaved rounds, and the lockstep's waste: micro steps a macro step ran
+  against tokens a row emitted in it; `tps` gets each run's tok/s."""
   from hamburger_jax.benchmarks import timing  # pylint: disable=import-outside-toplevel
   runs = {"base": {"mode": "base"}, **{name: {"mode": "hamburger", "confidence": c}
                                        for name, c in DECODE_CONFIDENCES.items()}}
   runs.update({f"{name} auto": runs[name] for name in MICRO_RULE_CONFIDENCES})
+  runs["verify"] = {"mode": "verify"}
   auto = engine.with_micro_rule("auto")
   res = timing.time_batches(engine, ids, n_new, 2, runs,
                             {f"{name} auto": auto for name in MICRO_RULE_CONFIDENCES})

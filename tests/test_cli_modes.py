@@ -155,8 +155,8 @@ def test_accelerator_check_parts_on_tiny_models():
   prec = ac.part_precision(argparse.Namespace(tiny=True, dtype="bfloat16"))
   assert prec[0].startswith("- decoding in bfloat16") and any(l.startswith("| base |") for l in prec)
   # The decode part hands on each row as it is measured (a part stopped at its cap keeps them):
-  # the many-row batch first, its 6 rows and where its device time goes out before batch 1
-  # starts, and batch 1's 6 rows before the same 6 runs with command buffers (from a child
+  # the many-row batch first, its 7 rows and where its device time goes out before batch 1
+  # starts, and batch 1's 7 rows before the same 7 runs with command buffers (from a child
   # process: XLA reads its flags when the backend starts), which compile everything again.
   from hamburger_jax.benchmarks import timing  # pylint: disable=import-outside-toplevel
   decode, measuring_after = [], []
@@ -171,18 +171,20 @@ def test_accelerator_check_parts_on_tiny_models():
   batch4 = [i for i, l in enumerate(decode) if l.startswith("| 4 |")]
   batch1 = [l for l in decode if l.startswith("| 1 |")]
   assert len(measuring_after) == 2 and measuring_after[0] <= batch4[0], measuring_after
-  assert len(batch4) == 6 and batch4[-1] < measuring_after[1], decode
+  assert len(batch4) == 7 and batch4[-1] < measuring_after[1], decode
   # the steps each batch ran (its slowest row's) and what one cost against a base step
   table = {r["run"]: r for r in _tables("\n".join(decode))[0]}
   assert table["base"]["last row's steps"] == "32" and table["forced"]["last row's steps"] == "8"
   assert table["base"]["macro step / base step"] == "1.00"
+  assert float(table["verify"]["tokens/step"]) >= 1.0  # verify: tokens a base forward
   assert all(float(r["macro step / base step"]) > 0 for r in table.values())
   assert any(l.startswith("- batch 4, base,") for l in decode[batch4[-1]:measuring_after[1]])
-  assert [ac.COMMAND_BUFFERS in l for l in batch1] == [False] * 6 + [True] * 6, batch1
+  assert [ac.COMMAND_BUFFERS in l for l in batch1] == [False] * 7 + [True] * 7, batch1
   assert any("a GPU flag, no effect on cpu" in l for l in decode)
   assert any(re.fullmatch(r"- batch 1 with command buffers against the defaults: base [\d.]+x, "
                           r"c=0\.5 [\d.]+x, c=0\.8 [\d.]+x, forced [\d.]+x, "
-                          r"c=0\.5 auto [\d.]+x, c=0\.8 auto [\d.]+x", l) for l in decode)
+                          r"c=0\.5 auto [\d.]+x, c=0\.8 auto [\d.]+x, verify [\d.]+x", l)
+             for l in decode)
   # where the time goes: a traced decode of each batch (base, c = 0.5 with the rule off and
   # auto), and batch 1 again with command buffers, each a table of kinds of operation
   profiled = [re.fullmatch(r"- batch (\d), (base|c=0\.5|c=0\.5 auto), XLA flags (.*): \d+ macro "
