@@ -1045,7 +1045,8 @@ def test_a_drafter_grows_from_the_micro_decoder_and_trains_alone(staged, tmp_pat
   export = str(staged.run / "merger" / "export")
   cfg = load_run_config(staged.config, [
       f"train.init_from={export}", "graft.drafter_layers=2", "train.trainable=drafter",
-      f"checkpoint.dir={tmp_path / 'drafter'}", "train.steps=4"], stage="micro")
+      f"checkpoint.dir={tmp_path / 'drafter'}", "train.steps=4", "train.eval_every=4"],
+      stage="micro")
   grown, _ = pretrained.build_run_model(cfg)
   for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(grown.drafter)),
                             nnx.to_flat_state(nnx.state(grown.micro))):
@@ -1053,6 +1054,9 @@ def test_a_drafter_grows_from_the_micro_decoder_and_trains_alone(staged, tmp_pat
   before = _load_export(export)
   training.run(cfg, progress=False, log=lambda *_: None)
   after = _load_export(tmp_path / "drafter" / "micro" / "export")
+  # Its validation reports the drafter's own agreement, not the merged forward's micro decoder.
+  val = [r for r in _metrics(tmp_path / "drafter" / "micro") if "val_kl" in r][-1]
+  assert "val_agree_s2" in val and "val_agree_merged" not in val
   for k, v in before.items():
     np.testing.assert_array_equal(after[k], v, err_msg=k)  # nothing but the drafter moved
   drafter = [k for k in after if k.startswith("drafter.")]

@@ -96,20 +96,21 @@ def item_counts(batch: Mapping[str, Any], max_group: int, recipe: str = "paper",
 
 def batch_totals(model, batch: Mapping[str, jax.Array], *, recipe: str = "paper",
                  loss_fn: LossFn | None = None, distill: DistillConfig | None = None,
-                 ce_chunk: int = 1024) -> dict[str, dict[str, jax.Array]]:
+                 ce_chunk: int = 1024, yardstick: bool = True) -> dict[str, dict[str, jax.Array]]:
   """One batch's metrics as what pools: {"sums": per-item values summed, "items": their counts,
   "counts": the n_* counts}. Traceable (the caller jits it, sharded or not).
 
   `loss_fn(model, batch) -> (loss, metrics)` gives the recipe's metrics (default: the recipe's
   loss, hamburger_loss or distill_loss); on data with teacher signals distill_loss adds its
-  agreement and acceptance metrics where the loss has none."""
+  agreement and acceptance metrics where the loss has none (`yardstick`: False for a loss whose
+  own agreement is the one that means something, verify mode's drafter's)."""
   distill = distill or DistillConfig()
   if loss_fn is None:
     loss_fn = ((lambda m, b: hamburger_loss(m, b, ce_chunk)) if recipe == "paper" else
                (lambda m, b: distill_loss(m, b, distill, ce_chunk)))
   _, metrics = loss_fn(model, batch)
   metrics = dict(metrics)
-  if "teacher_features" in batch and "agree_merged" not in metrics:
+  if yardstick and "teacher_features" in batch and "agree_merged" not in metrics:
     _, full = distill_loss(model, batch, distill, ce_chunk)
     metrics.update({k: v for k, v in full.items() if k.startswith(TEACHER_PREFIXES)})
   items = item_counts(batch, model.max_group, recipe, distill.stop_target)

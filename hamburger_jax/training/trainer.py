@@ -357,7 +357,9 @@ class Trainer:
     return teacher_forced.batch_totals(
         self.merge(params, frozen), batch, recipe=self.cfg.train.recipe,
         loss_fn=lambda _, b: self.loss(params, frozen, b), distill=self.cfg.distill,
-        ce_chunk=self.cfg.train.ce_chunk)
+        ce_chunk=self.cfg.train.ce_chunk,
+        # The drafter drafts in plain contexts: its own agreement, not the merged forward's.
+        yardstick=self.cfg.train.trainable != "drafter")
 
   # ---------------------------------------------------------------- host side
 
