@@ -18,6 +18,8 @@ own cache key, and loaded with the callbacks of the process that asks for them.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import inspect
@@ -60,6 +62,28 @@ _COUNTS = CompileCounts()
 # Programs compile on a thread pool (decode/programs.py), and JAX reports each lookup from the
 # thread that compiles it: a read-modify-write of the counts from two threads at once loses one.
 _COUNTS_LOCK = threading.Lock()
+# The counts of one stretch of work (`counting`), wherever its programs compile: the process's
+# counts mix every thread's (a server compiles in the background while it serves).
+_SCOPE: contextvars.ContextVar[CompileCounts | None] = contextvars.ContextVar(
+    "hamburger_jax_compile_counts", default=None)
+
+
+@contextlib.contextmanager
+def counting(counts: CompileCounts):
+  """Adds to `counts` every program this context compiles or reads back, and every one compiled
+  in a copy of it (decode/programs.py runs its compile jobs in copies of the caller's)."""
+  token = _SCOPE.set(counts)
+  try:
+    yield counts
+  finally:
+    _SCOPE.reset(token)
+
+
+def _add(hits: int, misses: int) -> None:
+  with _COUNTS_LOCK:
+    for counts in (_COUNTS, _SCOPE.get()):
+      if counts is not None:
+        counts.hits, counts.misses = counts.hits + hits, counts.misses + misses
 # JAX records a request for each program it looks up, then a hit when it finds it.
 _JAX_REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
 _JAX_HIT = "/jax/compilation_cache/cache_hits"
@@ -105,11 +129,10 @@ def compile_counts() -> CompileCounts:
 
 
 def _count_jax_event(event: str, **_) -> None:
-  with _COUNTS_LOCK:
-    if event == _JAX_REQUEST:
-      _COUNTS.misses += 1
-    elif event == _JAX_HIT:
-      _COUNTS.misses, _COUNTS.hits = _COUNTS.misses - 1, _COUNTS.hits + 1
+  if event == _JAX_REQUEST:
+    _add(0, 1)
+  elif event == _JAX_HIT:
+    _add(1, -1)
 
 
 def _callback_program_path(backend, computation, devices, options, host_callbacks) -> str | None:
@@ -158,8 +181,7 @@ def _keep_callback_programs() -> None:
           serialized = jax_cache.decompress_executable(f.read())
         loaded = backend.deserialize_executable(serialized, executable_devices, compile_options,
                                                 host_callbacks=list(host_callbacks))
-        with _COUNTS_LOCK:
-          _COUNTS.hits += 1
+        _add(1, 0)
         return loaded
       except Exception as e:  # pylint: disable=broad-except
         warn(f"compilation cache entry {path} is unreadable ({type(e).__name__}: {e}); "

@@ -137,8 +137,9 @@ def build(args: argparse.Namespace):
                          round_steps=args.round_steps or DEFAULT_ROUND_STEPS)
   except GenerationError as e:
     raise SystemExit(f"error: {e}") from None
-  cli.phase(f"compiling for {args.slots} slots, prompts up to {args.max_prompt_tokens} tokens, "
-            f"up to {args.max_tokens} new ({', '.join(modes)})", loop.start)
+  cli.phase(f"compiling the programs that answer every request: {args.slots} slots, prompts up "
+            f"to {args.max_prompt_tokens} tokens, up to {args.max_tokens} new "
+            f"({', '.join(modes)})", loop.start)
   defaults = Defaults(model=name, mode=mode, max_tokens=args.max_tokens,
                       confidence=args.confidence, max_group=args.max_group,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -169,6 +170,10 @@ def main(argv=None) -> int:
   if not args.no_compile_cache:
     print(f"compilation cache: {loop.compile_cache.hits} programs read, "
           f"{loop.compile_cache.misses} compiled and written", file=sys.stderr, flush=True)
+  pending = sum(len(v) for v in loop.pending().values())
+  if pending:
+    print(f"{pending} more programs (faster for some requests, the same tokens) are prepared "
+          "while serving: GET /health lists them", file=sys.stderr, flush=True)
   print(f"serving {server.defaults.model} ({', '.join(loop.modes)}) on "
         f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
   # uvicorn shuts down gracefully on SIGTERM/SIGINT and then raises the signal again for the

@@ -216,3 +216,27 @@ def test_a_failing_observer_is_said_once_and_serving_goes_on(engine, capsys):
   err = capsys.readouterr().err
   assert err.count("metrics backend down") == 1 and err.count("no such label") == 1
   assert "Broken.refused" in err and "Broken.ended" in err
+
+
+def test_requests_are_answered_while_the_rest_of_the_programs_are_prepared(engine, alone):
+  """start() compiles the fewest programs that answer every request (each prefill chunk size,
+  the sampling loop of the widest view); requests served before the rest are prepared get the
+  tokens they get after, and `pending` names what is left until prepare_rest() is done."""
+  fresh = Engine(engine.model, None, stop_ids=[DECODE_STOP])  # nothing compiled yet
+  loop = AdmissionLoop(fresh, ("hamburger", "base"), LIMITS)
+  loop.start(background=False)
+  try:
+    pending = loop.pending()
+    assert any("greedy" in p for p in pending["base"]) and pending["hamburger"]
+    compiled = set(fresh.programs)
+    jobs = [(i, m, _request(i)) for i in (0, 2, 3) for m in ("hamburger", "base")]
+    before = _served(loop, jobs)
+    assert set(fresh.programs) == compiled  # the loop compiled nothing of its own
+    loop.prepare_rest()
+    assert loop.pending() == {"hamburger": [], "base": []}
+    assert loop.prepared.seconds > 0 and loop.prepared.error is None
+    after = _served(loop, [(i, m, _request(i)) for i, m, _ in jobs])
+  finally:
+    loop.close()
+  for (i, m, _), (g, stream), (h, _) in zip(jobs, before, after):
+    assert g.token_ids == stream == alone[m][i].token_ids == h.token_ids, (i, m)

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hamburger_jax import cache, graft_checkpoint, pretrained
 from hamburger_jax.benchmarks.server_load import ServerProcess, drive
-from hamburger_jax.benchmarks.server_start import time_to_health
+from hamburger_jax.benchmarks.server_start import time_to_health, time_to_prepared
 from hamburger_jax.config import GraftConfig
 from hamburger_jax.decode.admission import AdmissionLoop, Limits
 from hamburger_jax.decode.engine import Engine, GenerationError
@@ -76,11 +76,13 @@ def second(tiny):
   first, first_health = _start(tiny, "first")
   try:
     first_answer = _complete(first, PROBE, 16)
+    _, first_prepared = time_to_prepared(first, 900)
   finally:
     assert first.stop() == 0
   server, health = _start(tiny, "second")
+  _, prepared = time_to_prepared(server, 900)
   yield {"server": server, "health": health, "first_health": first_health,
-         "first_answer": first_answer}
+         "first_answer": first_answer, "first_prepared": first_prepared, "prepared": prepared}
   server.stop()
 
 
@@ -90,6 +92,10 @@ def test_a_second_start_compiles_nothing(second):
   assert before["cache_misses"] > 0, before  # the first start compiled (and wrote) its programs
   assert after["cache_misses"] == 0, after  # the second compiled none: all came from the cache
   assert after["cache_hits"] == before["cache_hits"] + before["cache_misses"], (before, after)
+  # The programs prepared while serving: every one read back too, and none left pending.
+  rest, rest_after = second["first_prepared"]["prepared"], second["prepared"]["prepared"]
+  assert rest["cache_misses"] > 0 and rest_after["cache_misses"] == 0, (rest, rest_after)
+  assert rest_after["error"] is None and not any(second["prepared"]["pending"].values())
   assert "compilation cache: " in second["server"].stderr()
   # The decode programs read back stream through the callbacks of this process.
   again = _complete(second["server"], PROBE, 16)

@@ -130,6 +130,16 @@ def _guarded(callback: Callable, *args) -> bool:
     return False
 
 
+@dataclasses.dataclass
+class Prepared:
+  """What an AdmissionLoop's background compile has done: its seconds, the programs the
+  compilation cache gave and those it compiled, and the error that stopped it (if one did)."""
+  seconds: float = 0.0
+  cache_hits: int = 0
+  cache_misses: int = 0
+  error: str | None = None
+
+
 class AdmissionLoop:
   """Serves requests submitted from any thread, on one loop thread over `engine`.
 
@@ -154,6 +164,10 @@ class AdmissionLoop:
     self.stats = {m: _window_stats(limits.slots, self.usable[m]) for m in self.modes}
     self.compile_s = 0.0
     self.compile_cache = cache.CompileCounts()  # start()'s programs: read from the cache, or not
+    self._pending: list[tuple] = []  # program keys start() left to prepare_rest
+    self.prepared = Prepared()  # what prepare_rest did so far
+    self._prepared_counts = cache.CompileCounts()
+    self._preparer: threading.Thread | None = None
     self._cond = threading.Condition()
     self._inbox: collections.deque[Ticket] = collections.deque()
     self._cancels: collections.deque[Ticket] = collections.deque()
@@ -171,20 +185,68 @@ class AdmissionLoop:
 
   # ------------------------------------------------------------------ any thread
 
-  def start(self) -> float:
-    """Compiles every program a request within the limits can run (both decode variants: greedy
-    and sampling, streaming) and starts the loop; returns the seconds spent compiling."""
-    t, before = time.perf_counter(), cache.compile_counts()
-    for lay in self.layouts.values():
-      for stochastic in (False, True):
-        self.engine.compile_for(lay, self.limits.max_prompt_tokens, stochastic, stream=True)
+  def start(self, background: bool = True) -> float:
+    """Compiles the programs that answer every request within the limits, each mode's fewest
+    (Engine.ready_keys: every prefill chunk size, the sampling decode loop of the widest view),
+    and starts the loop; returns the seconds spent compiling them. The rest (greedy loops,
+    narrower views, prefix caching: faster, the same tokens) compile on a thread of their own
+    after, one at a time so that serving keeps its turns (`background`; else
+    `prepare_rest()` does it), and the loop takes each as it is ready (`pending` names those
+    still to come)."""
+    t = time.perf_counter()
+    longest = self.limits.max_prompt_tokens
+    with cache.counting(self.compile_cache):
+      self.engine._compile([k for lay in self.layouts.values()  # pylint: disable=W0212
+                            for k in self.engine.ready_keys(lay, longest)])
     self.compile_s = time.perf_counter() - t
-    after = cache.compile_counts()
-    self.compile_cache = cache.CompileCounts(after.hits - before.hits,
-                                             after.misses - before.misses)
+    with self._cond:
+      self._pending = [k for lay in self.layouts.values()
+                       for k in self.engine.serving_keys(lay, longest)
+                       if k not in self.engine.programs]
     self._thread = threading.Thread(target=self._run, name="admission-loop", daemon=True)
     self._thread.start()
+    if background and self._pending:
+      self._preparer = threading.Thread(target=self.prepare_rest, name="compile-rest",
+                                        daemon=True)
+      self._preparer.start()
     return self.compile_s
+
+  def prepare_rest(self) -> None:
+    """Compiles the programs `start` left for later, one at a time (stops when the loop
+    closes); `prepared` counts its seconds and what the compilation cache gave."""
+    while True:
+      with self._cond:
+        if self._closing or not self._pending:
+          return
+        key = self._pending[0]
+      t = time.perf_counter()
+      try:
+        with cache.counting(self._prepared_counts):
+          self.engine._compile([key])  # pylint: disable=protected-access
+      except Exception as e:  # pylint: disable=broad-except
+        with self._cond:  # serving goes on with the programs it has
+          self.prepared.error = f"{type(e).__name__}: {e}"
+          self._pending.clear()
+        return
+      with self._cond:
+        self._pending.remove(key)
+        self.prepared.seconds += time.perf_counter() - t
+        self.prepared.cache_hits = self._prepared_counts.hits
+        self.prepared.cache_misses = self._prepared_counts.misses
+
+  def pending(self) -> dict[str, list[str]]:
+    """The programs still being prepared, by mode, named for a reader (/health)."""
+    with self._cond:
+      keys = list(self._pending)
+    out: dict[str, list[str]] = {m: [] for m in self.modes}
+    for kind, layout, *rest in keys:
+      if kind == "decode":
+        stochastic, _, view = rest
+        what = f"decode {'sampling' if stochastic else 'greedy'}, view {view} blocks"
+      else:
+        what = f"{kind} {rest[0]}"
+      out[layout.mode].append(what)
+    return out
 
   def submit(self, request: Request, mode: str | None = None, *,
              on_tokens: Callable | None = None, on_done: Callable | None = None) -> Ticket:
@@ -246,6 +308,8 @@ class AdmissionLoop:
       self._cond.notify()
     if self._thread is not None:
       self._thread.join(timeout)
+    if self._preparer is not None:  # it stops after the program it is compiling
+      self._preparer.join(timeout)
 
   @property
   def waiting(self) -> int:
@@ -266,7 +330,8 @@ class AdmissionLoop:
   def _run(self) -> None:
     scheds = {m: Scheduler(self.engine, lay, self.stats[m], collections.deque(), mode=m,
                            stream=self._deliver, limit=self.round_steps, refill=True,
-                           arrival=time.perf_counter(), compile_s=0.0, stochastic=None)
+                           arrival=time.perf_counter(), compile_s=0.0, stochastic=None,
+                           compiled_only=True)
               for m, lay in self.layouts.items()}
     self._scheds = tuple(scheds.values())
     try:

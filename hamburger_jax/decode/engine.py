@@ -26,7 +26,7 @@ from hamburger_jax.config import (DEFAULT_CONFIDENCE, DEFAULT_DRAFT_CONFIDENCE,
                                   DEFAULT_PREFIX_CACHE_TOKENS)
 from hamburger_jax.decode import micro_rule as micro_rules, placement, serving, shapes
 from hamburger_jax.decode.prefix_cache import PrefixCache
-from hamburger_jax.decode.programs import EnginePrograms
+from hamburger_jax.decode.programs import Compiling, EnginePrograms
 from hamburger_jax.decode.requests import Generation, GenerationError, Request
 from hamburger_jax.decode.runner import decode_runner
 from hamburger_jax.decode.sampling import SamplingParams
@@ -117,6 +117,7 @@ class Engine(EnginePrograms):
     # Compiled programs by (kind, layout, ...): compiled ahead of time so timings never include
     # compilation and reuse is observable.
     self.programs: dict[tuple, Any] = {}
+    self.compiling = Compiling()  # what is being compiled now, by which thread (programs.py)
 
   # ------------------------------------------------------------------ traced pieces
 

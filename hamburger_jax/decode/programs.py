@@ -6,7 +6,9 @@ requests (its docstring is the contract a scheduler uses)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import os
+import threading
 import time
 from typing import Iterable, Sequence
 
@@ -34,7 +36,7 @@ COMPILE_THREADS = 8
 class EnginePrograms:
   """Programs of an engine (decode/engine.Engine sets what they read: graphdef, params, mesh,
   precision, stop_ids, variant, plain_branch, block_size, turn_end_ids, prefix_cache, programs,
-  and its `put`, `_empty_state` and `max_group`)."""
+  compiling, and its `put`, `_empty_state` and `max_group`)."""
 
   def _abstract_state(self, layout: Layout):
     state = jax.eval_shape(lambda: self._empty_state(layout))
@@ -209,9 +211,12 @@ class EnginePrograms:
     """The smallest view that holds `blocks` blocks of every live slot."""
     return next(v for v in self.views(layout) if v >= blocks)
 
-  def prefill(self, layout: Layout, state: DecodeState, r: Request, slot: int) -> DecodeState:
+  def prefill(self, layout: Layout, state: DecodeState, r: Request, slot: int,
+              compiled_only: bool = False) -> DecodeState:
     """Prefills request `r` (checked: its `ids` set) into `slot` (its blocks already in the
-    state's table), chunk by chunk; the slot then decodes with the request's settings."""
+    state's table), chunk by chunk; the slot then decodes with the request's settings.
+    `compiled_only`: the prefix cache is left aside while its programs are not compiled (the
+    chunks, so the output, are the same)."""
     confidence = r.draft_confidence if layout.mode == "verify" else r.confidence
     request = self.put({
         "max_new": np.int32(r.max_new_tokens), "confidence": np.float32(confidence),
@@ -219,8 +224,11 @@ class EnginePrograms:
         "temperature": np.float32(r.sampling.temperature), "top_k": np.int32(r.sampling.top_k),
         "top_p": np.float32(r.sampling.top_p), "key": r.key()})
     p0, chunks = self.prompt_plan(r.ids)
-    prefix = self.prefix_cache.get(layout.mode, r.ids[:p0]) if p0 else None
-    read, write = self._prefix_programs(layout, bucket(p0, LENGTH_BUCKETS)) if p0 else (None,) * 2
+    cached = p0 and (not compiled_only or
+                     ("prefix", layout, bucket(p0, LENGTH_BUCKETS)) in self.programs)
+    prefix = self.prefix_cache.get(layout.mode, r.ids[:p0]) if cached else None
+    read, write = (self._prefix_programs(layout, bucket(p0, LENGTH_BUCKETS)) if cached
+                   else (None,) * 2)
     if prefix is not None:
       state = write(state, self.put(np.int32(slot)), prefix.k, prefix.v, self.put(np.int32(p0)))
     for j, (start, valid, size) in enumerate(chunks):
@@ -231,7 +239,7 @@ class EnginePrograms:
       args = self.put((ids, np.int32(start), np.int32(valid), np.int32(slot),
                        np.bool_(j == len(chunks) - 1)))
       state = self._prefill_program(layout, size)(self.params, state, *args, request)
-      if start + valid == p0:  # a miss: the prefix's entries are all written now
+      if cached and start + valid == p0:  # a miss: the prefix's entries are all written now
         k, v = read(state, self.put(np.int32(slot)))
         self.prefix_cache.put(layout.mode, r.ids[:p0], CachedPrefix(k, v, p0))
     return state
@@ -261,13 +269,46 @@ class EnginePrograms:
     """Compiles what any prompt of up to `longest_prompt` tokens runs in `layout` (every
     prefill chunk size and prefix size it can use), for a server that cannot know its prompts
     before they arrive; returns the seconds spent, as compile_programs."""
-    jobs = [("prefill", layout, chunk) for chunk in shapes.PREFILL_BUCKETS
-            if chunk == shapes.PREFILL_BUCKETS[0] or chunk // 2 < longest_prompt]
+    return self._compile(self.serving_keys(layout, longest_prompt, (stochastic,), stream))
+
+  def serving_keys(self, layout: Layout, longest_prompt: int,
+                   stochastic: Sequence[bool] = (False, True), stream: bool = True) -> list:
+    """The programs any request of up to `longest_prompt` prompt tokens may run in `layout`:
+    every prefill chunk and prefix size its prompt can use, every decode view, greedy and
+    sampling (`stochastic`)."""
+    keys = [("prefill", layout, chunk) for chunk in shapes.chunk_sizes_used(longest_prompt)]
     if self.prefix_cache.enabled:
-      jobs += [("prefix", layout, size) for size in shapes.LENGTH_BUCKETS
+      keys += [("prefix", layout, size) for size in shapes.LENGTH_BUCKETS
                if size == shapes.LENGTH_BUCKETS[0] or size // 2 < longest_prompt]
-    jobs += [("decode", layout, stochastic, stream, v) for v in self.views(layout)]
-    return self._compile(jobs)
+    keys += [("decode", layout, s, stream, v) for s in stochastic for v in self.views(layout)]
+    return keys
+
+  def ready_keys(self, layout: Layout, longest_prompt: int, stream: bool = True) -> list:
+    """The fewest programs that answer every request of up to `longest_prompt` prompt tokens
+    in `layout` with the tokens it gets once every program is compiled: each prefill chunk
+    size a prompt can use, and the sampling decode loop of the widest view (it decodes greedy
+    rows too, and holds every live slot). Prefix caching waits for its programs (its chunks
+    are the same either way, so is the output)."""
+    return ([("prefill", layout, chunk) for chunk in shapes.chunk_sizes_used(longest_prompt)]
+            + [("decode", layout, True, stream, self.views(layout)[-1])])
+
+  def decode_for(self, layout: Layout, stochastic: bool, stream: bool, blocks: int,
+                 compiled_only: bool = False):
+    """(the decode program, its view) for live slots of at most `blocks` blocks: the smallest
+    view that holds them (view_for), greedy unless `stochastic`. `compiled_only`: among the
+    programs compiled already, never compiling (a server while the rest are prepared): the
+    smallest compiled view that holds them, the sampling loop where the greedy one is not
+    compiled yet (it decodes greedy rows the same way)."""
+    if not compiled_only:
+      view = self.view_for(layout, blocks)
+      return self.decode_program(layout, stochastic, stream, view), view
+    for view in (v for v in self.views(layout) if v >= blocks):
+      for s in ((True,) if stochastic else (False, True)):
+        key = ("decode", layout, s, stream, view)
+        if key in self.programs:
+          return self.programs[key], view
+    raise RuntimeError(f"no decode program of layout {layout} is compiled for {blocks} blocks: "
+                       "compile its ready_keys first")
 
   def _program(self, key: tuple):
     """The compiled program of `key` (a prefix's: its (read, write) pair), compiled on first
@@ -288,18 +329,49 @@ class EnginePrograms:
     were none). Lowering traces Python, one program after another; XLA then compiles them on a
     pool of threads, as it holds no GIL while it compiles: a GPU host's cores compile a
     layout's programs at once (a judge's 9 a mode took ~55 s for the base and ~130 s for
-    HAMburger one after another on an H200)."""
+    HAMburger one after another on an H200). Threads may call it at once (a server prepares
+    programs in the background while it serves): a program another thread is compiling is
+    waited for, not compiled twice."""
     t = time.perf_counter()
-    todo = [k for k in dict.fromkeys(keys) if k not in self.programs]
-    if not todo:
-      return 0.0
-    lowered = [(k, low) for k in todo for low in self._lower(k)]
-    workers = max(1, min(len(lowered), os.cpu_count() or 1, COMPILE_THREADS))
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-      compiled = list(pool.map(lambda job: job[1].compile(), lowered))
-    parts: dict[tuple, list] = {}
-    for (k, _), c in zip(lowered, compiled):
-      parts.setdefault(k, []).append(c)
-    for k, cs in parts.items():  # a prefix's (read, write) stays a pair
-      self.programs[k] = tuple(cs) if k[0] == "prefix" else cs[0]
-    return time.perf_counter() - t
+    with self.compiling.lock:
+      todo = [k for k in dict.fromkeys(keys)
+              if k not in self.programs and k not in self.compiling.events]
+      waits = [self.compiling.events[k] for k in dict.fromkeys(keys)
+               if k in self.compiling.events]
+      for k in todo:
+        self.compiling.events[k] = threading.Event()
+    try:
+      if todo:
+        lowered = [(k, low) for k in todo for low in self._lower(k)]
+        workers = max(1, min(len(lowered), os.cpu_count() or 1, COMPILE_THREADS))
+        # Each job in a copy of the caller's context: its compile counts go to the caller's
+        # cache.counting, not only to the process's.
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+          compiled = list(pool.map(
+              lambda job: job[2].run(job[1].compile),
+              [(k, low, contextvars.copy_context()) for k, low in lowered]))
+        parts: dict[tuple, list] = {}
+        for (k, _), c in zip(lowered, compiled):
+          parts.setdefault(k, []).append(c)
+        with self.compiling.lock:
+          for k, cs in parts.items():  # a prefix's (read, write) stays a pair
+            self.programs[k] = tuple(cs) if k[0] == "prefix" else cs[0]
+    finally:
+      with self.compiling.lock:
+        for k in todo:
+          self.compiling.events.pop(k).set()
+    for event in waits:
+      event.wait()
+    missing = [k for k in keys if k not in self.programs]
+    if missing:  # another thread's compile of it failed: its error was raised there
+      return time.perf_counter() - t + self._compile(missing)
+    return time.perf_counter() - t if todo or waits else 0.0
+
+
+class Compiling:
+  """The programs an engine is compiling now (by key: an event set when done) and the lock
+  that guards them and its programs' dict; shared by engines that share their programs."""
+
+  def __init__(self):
+    self.lock = threading.Lock()
+    self.events: dict[tuple, threading.Event] = {}

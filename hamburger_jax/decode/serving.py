@@ -230,8 +230,10 @@ class Scheduler:
 
   def __init__(self, engine, layout, stats: ServeStats, queue: collections.deque, *,
                mode: str, stream, limit: int | None, refill: bool, arrival: float,
-               compile_s: float, stochastic: bool | None):
+               compile_s: float, stochastic: bool | None, compiled_only: bool = False):
     self.engine, self.layout, self.stats, self.queue = engine, layout, stats, queue
+    # Run only programs compiled already (a server's loop, while the rest are prepared apart).
+    self.compiled_only = compiled_only
     self.mode, self.stream, self.stochastic = mode, stream, stochastic
     self.arrival, self.compile_s = arrival, compile_s
     self.refill = refill
@@ -285,7 +287,7 @@ class Scheduler:
       self._put_table()
       t = time.perf_counter()
       hits, reused = engine.prefix_cache.hits, engine.prefix_cache.tokens_reused
-      self.state = engine.prefill(self.layout, self.state, r, slot)
+      self.state = engine.prefill(self.layout, self.state, r, slot, self.compiled_only)
       jax.block_until_ready(self.state.done)
       stats.prefix_hits += engine.prefix_cache.hits - hits
       stats.prefix_tokens += engine.prefix_cache.tokens_reused - reused
@@ -325,12 +327,13 @@ class Scheduler:
     stats.in_flight.append(len(live))
     stats.queued.append(len(self.queue))
     stats.blocks_used.append(self.pool.usable - self.pool.free)
-    view = engine.view_for(self.layout, max(len(lv.blocks) for lv in live.values()))
-    stats.views.append(view)
     stochastic = self.stochastic
     if stochastic is None:
       stochastic = any(not lv.request.sampling.greedy for lv in live.values())
-    decode = engine.decode_program(self.layout, stochastic, self.stream is not None, view)
+    decode, view = engine.decode_for(self.layout, stochastic, self.stream is not None,
+                                     max(len(lv.blocks) for lv in live.values()),
+                                     self.compiled_only)
+    stats.views.append(view)
     refill = np.bool_(bool(self.queue) and self.refill)
     t_round = time.perf_counter()
     self.state = decode(engine.params, self.state, engine.put(refill), engine.put(self.limit),

@@ -79,6 +79,20 @@ def _chunk_sizes(n: int, buckets: tuple[int, ...], chunk_cost: int) -> tuple[int
   return tuple(sorted(best[n][1], reverse=True))
 
 
+def chunk_sizes_used(longest: int) -> tuple[int, ...]:
+  """Every chunk size prefill_chunks uses for some prompt of up to `longest` tokens, however a
+  prompt is split (a cached prefix's chunks and the rest's are each such a prompt)."""
+  if longest < 1:
+    return ()
+  buckets, cost = PREFILL_BUCKETS, PREFILL_CHUNK_COST
+  # The same search as _chunk_sizes, once for every length up to `longest`.
+  best = [(0, ())] + [None] * longest
+  for r in range(1, longest + 1):
+    best[r] = min((best[max(r - b, 0)][0] + b + cost, best[max(r - b, 0)][1] + (b,))
+                  for b in buckets)
+  return tuple(sorted({b for _, sizes in best[1:] for b in sizes}))
+
+
 def generate_slots(n: int) -> int:
   """`generate`'s slots for n prompts: a power of two (the spare slots stay empty), so batches of
   similar size share their compiled programs."""

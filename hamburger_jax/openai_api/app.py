@@ -105,14 +105,23 @@ class Server:
                          exception_handlers={ApiError: _api_error, HTTPException: _http_error})
 
   async def _health(self, _) -> JSONResponse:
+    """200 once every mode served answers any request (the server listens only then);
+    `compile` is what that took, `pending` the programs still being prepared apart (they make
+    some requests faster, none different) and `prepared` what preparing them took so far."""
     ok = self.loop.error is None
+    prepared = self.loop.prepared
     return JSONResponse({"status": "ok" if ok else "failed", "error": self.loop.error,
                          "waiting": self.loop.waiting, "in_flight": self.loop.in_flight,
                          "cancelled": self.loop.cancelled,
                          "modes": {m: recent(s) for m, s in self.loop.stats.items()},
                          "compile": {"seconds": round(self.loop.compile_s, 3),
                                      "cache_hits": self.loop.compile_cache.hits,
-                                     "cache_misses": self.loop.compile_cache.misses}},
+                                     "cache_misses": self.loop.compile_cache.misses},
+                         "pending": self.loop.pending(),
+                         "prepared": {"seconds": round(prepared.seconds, 3),
+                                      "cache_hits": prepared.cache_hits,
+                                      "cache_misses": prepared.cache_misses,
+                                      "error": prepared.error}},
                         status_code=200 if ok else 503)
 
   async def _metrics(self, _) -> Response:
