@@ -160,7 +160,7 @@ class Pool:
 
 def evaluate(model, batches: Iterable[Mapping[str, np.ndarray]], *, recipe: str = "paper",
              loss_fn: LossFn | None = None, distill: DistillConfig | None = None,
-             ce_chunk: int = 1024, bar=None) -> Pool:
+             ce_chunk: int = 1024, bar=None, yardstick: bool = True) -> Pool:
   """`batch_totals` of every batch (on the default device), pooled; `bar` counts batches."""
   graphdef, state = nnx.split(model)
 
@@ -169,7 +169,7 @@ def evaluate(model, batches: Iterable[Mapping[str, np.ndarray]], *, recipe: str 
   @jax.jit
   def totals(state, batch):
     return batch_totals(nnx.merge(graphdef, state), batch, recipe=recipe, loss_fn=loss_fn,
-                        distill=distill, ce_chunk=ce_chunk)
+                        distill=distill, ce_chunk=ce_chunk, yardstick=yardstick)
 
   pool = Pool()
   for b in batches:
