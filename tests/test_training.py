@@ -1071,3 +1071,23 @@ def test_a_drafter_grows_from_the_micro_decoder_and_trains_alone(staged, tmp_pat
   assert [g.token_ids for g in verify] == [g.token_ids for g in base]
   with pytest.raises(ConfigError, match="set graft.drafter_layers"):
     load_run_config(staged.config, ["train.trainable=drafter"], stage="micro")
+
+
+def test_fidelity_curves_plot(tmp_path: Path, capsys):
+  """train.curves --fidelity: the arms' fid_* metrics, one line a run; runs without them are
+  an error."""
+  from train import curves as curves_cli  # pylint: disable=import-outside-toplevel
+  for name, slope in (("a", 0.0), ("b", 0.001)):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(
+        {"step": s, "fid_agree_merged": 0.53 + slope * s, "fid_agree_single": 0.63,
+         "fid_agree_one_merge": 0.64, "fid_kl_merged": 1.2}) for s in (0, 25, 50)) + "\n")
+  out = tmp_path / "fid.png"
+  assert curves_cli.main(["--fidelity", f"a={tmp_path / 'a'}", f"b={tmp_path / 'b'}", "--out",
+                          str(out)]) == 0
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  (tmp_path / "c").mkdir()
+  (tmp_path / "c" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+  assert curves_cli.main(["--fidelity", f"c={tmp_path / 'c'}", "--out", str(out)]) == 2
+  assert "no fid_* metrics" in capsys.readouterr().err

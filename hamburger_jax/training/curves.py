@@ -199,3 +199,29 @@ def plot_tradeoff(runs: dict[str, list[dict[str, Any]]], path: str) -> str:
          title="stop head trade-off across confidences")
   ax.legend()
   return write_png(fig, path)
+
+
+# The fidelity set's figures a run logs (train.fidelity_every), one panel each.
+FIDELITY_PANELS = (("fid_agree_merged", "agreement after a merged entry"),
+                   ("fid_agree_one_merge", "after one merge in a plain context"),
+                   ("fid_agree_single", "after a single-token entry"),
+                   ("fid_kl_merged", "KL after a merged entry"))
+
+
+def plot_fidelity(runs: dict[str, Sequence[dict[str, Any]]], path: str) -> str:
+  """Learning curves of several runs (the fidelity arms) on the fidelity set: each panel one
+  figure (FIDELITY_PANELS) against the step, one line a run."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  if not any(any(k in r for r in rows for k, _ in FIDELITY_PANELS) for rows in runs.values()):
+    raise ValueError("no fid_* metrics in these runs: train them with train.fidelity_every")
+  fig, axes = plt.subplots(1, len(FIDELITY_PANELS), figsize=(5 * len(FIDELITY_PANELS), 4))
+  for ax, (key, title) in zip(axes, FIDELITY_PANELS):
+    for name, rows in runs.items():
+      x, y = _series(rows, key)
+      if x:
+        ax.plot(x, y, "o-", label=name)
+    ax.set(title=title, xlabel="step")
+    ax.legend(fontsize=8)
+  return write_png(fig, path)
