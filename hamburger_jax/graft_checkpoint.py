@@ -55,11 +55,15 @@ def base_table(model: Hamburger) -> dict[str, Rule]:
 
 def save_graft(model: Hamburger, path: str, base_source: str, *, dtype: str = "bfloat16",
                include_base: bool = False, extra: dict | None = None,
-               max_shard_mb: float | None = None) -> None:
+               max_shard_mb: float | None = None, micro_vocab_from: str | None = None) -> None:
   """Writes a graft checkpoint atomically (temp dir + rename).
 
   `max_shard_mb`: write each table in files of at most this many MiB (e.g. 16 where files move
-  through transfers capped per file); None: one file per table."""
+  through transfers capped per file); None: one file per table. `micro_vocab_from`: the
+  checkpoint the graft was trained from (train.init_from), whose micro-step vocabulary the export
+  carries where it is for this model's vocabulary (micro_vocab.carried): without it the entry
+  points would decode the trained graft with the full head and its init with the list, and a
+  judge could not set one beside the other."""
   check_shard_limit(max_shard_mb)  # before any export work
   mapping.check_training_layout(model)  # before any export work
   np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
@@ -76,7 +80,8 @@ def save_graft(model: Hamburger, path: str, base_source: str, *, dtype: str = "b
   meta = {"format": "hamburger-jax/graft-v1", "base_source": base_source,
           "base_config": base_config, "graft": to_dict(model.cfg.graft),
           "dtype": dtype, "include_base": include_base, **(extra or {})}
-  _write_checkpoint(path, meta, tensors, max_shard_mb)
+  keep = micro_vocab_lib.carried(micro_vocab_from, model.cfg.base.vocab_size)
+  _write_checkpoint(path, meta, tensors, max_shard_mb, keep=[keep] if keep else [])
 
 
 def reshard_graft(path: str, out: str | None = None, *, max_shard_mb: float | None) -> str:

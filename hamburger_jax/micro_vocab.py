@@ -12,7 +12,9 @@ first DEFAULT_SIZE ids by default where a checkpoint stores that many (hamburger
 
 The list is built from the answers a graft was trained on (`python -m train.micro_vocab`) and
 stored with the checkpoint as `micro_vocab.json`: token ids by falling frequency, so any N up to
-its length takes the first N.
+its length takes the first N. A run started from a checkpoint (train.init_from, a window's
+--init-from) exports its graft with that checkpoint's list (`carried`), so the trained graft
+decodes by default as its init did, and the two can be judged side by side.
 """
 
 from __future__ import annotations
@@ -82,6 +84,23 @@ def stored_size(checkpoint: str) -> int:
     return len(json.loads(files.read_text(path))["ids"])
   except (OSError, ValueError, KeyError, TypeError):
     return DEFAULT_SIZE  # so that load says what is wrong with it
+
+
+def carried(checkpoint: str | None, vocab_size: int) -> str | None:
+  """The path of `checkpoint`'s list where a graft trained from that checkpoint carries it into
+  its export: the list is token ids, not weights, so it stays the right one for the trained graft
+  on a base of the same vocabulary. None without a list, or with one for a vocabulary other than
+  `vocab_size` ids (another base's, which the export's graft would not decode with)."""
+  if not checkpoint:
+    return None
+  path = files.join(checkpoint, FILE)
+  if not files.isfile(path):
+    return None
+  try:
+    stored = int(json.loads(files.read_text(path))["vocab_size"])
+  except (OSError, ValueError, KeyError, TypeError):
+    return None  # unreadable: `load` says what is wrong where the checkpoint itself is read
+  return path if stored == vocab_size else None
 
 
 def load(checkpoint: str, size: int, vocab_size: int) -> np.ndarray:

@@ -301,6 +301,41 @@ def write_fidelity_set(args, argv: Sequence[str]) -> int:
   return 0
 
 
+def suite_micro_vocab(args) -> int | None:
+  """The --micro-vocab every graft of --suite is loaded with (0: the full vocabulary; None: the
+  entry points' default): the flag's value, which each must store, else the default, which must
+  come out the same for each. Grafts judged together share one engine's programs, and their
+  scores compare only where they decode alike; a SuiteError (one line) names the graft that
+  cannot and what to do."""
+  from hamburger_jax import micro_vocab, pretrained
+  from hamburger_jax.evaluation.suite import SuiteError
+  if not args.against:
+    return args.micro_vocab
+  shipped = args.config is None  # as model_to_evaluate and cli.load_model resolve them
+  checkpoint = pretrained.resolve_checkpoint(args.checkpoint) if shipped else args.checkpoint
+  grafts = [("--checkpoint", checkpoint), *(("--against", path) for path in args.against)]
+  if args.micro_vocab:
+    for flag, path in grafts:
+      stored = micro_vocab.stored_size(path) if path else 0
+      if stored < args.micro_vocab:
+        raise SuiteError(f"--micro-vocab {args.micro_vocab}: {flag} {path} stores {stored} micro "
+                         f"vocabulary ids ({micro_vocab.FILE}): judge every graft with the full "
+                         "vocabulary (--micro-vocab 0) or with at most the ids each stores")
+    return args.micro_vocab
+  sizes = [cli.micro_vocab_size(args.micro_vocab, path, "both", shipped=False)
+           for _, path in grafts]
+  if len(set(sizes)) == 1:
+    return args.micro_vocab
+  (have_flag, have), (lack_flag, lack) = (next(g for g, n in zip(grafts, sizes) if bool(n) == want)
+                                          for want in (True, False))
+  raise SuiteError(
+      f"{have_flag} {have} decodes by default with the first {micro_vocab.DEFAULT_SIZE} ids of "
+      f"its micro vocabulary ({micro_vocab.FILE}) but {lack_flag} {lack} stores none that long, "
+      "and grafts judged together must decode alike: pass --micro-vocab 0 to judge both with the "
+      f"full vocabulary, or, if {lack} was trained from {have}, copy its {micro_vocab.FILE} there "
+      "(a run's export carries its init's)")
+
+
 def run_suite(args, argv: Sequence[str]) -> int:
   """--write-suite DIR, or the grafts judged on --suite DIR (results in --out)."""
   from hamburger_jax import files
@@ -311,6 +346,8 @@ def run_suite(args, argv: Sequence[str]) -> int:
   from hamburger_jax.evaluation import suite_judge
   log = lambda line: print(line, file=sys.stderr)
   try:
+    if args.suite:  # before any weights load
+      args.micro_vocab = suite_micro_vocab(args)
     model, tok, info = model_to_evaluate(args)
     if args.write_suite:
       command = " ".join(shlex.quote(a) for a in ["python", "-m", "infer.eval", *argv])

@@ -101,18 +101,44 @@ def test_answer_files_round_trip_in_files_of_a_limit(tmp_path):
               np.stack([np.arange(40), starts + 5, starts + lengths], 1),
               (rng.random(len(tokens)) < 0.4).astype(np.uint8))
   paths = answer_files.save(a, list(range(100, 140)), str(tmp_path), vocab_size=49152,
-                            tokenizer="t1", max_file_mb=0.006)  # ~6 KB: several files
+                            tokenizer="t1", corpus="c1", max_file_mb=0.006)  # ~6 KB: several
   assert len(paths) >= 3 and all(os.path.getsize(p) <= 0.006 * 2**20 for p in paths)
   with np.load(paths[0]) as z:
     assert z["tokens"].dtype == np.uint16
-  back, prompts = answer_files.load([str(tmp_path)], vocab_size=49152, tokenizer="t1")
+  back, prompts = answer_files.load([str(tmp_path)], vocab_size=49152, tokenizer="t1",
+                                    corpus="c1")
   for name in ("tokens", "samples", "responses", "starts"):
     np.testing.assert_array_equal(getattr(back, name), getattr(a, name), err_msg=name)
   assert prompts.tolist() == list(range(100, 140))
   with pytest.raises(answer_files.AnswerFilesError, match="another base or tokenizer"):
-    answer_files.load([str(tmp_path)], vocab_size=128256, tokenizer="t1")
+    answer_files.load([str(tmp_path)], vocab_size=128256, tokenizer="t1", corpus="c1")
   with pytest.raises(answer_files.AnswerFilesError, match="holds no"):
-    answer_files.load([str(tmp_path / "none")], vocab_size=49152, tokenizer="t1")
+    answer_files.load([str(tmp_path / "none")], vocab_size=49152, tokenizer="t1", corpus="c1")
+
+
+def test_answers_are_read_only_beside_the_corpus_they_answer(tmp_path):
+  """Answer files name their prompts by sample number: they carry the corpus's fingerprint, and
+  beside another corpus they are refused (its sample numbers name other prompts)."""
+  from hamburger_jax.data.synthetic import write_synthetic_corpus  # pylint: disable=C0415
+  from hamburger_jax.data.tokens.corpus import TokenCorpus  # pylint: disable=C0415
+  fingerprint = {}
+  for name, seed in (("a", 0), ("again", 0), ("b", 1)):
+    write_synthetic_corpus(str(tmp_path / name), 256, 40, seed=seed)
+    c = TokenCorpus.load(str(tmp_path / name))
+    fingerprint[name] = answer_files.corpus_fingerprint(c.tokens, c.samples, c.responses)
+  assert fingerprint["a"] == fingerprint["again"] != fingerprint["b"]
+  a = Answers(np.arange(10, dtype=np.int32), np.array([[0, 10]]), np.array([[0, 4, 10]]),
+              np.ones(10, np.uint8))
+  answer_files.save(a, [7], str(tmp_path / "answers"), vocab_size=256, tokenizer=None,
+                    corpus=fingerprint["a"])
+  _, prompts = answer_files.load([str(tmp_path / "answers")], vocab_size=256, tokenizer=None,
+                                 corpus=fingerprint["again"])
+  assert prompts.tolist() == [7]
+  with pytest.raises(answer_files.AnswerFilesError,
+                     match=f"another corpus \\(fingerprint {fingerprint['a']}, this one's "
+                           f"{fingerprint['b']}\\).*leave them out"):
+    answer_files.load([str(tmp_path / "answers")], vocab_size=256, tokenizer=None,
+                      corpus=fingerprint["b"])
 
 
 @pytest.mark.slow
@@ -195,3 +221,102 @@ def test_judge_compiles_both_modes_before_it_decodes(monkeypatch):
   suite_judge.judge(engine, suite, base, "graft", confidences=(0.5,), batch=2, micro_share=False)
   assert engine.programs.keys() == compiled.keys()
   assert suite_judge.compile_judge(engine, suite, 2) == 0.0
+
+
+def _tiny_suite(directory: str) -> str:
+  """Four synthetic items for the tiny config's random model (vocabulary 256, no tokenizer)."""
+  items = tuple(suite_lib.SuiteItem("synthetic", f"s/{i}", tuple(range(3 + i, 9 + i)), 6,
+                                    "tokens" if i % 2 else "rouge",
+                                    tuple(range(20, 26)) if i % 2 else None) for i in range(4))
+  suite_lib.save(suite_lib.Suite(items, {"vocab_size": 256, "tokenizer": None,
+                                         "tasks": ["synthetic"]}), directory)
+  return directory
+
+
+def _tiny_grafts(tmp_path) -> dict[str, str]:
+  """Graft checkpoints of the tiny config's random base, as runs write them: `listed` stores a
+  micro vocabulary of 128 ids; `trained` (trained from it, before exports carried the list) has
+  none; `carried` is exported from `listed` with its list; `other` has a list for a vocabulary
+  of another base."""
+  from hamburger_jax import graft_checkpoint, micro_vocab, pretrained  # pylint: disable=C0415
+  model, _ = pretrained.load_run(TINY)
+  paths = {name: str(tmp_path / name) for name in ("listed", "trained", "carried", "other")}
+  for name in ("listed", "trained", "other"):
+    graft_checkpoint.save_graft(model, paths[name], "random", dtype="float32")
+  micro_vocab.save(paths["listed"], np.arange(256, 0, -1), 128, ["test"])
+  micro_vocab.save(paths["other"], np.arange(300, 0, -1), 128, ["test"])
+  graft_checkpoint.save_graft(model, paths["carried"], "random", dtype="float32",
+                              micro_vocab_from=paths["listed"])
+  return paths
+
+
+def test_exports_carry_their_init_s_micro_vocabulary(tmp_path):
+  """A graft exported by a run started from a checkpoint (save_graft's micro_vocab_from, which
+  training/loop.export_graft passes train.init_from) carries that checkpoint's micro_vocab.json
+  where it is for the export's vocabulary."""
+  from hamburger_jax import graft_checkpoint, micro_vocab, pretrained  # pylint: disable=C0415
+  from hamburger_jax.run_config import load_run_config  # pylint: disable=C0415
+  from hamburger_jax.training import loop  # pylint: disable=C0415
+  paths = _tiny_grafts(tmp_path)
+  listed = lambda p: (tmp_path / p / micro_vocab.FILE).read_text(encoding="utf-8")
+  assert listed("carried") == listed("listed")
+  assert micro_vocab.load(paths["carried"], 128, 256).tolist() == list(range(128))
+  model, _ = pretrained.load_run(TINY, paths["carried"])
+  # The run's export: the init's list when it fits, none for another base's, none without one.
+  for init, carries in ((paths["listed"], True), (paths["other"], False), ("''", False)):
+    out = str(tmp_path / "export")
+    cfg = load_run_config(TINY, [f"train.init_from={init}", f"checkpoint.export={out}"])
+    trainer = types.SimpleNamespace(current_model=lambda: model, process_index=0,
+                                    trains_base=False)
+    lines = []
+    assert loop.export_graft(trainer, cfg, 3, lines.append) == out
+    assert os.path.isfile(os.path.join(out, micro_vocab.FILE)) == carries, init
+    assert ("micro vocabulary" in lines[0]) == carries
+    assert graft_checkpoint.read_meta(out)["trained_steps"] == 3
+
+
+def test_judge_against_a_graft_that_decodes_otherwise(tmp_path, monkeypatch, capsys):
+  """infer.eval --suite --checkpoint A --against B judges both as the entry points decode them,
+  which must be alike: A storing the default's micro vocabulary and B none is one line saying
+  what to do, before any weights load; B exported with A's list is judged beside it, both on
+  the list; --micro-vocab 0 judges both on the full vocabulary."""
+  from hamburger_jax import micro_vocab  # pylint: disable=C0415
+  from infer import eval as eval_cli  # pylint: disable=C0415
+  paths = _tiny_grafts(tmp_path)
+  suite_dir = _tiny_suite(str(tmp_path / "suite"))
+  # The tiny vocabulary holds 256 ids: a default of 64 makes `listed` decode as the shipped
+  # graft does by default (its list holds at least the default's ids).
+  monkeypatch.setattr(micro_vocab, "DEFAULT_SIZE", 64)
+  run = lambda *argv: eval_cli.main(["--config", TINY, "--suite", suite_dir, "--batch", "4",
+                                     "--confidence", "0.8", "--checkpoint", paths["listed"],
+                                     *argv])
+  assert run("--against", paths["trained"], "--out", str(tmp_path / "no")) == 1
+  err = capsys.readouterr().err
+  line = [x for x in err.splitlines() if x.startswith("error: ")]
+  assert len(line) == 1 and "Traceback" not in err and "loading weights" not in err, err
+  assert f"--against {paths['trained']} stores none" in line[0]
+  assert "--micro-vocab 0" in line[0] and f"copy its {micro_vocab.FILE}" in line[0]
+  assert run("--against", paths["trained"], "--micro-vocab", "64", "--out",
+             str(tmp_path / "no")) == 1
+  assert f"--against {paths['trained']} stores 0 micro vocabulary ids" in capsys.readouterr().err
+  for argv, vocab in ((["--against", paths["carried"]], 64),
+                      (["--against", paths["trained"], "--micro-vocab", "0"], None)):
+    out = str(tmp_path / f"out{vocab}")
+    assert run(*argv, "--out", out) == 0, capsys.readouterr().err
+    results = json.loads(open(os.path.join(out, "suite-results.json"), encoding="utf-8").read())
+    assert results["micro_vocab"] == vocab and set(results["grafts"]) == {paths["listed"],
+                                                                           argv[1]}
+    assert "vs_" + paths["listed"] in results["grafts"][argv[1]]
+
+
+def test_judge_grafts_refuses_grafts_that_decode_otherwise():
+  """The library's judge refuses grafts of different micro vocabularies before it compiles
+  anything (an engine's programs are of one graph), naming each one's."""
+  from hamburger_jax import testing  # pylint: disable=C0415
+  from hamburger_jax.model.hamburger import sharing_weights  # pylint: disable=C0415
+  model = testing.tiny_decode_model()
+  reduced = sharing_weights(model, micro_vocab=np.arange(32))
+  suite = suite_lib.Suite((suite_lib.SuiteItem("t", "t/1", (1, 2), 4, "tokens", (3,)),), {})
+  with pytest.raises(suite_lib.SuiteError, match="a has the full vocabulary; b has the first 32 "
+                     r"ids .*--micro-vocab 0"):
+    suite_judge.judge_grafts({"a": model, "b": reduced}, None, suite)

@@ -226,13 +226,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
       hcfg = pretrained.abstract_run_model(cfg).cfg
       rates = plan_lib.assumed_rates(cfg, hcfg, args.peak_tflops * 1e12)
+    try:
+      items, suite = planned_suite(args)
+    except SuiteError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
     budget = 60 * args.budget_minutes - rates.compile_s
-    p = plan_lib.make_plan(budget, rates, 10**12, plan_lib.reserve_s(False, rates.compile_s),
-                           args.answers_share)
+    p = plan_lib.make_plan(budget, rates, 10**12,
+                           plan_lib.reserve_s(args.decode_eval, rates.compile_s),
+                           args.answers_share,
+                           judge=plan_lib.judge_s(rates, items, max(len(args.arms), 1)),
+                           start=plan_lib.arms_start_s(args.arms, rates))
     print(f"window of {args.budget_minutes:g} minutes, {cfg.model.base}, rows {cfg.data.rows} x "
-          f"{cfg.data.row_tokens} tokens; parts: load, corpus, warm-up, measure (compile "
-          f"~{rates.compile_s:.0f} s), plan, answers, boundaries, train, judge, export, "
-          "evaluate (decode with --decode-eval)")
+          f"{cfg.data.row_tokens} tokens; parts: load, corpus, judge init, warm-up, measure "
+          f"(compile ~{rates.compile_s:.0f} s), plan, answers, boundaries, train, judge, export, "
+          f"evaluate (decode with --decode-eval); judged on {suite}")
     print("\n".join(p.lines(rates)))
     return 0
   work = args.work or os.path.join(args.out, "work")
@@ -260,6 +268,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"lineage; proposed to ship: {'yes' if summary.get('ship') else 'no'}); report: "
         f"{os.path.join(args.out, 'report.md')}")
   return 0
+
+
+def planned_suite(args: argparse.Namespace) -> tuple[int, str]:
+  """--plan: the items of the suite the window will be judged on, and what it is: --suite's,
+  --tiny's synthetic one, else one of infer.eval --write-suite's default size (a window on an
+  accelerator is judged by one; without it, it is not judged, and has the judge's minutes)."""
+  from hamburger_jax.evaluation import suite as suite_lib  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.window import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  if args.suite:
+    items = len(suite_lib.load(args.suite).items)
+    return items, f"{args.suite}'s {items} items"
+  if args.tiny:
+    return 2 * TINY_SUITE_EXAMPLES, f"the synthetic suite's {2 * TINY_SUITE_EXAMPLES} items"
+  return plan_lib.DEFAULT_SUITE_ITEMS, (f"a suite of {plan_lib.DEFAULT_SUITE_ITEMS} items "
+                                        "(--write-suite's default size; --suite DIR for yours)")
 
 
 def write_tiny_suite(directory: str) -> None:

@@ -196,8 +196,8 @@ class AdmissionLoop:
     t = time.perf_counter()
     longest = self.limits.max_prompt_tokens
     with cache.counting(self.compile_cache):
-      self.engine._compile([k for lay in self.layouts.values()  # pylint: disable=W0212
-                            for k in self.engine.ready_keys(lay, longest)])
+      self.engine.compile_keys([k for lay in self.layouts.values()
+                                for k in self.engine.ready_keys(lay, longest)])
     self.compile_s = time.perf_counter() - t
     with self._cond:
       self._pending = [k for lay in self.layouts.values()
@@ -222,7 +222,7 @@ class AdmissionLoop:
       t = time.perf_counter()
       try:
         with cache.counting(self._prepared_counts):
-          self.engine._compile([key])  # pylint: disable=protected-access
+          self.engine.compile_keys([key])
       except Exception as e:  # pylint: disable=broad-except
         with self._cond:  # serving goes on with the programs it has
           self.prepared.error = f"{type(e).__name__}: {e}"

@@ -310,6 +310,11 @@ class EnginePrograms:
     raise RuntimeError(f"no decode program of layout {layout} is compiled for {blocks} blocks: "
                        "compile its ready_keys first")
 
+  def compile_keys(self, keys: list[tuple]) -> float:
+    """Compiles the programs of `keys` (serving_keys, ready_keys) not compiled yet; the seconds
+    spent."""
+    return self._compile(keys)
+
   def _program(self, key: tuple):
     """The compiled program of `key` (a prefix's: its (read, write) pair), compiled on first
     use."""

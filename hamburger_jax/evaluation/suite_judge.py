@@ -30,8 +30,8 @@ from flax import nnx
 
 from hamburger_jax.decode.requests import pooled_tokens_per_step
 from hamburger_jax.evaluation.statistics import bootstrap_ci, paired_bootstrap_ci
-from hamburger_jax.evaluation.suite import (Suite, SuiteItem, compile_items, decode_items,
-                                            progress_log, score)
+from hamburger_jax.evaluation.suite import (Suite, SuiteError, SuiteItem, compile_items,
+                                            decode_items, progress_log, score)
 
 CONFIDENCES = (0.5, 0.7, 0.8)
 GUARD_CONFIDENCE = 0.8
@@ -226,15 +226,34 @@ def table(judgements: Sequence[Judgement]) -> list[str]:
   return lines
 
 
+def describe_micro_vocab(size: int | None) -> str:
+  return "the full vocabulary" if size is None else \
+      f"the first {size:,} ids of the micro vocabulary (micro_vocab.json)"
+
+
+def same_micro_vocab(sizes: dict[str, int | None]) -> int | None:
+  """The micro vocabulary size every graft decodes with (None: the full vocabulary). Grafts
+  judged together share one engine's programs, and their scores compare only where they decode
+  alike: grafts that differ are a SuiteError that names each one's."""
+  if len(set(sizes.values())) > 1:
+    raise SuiteError("grafts judged together must decode with the same micro vocabulary, but " +
+                     "; ".join(f"{name} has {describe_micro_vocab(n)}"
+                               for name, n in sizes.items()) +
+                     ": load them alike (infer.eval --micro-vocab 0 for the full vocabulary)")
+  return next(iter(sizes.values()), None)
+
+
 def judge_grafts(models: dict[str, Any], tokenizer, suite: Suite,
                  confidences: Sequence[float] = CONFIDENCES, batch: int = 32,
                  micro_share: bool = True, log: Callable[[str], None] = lambda line: None
                  ) -> dict[str, Any]:
   """Each graft of `models` (name -> Hamburger on the same base, the first the reference) judged
   on the suite against the base, decoded once; with two or more, each later graft against the
-  first at GUARD_CONFIDENCE. Returns the numbers and the report's lines."""
+  first at GUARD_CONFIDENCE. Every graft must decode with the same micro vocabulary
+  (same_micro_vocab). Returns the numbers and the report's lines."""
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   names = list(models)
+  vocab = same_micro_vocab({name: m.micro_vocab_size for name, m in models.items()})
   stop_ids = tokenizer.stop_ids if tokenizer is not None else ()
   engine = Engine(models[names[0]], tokenizer, stop_ids=stop_ids)
   compile_judge(engine, suite, batch, log)
@@ -244,9 +263,10 @@ def judge_grafts(models: dict[str, Any], tokenizer, suite: Suite,
   for name in names:
     engine.set_model(models[name])
     judgements.append(judge(engine, suite, base, name, confidences, batch, micro_share, log))
-  out: dict[str, Any] = {"base_same_as_suite": base.same_as_suite,
+  out: dict[str, Any] = {"base_same_as_suite": base.same_as_suite, "micro_vocab": vocab,
                          "grafts": {j.name: j.numbers() for j in judgements}}
-  lines = table(judgements)
+  lines = [f"micro steps on {describe_micro_vocab(vocab)}, every graft alike", "",
+           *table(judgements)]
   if GUARD_CONFIDENCE in confidences:
     for j in judgements[1:]:
       loses, delta, (lo, hi) = loses_to(j, judgements[0], suite)

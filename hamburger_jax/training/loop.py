@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from hamburger_jax import files, graft_checkpoint, pretrained
+from hamburger_jax import files, graft_checkpoint, micro_vocab, pretrained
 from hamburger_jax.config import ConfigError
 from hamburger_jax.data import pipeline
 from hamburger_jax.decode.requests import pooled_tokens_per_step
@@ -226,15 +226,20 @@ def check_outputs(cfg: RunConfig) -> None:
 
 def export_graft(trainer: Trainer, cfg: RunConfig, step: int,
                  log: Callable[[str], None]) -> str:
-  """Writes the params-only export that `infer.generate --checkpoint` (and the next stage) reads."""
+  """Writes the params-only export that `infer.generate --checkpoint` (and the next stage) reads,
+  with train.init_from's micro-step vocabulary where it stores one (graft_checkpoint.save_graft)."""
   export_dir = export_path(cfg)
   model = trainer.current_model()
   if trainer.process_index == 0:
     graft_checkpoint.save_graft(model, export_dir, cfg.model.base,
                                 dtype=cfg.checkpoint.export_dtype,
                                 include_base=trainer.trains_base,
-                                extra={"trained_steps": step, "run_dir": cfg.checkpoint.dir})
-    log(f"exported params to {export_dir}")
+                                extra={"trained_steps": step, "run_dir": cfg.checkpoint.dir},
+                                micro_vocab_from=cfg.train.init_from or None)
+    carried = micro_vocab.carried(cfg.train.init_from, model.cfg.base.vocab_size)
+    log(f"exported params to {export_dir}" +
+        (f" with {cfg.train.init_from}'s micro vocabulary ({micro_vocab.FILE})" if carried
+         else ""))
   return export_dir
 
 

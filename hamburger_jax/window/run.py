@@ -13,7 +13,8 @@ Within a budget of minutes, in order, each part printing one line as it ends:
               kept in OUT/answers/ for the next window
   boundaries  the pass over the corpus samples the steps will train on
   train       the steps, the teacher in each, the learning rate fed by the host so the cosine ends
-              at the last step; with arms, one part per arm, the minutes shared
+              at the last step; with arms, one part per arm, each from the init with its
+              compile before its equal share of the minutes
   judge       each trained graft's free generation on the suite against the init's: the verdict
   export      the best trained graft in files of at most 16 MiB, with its verdict
   evaluate    teacher-forced on held-out samples (diagnostics)
@@ -36,7 +37,7 @@ from hamburger_jax.run_config import RunConfig
 from hamburger_jax.training.trainer import Trainer
 from hamburger_jax.window import diagnostics, judging, setup, training
 from hamburger_jax.window import plan as plan_lib
-from hamburger_jax.window.state import Arm, Data, Progress, Run, Settings
+from hamburger_jax.window.state import Data, Progress, Run, Settings
 
 WindowSettings = Settings  # the name train.window and the tests know
 
@@ -44,31 +45,38 @@ WindowSettings = Settings  # the name train.window and the tests know
 def _plan_part(run: Run, data: Data, progress: Progress) -> plan_lib.Plan:
   p = setup.plan(run, data, progress.rates, to_answer=True)
   run.summary["plan"] = dataclasses.asdict(p)
-  run.report.part("plan", p.lines(progress.rates, progress.steps))
+  run.report.part("plan", p.lines(plan_lib.with_judge(progress.rates, run.summary),
+                                  progress.steps))
   return p
 
 
 def _train_arms(run: Run, data: Data, epoch_ids: np.ndarray, progress: Progress,
                 p: plan_lib.Plan, lr: setup.HostLr,
-                config_for: Callable[[tuple[str, ...]], RunConfig]) -> dict[str, tuple]:
-  """Each arm's trained (model, progress, trainer): the first arm continues the measured
-  trainer when it has no overrides; the others start from the same init with their own."""
-  arms = run.s.arms or (Arm("train"),)
+                config_for: Callable[[tuple[str, ...]], RunConfig],
+                init: dict | None) -> dict[str, tuple]:
+  """Each arm's trained (model, progress, trainer). Without arms, the measured trainer goes on.
+  Arms start alike, so that their merits compare: each from the init at step 0 (`init`: the
+  measured trainer's params before it stepped), its first step (its compile) before its share of
+  the minutes, the shares equal. The first arm without overrides takes the measured trainer, its
+  programs compiled, back at the init; the others build their own trainer."""
+  stop_all = run.s.deadline - p.reserve_s - p.judge_s  # when the trained grafts' judge starts
+  if not run.s.arms:
+    done = training.train(run, run.trainer, data, epoch_ids, progress, p.steps, stop_all, lr)
+    return {"train": (run.trainer.current_model(), done, run.trainer)}
+  arms = run.s.arms
+  share = max(stop_all - time.monotonic() - p.start_s, 0.0) / len(arms)
+  reuse = next((a for a in arms if not a.overrides), None)
   out = {}
-  stop_all = run.s.deadline - p.reserve_s
-  for k, arm in enumerate(arms):
-    share = (stop_all - time.monotonic()) / (len(arms) - k)  # what is left, shared
-    if k == 0 and not arm.overrides:
-      trainer, start = run.trainer, progress
+  for arm in arms:
+    if arm is reuse:
+      trainer = run.trainer
+      training.reset(trainer, init)
     else:
       trainer = Trainer(config_for(arm.overrides), host_lr=True)
-      start = Progress(rates=progress.rates)
-    steps = p.steps // len(arms)
-    name = arm.name if run.s.arms else "train"
-    done = training.train(run, trainer, data, epoch_ids, start, steps,
-                          time.monotonic() + share, lr if trainer is run.trainer
-                          else setup.HostLr(trainer.cfg), name)
-    out[name] = (trainer.current_model(), done, trainer)
+    done = training.train(run, trainer, data, epoch_ids, Progress(rates=progress.rates),
+                          p.steps // len(arms), stop_all, setup.HostLr(trainer.cfg), arm.name,
+                          share=share)
+    out[arm.name] = (trainer.current_model(), done, trainer)
   return out
 
 
@@ -85,12 +93,13 @@ def run_window(cfg: RunConfig, corpus_dir: str, out_dir: str, work_dir: str, set
   judge = judging.judge_init(run, run.trainer.current_model())
   lr = setup.HostLr(cfg)
   data, warm, boundary_rate = setup.warm_up(run, data)
+  init = training.snapshot(run.trainer) if settings.arms else None  # before any step
   progress, left = setup.measure(run, data, warm, boundary_rate, lr)
   progress = setup.profile(run, progress, left, lr)
   p = _plan_part(run, data, progress)
   data, p = training.answers(run, data, p, progress.rates)
   epoch_ids = training.boundaries(run, data, p, progress.rates)
-  trained = _train_arms(run, data, epoch_ids, progress, p, lr, config_for)
+  trained = _train_arms(run, data, epoch_ids, progress, p, lr, config_for, init)
   for name, (model, _, _) in trained.items():
     if judge is not None:
       judging.judge_graft(run, judge, model, name)

@@ -99,9 +99,10 @@ def read_corpus(run: Run, corpus_dir: str) -> Data:
            *(f"{name}: {v['samples']:,} samples, {v['response_tokens']:,} response tokens"
              for name, v in c.meta["per_source"].items())]
   carried, answered = np.zeros(0, np.int64), frozenset()
+  fingerprint = answer_files.corpus_fingerprint(c.tokens, c.samples, c.responses)
   if run.s.answers_in:
     a, prompts = answer_files.load(run.s.answers_in, vocab_size=vocab,
-                                   tokenizer=c.meta["tokenizer"])
+                                   tokenizer=c.meta["tokenizer"], corpus=fingerprint)
     samples = samples.extended(a.tokens, a.samples, a.responses, a.starts)
     carried = np.arange(n, n + len(a.samples))
     answered = frozenset(int(i) for i in prompts)
@@ -109,7 +110,8 @@ def read_corpus(run: Run, corpus_dir: str) -> Data:
                  f"{len(a.samples):,} samples, "
                  f"{int((a.responses[:, 2] - a.responses[:, 1]).sum()):,} response tokens")
   run.report.part("corpus", lines)
-  return Data(samples, n, train_ids, c.sample_ids("validation"), c.meta, answered, carried)
+  return Data(samples, n, train_ids, c.sample_ids("validation"), c.meta, answered, carried,
+              fingerprint)
 
 
 def run_boundaries(run: Run, data: Data, ids: np.ndarray) -> boundaries_lib.BoundaryStats:
@@ -206,10 +208,14 @@ def profile(run: Run, progress: Progress, todo: list, lr: HostLr) -> Progress:
 def plan(run: Run, data: Data, rates: plan_lib.Rates, to_answer: bool,
          share: float | None = None) -> plan_lib.Plan:
   """The steps (and answers) that fit the time left, keeping for the judge of each trained
-  graft what the init's judge took without its compiles."""
+  graft what the init's judge took without its compiles (it was judged before: its time is
+  spent), and for each arm its start (plan_lib.arms_start_s)."""
   left = run.s.deadline - time.monotonic()
   available = MAX_EPOCHS * int(data.samples.lengths(data.train_ids).sum())
-  judge_s = run.summary.get("judge_init_decode_s", 0.0) * max(len(run.s.arms), 1)
+  rates = plan_lib.with_judge(rates, run.summary)
+  items = run.summary.get("judge", {}).get("suite", {}).get("items", 0)
+  judge_s = plan_lib.judge_s(rates, items, max(len(run.s.arms), 1), init=False)
   return plan_lib.make_plan(left, rates, available,
-                            plan_lib.reserve_s(run.s.decode_eval, rates.compile_s, judge_s),
-                            run.s.answers_share if share is None else share, to_answer)
+                            plan_lib.reserve_s(run.s.decode_eval, rates.compile_s),
+                            run.s.answers_share if share is None else share, to_answer,
+                            judge=judge_s, start=plan_lib.arms_start_s(run.s.arms, rates))

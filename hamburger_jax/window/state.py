@@ -90,6 +90,7 @@ class Data:
   corpus_meta: dict[str, Any]
   answered: frozenset = frozenset()  # corpus samples whose prompts have answers already
   carried_answers: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+  corpus_fingerprint: str = ""  # answer_files.corpus_fingerprint: what answer files name
 
 
 @dataclasses.dataclass(frozen=True)

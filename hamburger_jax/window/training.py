@@ -9,12 +9,15 @@ import os
 import time
 from typing import Iterator
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hamburger_jax.data.tokens import answer_files
 from hamburger_jax.data.tokens import boundaries as boundaries_lib
 from hamburger_jax.data.tokens.answers import self_distilled_answers
 from hamburger_jax.training.loop import MetricsLog, hosted_steps
+from hamburger_jax.training.trainer import TrainState
 from hamburger_jax.window import plan as plan_lib
 from hamburger_jax.window.setup import MAX_EPOCHS, HostLr, plan, run_boundaries
 from hamburger_jax.window.state import Data, Progress, Run
@@ -71,7 +74,8 @@ def answers(run: Run, data: Data, p: plan_lib.Plan, rates: plan_lib.Rates
     written = answer_files.save(made, taken[:len(made.samples)],
                                 os.path.join(run.out, ANSWERS_DIR),
                                 vocab_size=run.trainer.model.cfg.base.vocab_size,
-                                tokenizer=data.corpus_meta.get("tokenizer"))
+                                tokenizer=data.corpus_meta.get("tokenizer"),
+                                corpus=data.corpus_fingerprint)
     n0 = len(data.samples.samples)
     data = dataclasses.replace(data, samples=data.samples.extended(
         made.tokens, made.samples, made.responses, made.starts))
@@ -129,36 +133,79 @@ def _epochs(run: Run, data: Data, epoch_ids: np.ndarray, left_out: list):
       yield b, b.pop(RESPONSE_TOKENS)
 
 
+def _copy(trainer, params: dict) -> dict:
+  return jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                 out_shardings=trainer.param_shardings)(params)
+
+
+def snapshot(trainer) -> dict:
+  """A copy of the trainer's params (its steps donate them), on their devices: an arm's init."""
+  return _copy(trainer, trainer.state.params)
+
+
+def reset(trainer, params: dict) -> None:
+  """The trainer back at step 0 with `params` (a snapshot, copied again: its steps donate them)
+  and a fresh optimiser state; its compiled programs are kept."""
+  shardings = trainer.state_shardings
+  params = _copy(trainer, params)
+  trainer.state = TrainState(
+      step=jax.device_put(jnp.int32(0), shardings.step), params=params,
+      opt_state=jax.jit(trainer.tx.init, out_shardings=shardings.opt_state)(params))
+
+
 def train(run: Run, trainer, data: Data, epoch_ids: np.ndarray, progress: Progress, steps: int,
-          stop_at: float, lr: HostLr, name: str = "train") -> Progress:
+          stop_at: float, lr: HostLr, name: str = "train", share: float | None = None
+          ) -> Progress:
   """`steps` more steps of `trainer` on the samples `epoch_ids` (twice at most), until
-  `stop_at`; a line every log_every steps, metrics in OUT/metrics.jsonl (per arm: name)."""
+  `stop_at`; a line every log_every steps, metrics in OUT/metrics.jsonl (per arm: name).
+
+  With `share` (an arm's seconds): the first step (where a new trainer compiles) runs before
+  the arm's clock starts, which then stops at the first of `stop_at` and `share` seconds later,
+  so that arms compare by what they trained in the same time."""
   left_out: list = []  # samples larger than a row (data.groups), left out
   stream = Prefetch(_epochs(run, data, epoch_ids, left_out))
   metrics_dir = run.out if name == "train" else os.path.join(run.out, name)
   log = MetricsLog(metrics_dir, True, tensorboard=False)
+  total, first_s, start = progress.steps + steps, None, progress
   try:
-    done = hosted_steps(trainer, stream, lr, first=progress.steps,
-                        total=progress.steps + steps, tokens=progress.tokens, stop_at=stop_at,
-                        metrics_log=log, log_every=run.cfg.train.log_every, flops=run.flops,
-                        peak=run.peak, log=run.log)
+    if share is not None:
+      t = time.monotonic()
+      item = next(stream, None) if steps else None
+      if item is not None:
+        batch, response = item
+        jax.block_until_ready(trainer.step_async([batch], lr(progress.steps, total)))
+        progress = dataclasses.replace(progress, steps=progress.steps + 1,
+                                       tokens=progress.tokens + response)
+      first_s = time.monotonic() - t
+      stop_at = min(stop_at, time.monotonic() + share)
+    done = hosted_steps(trainer, stream, lr, first=progress.steps, total=total,
+                        tokens=progress.tokens, stop_at=stop_at, metrics_log=log,
+                        log_every=run.cfg.train.log_every, flops=run.flops, peak=run.peak,
+                        log=run.log)
   finally:
     stream.close()
     log.close()
   new = done.steps - progress.steps
-  rate = ""
+  rate, record = "", {}
   if new:
     from hamburger_jax.costs import peaks  # pylint: disable=import-outside-toplevel
     tps = (done.tokens - progress.tokens) / done.seconds
     mfu = peaks.mfu(run.flops, done.seconds / new, run.peak)
-    run.summary.setdefault("arms", {})[name] = dict(steps=done.steps, response_tokens=done.tokens,
-                                                    train_tokens_per_s=tps, train_mfu=mfu,
-                                                    train_s=done.seconds)
+    record = dict(train_tokens_per_s=tps, train_mfu=mfu)
     rate = f"; {tps:,.0f} tokens/s and MFU {mfu:.1%} over {done.seconds:.0f} s"
+  start_line = ""
+  if first_s is not None:
+    record.update(first_step_s=first_s, share_s=share)
+    start_line = (f"; from the init: its first step (compiling) {first_s:.1f} s before its share "
+                  f"of {share:.0f} s")
+  run.summary.setdefault("arms", {})[name] = dict(
+      steps=done.steps, response_tokens=done.tokens, train_s=done.seconds, ended=done.ended,
+      **record)
   skipped = ""
   if left_out:
     skipped = (f"; {len(left_out)} samples larger than a row left out "
                f"({sum(x.response_tokens for x in left_out):,} response tokens)")
-  run.report.part(name, [f"{done.steps} steps ({new} after measuring, ended by {done.ended}), "
-                         f"{done.tokens:,} response tokens{rate}{skipped}"])
-  return dataclasses.replace(progress, steps=done.steps, tokens=done.tokens)
+  after = "after measuring" if first_s is None else "after the first"
+  run.report.part(name, [f"{done.steps} steps ({new} {after}, ended by {done.ended}), "
+                         f"{done.tokens:,} response tokens{rate}{start_line}{skipped}"])
+  return dataclasses.replace(start, steps=done.steps, tokens=done.tokens)

@@ -5,14 +5,17 @@ Each file `answers-NNNNN.npz` holds whole samples in a token corpus's layout (da
 answers.Answers): `tokens` (uint16 when the vocabulary fits, else uint32), `samples` [S, 2],
 `responses` [S, 3], `starts` (bit-packed group starts), and `prompts` [S]: the corpus samples
 whose prompts were answered, so a later window answers other prompts, and `meta` (the format,
-the vocabulary and the tokenizer's fingerprint): each file stands alone, and no index file
-counts against the few files a call brings back. A window given such a directory (--answers-in)
-trains on them beside the answers it makes: windows add data, not only steps.
+the vocabulary, the tokenizer's fingerprint and the corpus's, `corpus_fingerprint`): each file
+stands alone, and no index file counts against the few files a call brings back. A window given
+such a directory (--answers-in) trains on them beside the answers it makes: windows add data,
+not only steps. The prompt ids are sample numbers of the corpus the answers were made from, so
+answers are read only beside that corpus: with another one they would mark its samples answered.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 from typing import Sequence
@@ -32,6 +35,19 @@ class AnswerFilesError(ValueError):
   """Answer files that cannot be read or do not fit; the message says what to do."""
 
 
+def corpus_fingerprint(tokens: np.ndarray, samples: np.ndarray, responses: np.ndarray) -> str:
+  """A short id of a token corpus (data/tokens/corpus.TokenCorpus's arrays): sha256 of its
+  samples' tokens, bounds and response spans, which decide what its sample ids name. A rebuilt
+  corpus of the same samples has the same one."""
+  h = hashlib.sha256()
+  for a in (tokens, samples, responses):
+    a = np.ascontiguousarray(a)
+    h.update(f"{a.dtype.str}{a.shape}".encode())
+    for at in range(0, len(a), 1 << 22):  # in slices: a memory-mapped corpus stays on disk
+      h.update(a[at:at + (1 << 22)].tobytes())
+  return h.hexdigest()[:16]
+
+
 def _id_dtype(vocab_size: int):
   return np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
@@ -42,9 +58,9 @@ def _bytes_per_token(vocab_size: int) -> float:
 
 
 def save(answers: Answers, prompts: Sequence[int], directory: str, *, vocab_size: int,
-         tokenizer: str | None, max_file_mb: float = MAX_FILE_MB) -> list[str]:
-  """Writes `answers` (and the corpus sample ids of their prompts, one per sample) in files of at
-  most `max_file_mb` MiB; returns the paths written."""
+         tokenizer: str | None, corpus: str, max_file_mb: float = MAX_FILE_MB) -> list[str]:
+  """Writes `answers` (and the ids of their prompts' samples in the corpus of fingerprint
+  `corpus`, one per answer) in files of at most `max_file_mb` MiB; returns the paths written."""
   n = len(answers.samples)
   if len(prompts) != n:
     raise ValueError(f"{len(prompts)} prompt ids for {n} answers: give one per answer")
@@ -54,7 +70,8 @@ def save(answers: Answers, prompts: Sequence[int], directory: str, *, vocab_size
     raise ValueError(f"max_file_mb={max_file_mb} leaves no room past a file's headers")
   lengths = answers.samples[:, 1]
   cost = lengths * _bytes_per_token(vocab_size) + 48  # + a sample's rows and prompt (6 int64)
-  meta = json.dumps({"format": FORMAT, "vocab_size": vocab_size, "tokenizer": tokenizer})
+  meta = json.dumps({"format": FORMAT, "vocab_size": vocab_size, "tokenizer": tokenizer,
+                     "corpus_fingerprint": corpus})
   paths, first = [], 0
   while first < n:
     last = first + max(1, int(np.searchsorted(np.cumsum(cost[first:]), budget, side="right")))
@@ -83,10 +100,11 @@ def _savez(path: str, **arrays: np.ndarray) -> None:
     np.savez(f, **arrays)
 
 
-def load(directories: Sequence[str], *, vocab_size: int, tokenizer: str | None
+def load(directories: Sequence[str], *, vocab_size: int, tokenizer: str | None, corpus: str
          ) -> tuple[Answers, np.ndarray]:
-  """The answers of every directory, concatenated (samples numbered from 0), and the corpus
-  sample ids of their prompts."""
+  """The answers of every directory, concatenated (samples numbered from 0), and the sample ids
+  of their prompts in the corpus of fingerprint `corpus`: answers made from another corpus are
+  an AnswerFilesError."""
   parts, prompts = [], []
   for d in directories:
     names = sorted(glob.glob(os.path.join(d, PATTERN)))
@@ -104,6 +122,14 @@ def load(directories: Sequence[str], *, vocab_size: int, tokenizer: str | None
             raise AnswerFilesError(
                 f"the answers in {path} were made with another base or tokenizer (vocabulary "
                 f"{meta['vocab_size']}, tokenizer {meta['tokenizer']}): leave them out")
+          # Files from before the corpus was recorded carry none: their prompts are taken as
+          # this corpus's (at worst a few prompts are answered twice, or not at all).
+          made_from = meta.get("corpus_fingerprint")
+          if made_from not in (None, corpus):
+            raise AnswerFilesError(
+                f"the answers in {path} answer prompts of another corpus (fingerprint "
+                f"{made_from}, this one's {corpus}): their prompt ids would name other samples; "
+                "leave them out (--answers-in), or train on the corpus they were made from")
           n = int(z["n_tokens"])
           parts.append(Answers(z["tokens"].astype(np.int32), z["samples"], z["responses"],
                                np.unpackbits(z["starts"])[:n].astype(np.uint8)))
