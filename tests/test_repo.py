@@ -24,8 +24,7 @@ import pytest
 from flax import nnx
 
 from hamburger_jax import assets, graft_checkpoint, pretrained
-from hamburger_jax.config import (GraftConfig, HamburgerConfig, LlamaConfig, from_dict, load_yaml,
-                                  to_dict)
+from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig, from_dict, load_yaml
 from hamburger_jax.convert import gguf, hf
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import GraftParam
