@@ -75,6 +75,11 @@ def _on_duration(event: str, seconds: float, **_) -> None:
 
 
 def pytest_configure(config):
+  # The test processes (both pytest-xdist workers) and the entry points the tests run as
+  # subprocesses share JAX's persistent compilation cache, as users' runs do: a program one test
+  # compiled (the tiny models' engines recur across files) is read back by the next.
+  from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
+  cache.enable_compilation_cache()
   if os.environ.get(TIMINGS_ENV):
     import jax  # pylint: disable=import-outside-toplevel
     jax.monitoring.register_event_duration_secs_listener(_on_duration)
@@ -82,6 +87,15 @@ def pytest_configure(config):
 
 
 _TIMINGS_KEY = pytest.StashKey[dict]()
+_OUTCOMES_KEY = pytest.StashKey[dict]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  """Each phase's outcome (setup, call, teardown), for the timings' lines."""
+  outcome = yield
+  report = outcome.get_result()
+  item.stash.setdefault(_OUTCOMES_KEY, {})[report.when] = report.outcome
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -92,8 +106,11 @@ def pytest_runtest_protocol(item, nextitem):
     return
   before, t0 = dict(_spent), time.perf_counter()
   yield
+  reports = item.stash.get(_OUTCOMES_KEY, {})
+  failed = [when for when, outcome in reports.items() if outcome == "failed"]
   line = {"test": item.nodeid, "file": item.nodeid.split("::", 1)[0],
           "wall_s": round(time.perf_counter() - t0, 3),
+          "outcome": "failed" if failed else reports.get("call", "skipped"),
           **{k: round(_spent[k] - before[k], 3) for k in _spent}}
   worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
   os.makedirs(os.environ[TIMINGS_ENV], exist_ok=True)

@@ -37,9 +37,11 @@ def tables(lines: list[dict], top: int) -> str:
   workers = collections.Counter()
   for line in lines:
     workers[line["worker"]] += line["wall_s"]
+  failed = [line["test"] for line in lines if line.get("outcome") == "failed"]
   out = [f"{len(lines)} tests, {total:.0f} s of test time in all ({compile_s:.0f} s compiling, "
          f"{trace_s:.0f} s tracing and lowering); by worker: " +
-         ", ".join(f"{w} {s:.0f} s" for w, s in sorted(workers.items())), "",
+         ", ".join(f"{w} {s:.0f} s" for w, s in sorted(workers.items())),
+         *([f"failed: {', '.join(failed)}"] if failed else []), "",
          "| file | tests | seconds | compiling | tracing | share |", "|---|---|---|---|---|---|"]
   for name, f in sorted(files.items(), key=lambda kv: -kv[1]["wall_s"])[:top]:
     out.append(f"| {name} | {f['tests']} | {f['wall_s']:.0f} | {f['compile_s']:.0f} | "

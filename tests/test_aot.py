@@ -267,7 +267,8 @@ OTHER_CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml")
 def test_every_other_config_lowers_for_a_tpu(name, capsys):
   """The configs made for a CPU or a GPU machine lower for TPU chips too (`--lower-only`), on as
   many v5p chips as their mesh fixes (llama3_2_1b.yaml: fsdp 8)."""
-  assert OTHER_CONFIGS == ["llama3_2_1b.yaml", "smollm2_135m.yaml", "smollm2_135m_paper.yaml",
+  assert OTHER_CONFIGS == ["llama3_2_1b.yaml", "smollm2_135m.yaml", "smollm2_135m_drafter.yaml",
+                           "smollm2_135m_fidelity.yaml", "smollm2_135m_paper.yaml",
                            "smollm2_135m_window.yaml", "tiny.yaml"]
   path = str(REPO / "configs" / name)
   mesh = load_run_config(path, shared_only=True).mesh

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from hamburger_jax import assets, graft_checkpoint, pretrained
-from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig, to_dict
+from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig, from_dict
 from hamburger_jax.convert.mapping import WeightsError
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import GraftParam
@@ -131,7 +131,8 @@ def test_shipped_checkpoint_loads_is_trained_and_is_the_base_at_confidence_1():
   size = sum(os.path.getsize(os.path.join(ckpt, n)) for n in os.listdir(ckpt))
   assert size <= 64 * 2**20, f"{ckpt} is {size / 2**20:.1f} MiB, over the 64 MiB repo budget"
   trained, tok = pretrained.load_hamburger()  # no argument: the shipped checkpoint
-  assert to_dict(trained.cfg.graft) == graft_checkpoint.read_meta(ckpt)["graft"]
+  # (options the checkpoint predates read as their defaults: config.GraftConfig)
+  assert trained.cfg.graft == from_dict(GraftConfig, graft_checkpoint.read_meta(ckpt)["graft"])
   untrained, _ = pretrained.load_hamburger(pretrained.UNTRAINED, graft=trained.cfg.graft)
   prompt = tok.apply_chat_template(
       [{"role": "user", "content": "Describe how a bicycle works in three sentences."}],
