@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -25,6 +26,18 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if item.module.__name__.rsplit(".", 1)[-1] in PORTABLE:
       item.add_marker(pytest.mark.portable)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_programs():
+  """Drops every compiled program and trace when a module's tests end. A pytest-xdist process
+  runs some fifty modules; keeping every program it compiled grew it to 8 GB, and beside the
+  servers and subprocesses of the server tests the 24 GiB machine ran out of memory. A program
+  a later module needs again is read back from the persistent compilation cache."""
+  yield
+  import jax  # pylint: disable=import-outside-toplevel
+  jax.clear_caches()
+  gc.collect()
 
 
 @pytest.fixture(scope="session")
