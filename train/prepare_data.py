@@ -28,7 +28,7 @@ import sys
 
 from hamburger_jax import files
 from hamburger_jax.assets import AssetError
-from hamburger_jax.data import heldout, prepare, shards, sources, teacher_pass
+from hamburger_jax.data import heldout, prepare, shards, source_specs, sources, teacher_pass
 from hamburger_jax.data.tfds_builder import DatasetExistsError, check_output_dir
 from hamburger_jax.layout import LayoutError
 from hamburger_jax.run_config import DATASET_READER, load_run_config
@@ -40,8 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", help="YAML run config (its model: and graft:)")
   p.add_argument("--source", action="append",
-                 help=f"one of: {', '.join(heldout.SOURCE_SPECS)}, optionally SPEC@N for at most "
-                 "N of its conversations; repeat to mix sources (read in the order given)")
+                 help=f"one of: {', '.join(source_specs.PIPELINE_SOURCES)}, optionally SPEC@N for "
+                 "at most N of its conversations; repeat to mix sources (read in the order given)")
   p.add_argument("--limit", type=int, default=None,
                  help="at most this many conversations (of each source without its own @N)")
   p.add_argument("--strategy", default="decreasing_v2",
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.teacher_top_k < 0:
       raise ValueError(f"--teacher-top-k={args.teacher_top_k} must be >= 0")
     # reasoning-gym repeats questions across seeds: drop gsm_symbolic's evaluation questions.
-    conversations = heldout.mixed_sources(
+    conversations = source_specs.mixed_sources(
         args.source, args.limit, args.seed,
         exclude=heldout.evaluation_questions("gsm_symbolic"))
     keep_split = prepare.split_of_samples(args.keep_split_of) if args.keep_split_of else None

@@ -18,7 +18,7 @@ import sys
 import time
 
 from hamburger_jax.assets import AssetError
-from hamburger_jax.data import heldout, sources
+from hamburger_jax.data import source_specs, sources
 from hamburger_jax.data.tokens import build, corpus
 
 
@@ -27,7 +27,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", required=True, help="output directory (written whole, atomically)")
   p.add_argument("--mix", default="sharegpt",
-                 help=f"comma-separated sources, of: {', '.join(heldout.SOURCES)} "
+                 help=f"comma-separated sources, of: {', '.join(source_specs.CORPUS_SOURCES)} "
                  "(default: sharegpt)")
   p.add_argument("--max-len", type=int, default=1024,
                  help="tokens per sample at most; longer conversations are cut at turn pairs "
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
   mix = [part for part in args.mix.split(",") if part.strip()]
   try:
     # Cheap checks first: a typo should not cost a tokenizer load.
-    names = [name for name, _ in heldout.parse_sources(mix)]
+    names = [name for name, _ in source_specs.parse_sources(mix)]
     build.check_output(args.out, args.overwrite)
     if args.max_len < 1 or (args.max_tokens is not None and args.max_tokens < 1):
       raise corpus.CorpusError("--max-len and --max-tokens must be positive")

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Iterable, Iterator
 
-from hamburger_jax.data.heldout import parse_mix, reasoning_prompts
+from hamburger_jax.data.source_specs import parse_mix, reasoning_prompts
 from hamburger_jax.data.sources import Conversation, sharegpt_conversations
 
 # Prompt lengths of the token-id prompts (hamburger_jax.data.synthetic's draw: [low, high)).
@@ -121,7 +121,7 @@ class Outcome:
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """One self-distillation run (train.self_distill's flags)."""
-  mix: str  # NAME:COUNT,... (heldout.parse_mix)
+  mix: str  # NAME:COUNT,... (source_specs.parse_mix)
   out: str  # JSONL, appended to
   max_new_tokens: int = 160
   max_prompt_tokens: int = 96

@@ -1,5 +1,5 @@
 """Training conversations read from ShareGPT and local JSONL files (the reasoning-gym sources and
-the specs that name sources: hamburger_jax.data.heldout).
+the specs that name sources: hamburger_jax.data.source_specs).
 
 Every source yields `Conversation`s lazily: chat messages for the prompt and the assistant's
 response text (the response the model learns to emit, docs/SPEC.md 2.1).

@@ -72,7 +72,7 @@ def teacher_pass(plan: Plan, limit: int | None, overwrite: bool) -> PrepareStats
   signals, into plan.data (resuming from the finished shards of an interrupted attempt). Its
   minutes are capped by `limit` (budget.teacher_limit), not by a clock: nothing here needs a
   process of its own. Bad data or settings are a RuntimeError naming them."""
-  from hamburger_jax.data import heldout, prepare  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.data import prepare, source_specs  # pylint: disable=import-outside-toplevel
   from hamburger_jax.data.teacher_pass import teacher_spec  # pylint: disable=C0415
   from hamburger_jax.data.tfds_builder import check_output_dir  # pylint: disable=C0415
   from hamburger_jax.run_config import load_run_config  # pylint: disable=C0415
@@ -82,7 +82,7 @@ def teacher_pass(plan: Plan, limit: int | None, overwrite: bool) -> PrepareStats
     cfg = load_run_config(plan.config, shared_only=True)
     model, tokenizer = prepare.load_base(cfg.model, plan.token_ids)
     return prepare.prepare_dataset(
-        heldout.mixed_sources([source], limit), model, tokenizer, plan.data,
+        source_specs.mixed_sources([source], limit), model, tokenizer, plan.data,
         strategy=plan.strategy, max_group=cfg.graft.max_group, max_len=plan.max_len,
         overwrite=overwrite, metadata={"source": source, "config": plan.config,
                                        "base": cfg.model.base},

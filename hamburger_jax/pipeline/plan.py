@@ -169,7 +169,7 @@ def make_plan(settings: Settings) -> Plan:
 def check_parts(mix: str, tasks: str, settings: Settings, token_ids: bool) -> None:
   """The parts' own checks of their settings, run before the first part."""
   from hamburger_jax.segmentation import get_strategy  # pylint: disable=C0415
-  from hamburger_jax.data.heldout import parse_mix  # pylint: disable=C0415
+  from hamburger_jax.data.source_specs import parse_mix  # pylint: disable=C0415
   from hamburger_jax.evaluation.run import TEXT_TASKS, parse_tasks  # pylint: disable=C0415
   try:
     names = [name for name, _ in parse_mix(mix)]

@@ -2,7 +2,7 @@
 
 corpus        the on-disk format and its reader (TokenCorpus)
 render        conversations -> ids and the spans of their turns, cut into samples
-build         a corpus from its sources (hamburger_jax.data.heldout), written atomically
+build         a corpus from its sources (hamburger_jax.data.source_specs), written atomically
 boundaries    group starts of corpus samples from the base's probabilities (the boundary pass)
 online_batch  samples with their group starts packed into rows
 answers       the base's own greedy answers to corpus prompts, as corpus samples

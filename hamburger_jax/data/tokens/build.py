@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from hamburger_jax import files
-from hamburger_jax.data import heldout
+from hamburger_jax.data import heldout, source_specs
 from hamburger_jax.data import sources as sourcelib
 from hamburger_jax.data.tokens.corpus import FORMAT, META_FILE, CorpusError, tokenizer_fingerprint
 from hamburger_jax.data.tokens.render import MIN_TRUNCATED_RESPONSE, Rendered, Renderer, chunk
@@ -128,7 +128,7 @@ def build_corpus(out_dir: str, tokenizer, sources: Sequence[str], *, max_len: in
   """
   start_time = time.perf_counter()
   say = progress or (lambda _: None)
-  plan = heldout.parse_sources(sources)
+  plan = source_specs.parse_sources(sources)
   _check_limits(max_len, max_tokens, validation_fraction)
   check_output(out_dir, overwrite)
   names = [name for name, _ in plan]
@@ -154,7 +154,7 @@ def build_corpus(out_dir: str, tokenizer, sources: Sequence[str], *, max_len: in
   for name, n in plan:
     if name == "sharegpt":
       continue
-    convs = list(heldout.reasoning_conversations(name, n))
+    convs = list(source_specs.reasoning_conversations(name, n))
     for i in range(0, len(convs), BATCH * 4):
       add_batch(name, convs[i:i + BATCH * 4])
     say(f"{name}: {writer.per_source[name]['conversations']:,} conversations, "
