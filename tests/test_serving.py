@@ -315,7 +315,8 @@ def test_few_continuing_rows_emit_what_they_emit_alone(engine):
 SHARDED = """
 import json, os
 import jax
-from hamburger_jax import sharding
+from hamburger_jax import cache, sharding
+cache.enable_compilation_cache()  # the per-user cache, as the entry points use it
 from hamburger_jax.decode.engine import Engine
 from hamburger_jax.decode.requests import Request
 from hamburger_jax.testing import DECODE_STOP, tiny_decode_model
