@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 
 from hamburger_jax.pipeline import budget, plan as planning, state
@@ -188,7 +189,7 @@ def test_self_distill_prompts_of_token_ids_and_of_a_reasoning_mix():
 def _env(tmp_path: Path) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-             JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"))
+             JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "")
   return env
 
 

@@ -163,11 +163,12 @@ def _no_gguf() -> str:
 
 @pytest.fixture(scope="module")
 def sub_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-  """Environment of the subprocesses: CPU only, one device unless asked, a shared jit cache."""
+  """Environment of the subprocesses: CPU only, one device unless asked, the compilation cache
+  of the test processes (tests/conftest.py: the per-user one), every program kept."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
              PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
-             JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
+             JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "",
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   return env
@@ -923,21 +924,31 @@ def test_recipe_comparison_plot(staged, tmp_path: Path, capsys):
   assert "validation tracks only 0.3, 0.5" in capsys.readouterr().err
 
 
+def _two_steps(tiny_data_dir: str, run_dir: Path, scan: bool, remat: str) -> tuple[list, dict]:
+  """(metrics, updated params) of 2 steps of the tiny model with adapters on merged entries and
+  the base trained too, its layers unrolled or scanned (train.scan_layers, train.remat)."""
+  cfg = load_run_config(TINY, _overrides(tiny_data_dir, run_dir, {
+      **ALL, "graft.base_lora_rank": 4, "train.scan_layers": scan, "train.remat": remat}))
+  tr = training.Trainer(cfg)
+  metrics = [tr.step([b]) for b in _batches(cfg, cfg.data.rows, 2)]
+  return metrics, _flat(tr.state.params)
+
+
+@pytest.fixture(scope="module")
+def unrolled_steps(tiny_data_dir: str, tmp_path_factory: pytest.TempPathFactory,
+                   no_gguf_tokenizer) -> tuple[list, dict]:
+  """The unrolled layers' 2 steps, the reference of every scanned variant."""
+  return _two_steps(tiny_data_dir, tmp_path_factory.mktemp("unrolled"), False, "none")
+
+
 @pytest.mark.parametrize("remat", ["none", "layers"])
-def test_scanned_layers_train_like_unrolled_ones(tiny_data_dir: str, tmp_path: Path, remat: str,
-                                                 no_gguf_tokenizer):
+def test_scanned_layers_train_like_unrolled_ones(unrolled_steps, tiny_data_dir: str,
+                                                 tmp_path: Path, remat: str, no_gguf_tokenizer):
   """train.scan_layers (one loop over stacked layer weights) and train.remat=layers compute the
   same step as the unrolled layers: losses, metrics and updated params agree to float32
   rounding, with adapters on merged entries and the base trained too."""
-  runs = {}
-  for scan in (False, True):
-    cfg = load_run_config(TINY, _overrides(tiny_data_dir, tmp_path / str(scan), {
-        **ALL, "graft.base_lora_rank": 4, "train.scan_layers": scan,
-        "train.remat": remat if scan else "none"}))
-    tr = training.Trainer(cfg)
-    metrics = [tr.step([b]) for b in _batches(cfg, cfg.data.rows, 2)]
-    runs[scan] = (metrics, _flat(tr.state.params))
-  (m0, p0), (m1, p1) = runs[False], runs[True]
+  m0, p0 = unrolled_steps
+  m1, p1 = _two_steps(tiny_data_dir, tmp_path / "scanned", True, remat)
   for a, b in zip(m0, m1):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
   assert p0.keys() == p1.keys()
