@@ -187,7 +187,7 @@ def reference_hamburger_batch(model, prompts: list[list[int]], max_new: list[int
                               r1: float | None = None, pad: int = 64
                               ) -> list[tuple[list[int], list[int]]]:
   """HAMburger decoding of rows in lockstep with the batch-aware micro loop at cost ratios `r`
-  (micro steps 2 and later) and `r1` (micro step 1; default r) (decode/step.py: pays, the same
+  (micro steps 2 and later) and `r1` (micro step 1; default r) (decode/micro_rule.py: pays, the same
   at every micro batch) and merge cost `m`, as plain Python: each macro step, every live row's
   group by the per-row rule (reference_hamburger's), then micro step i + 1 runs only while
   n_go >= min(c, 1) * n_live rows go on (n_go: the rows whose group has more than i + 1

@@ -14,8 +14,8 @@ from hamburger_jax.benchmarks.report import (bytes_bound_lines, group_cap, launc
 from hamburger_jax.benchmarks.timing import (last_row_steps, lockstep_cost, macro_step_cost,
                                              micro_steps_per_step, step_costs, time_batches,
                                              timed)
+from hamburger_jax.decode.micro_rule import cost_parts, micro_sizes
 from hamburger_jax.decode.shapes import generate_slots
-from hamburger_jax.decode.step import micro_cost_parts, micro_sizes
 
 
 def time_transformers(ref, tok, ids, args) -> tuple[float, float, list[list[int]]]:
@@ -177,7 +177,7 @@ def bench_hamburger(args) -> None:
         if rule == "auto":
           slots = generate_slots(b)
           costs = settings[f"{name} {rule}"].micro_costs(eng.layout("hamburger", slots, 1, 1))
-          later, step_one, merge = micro_cost_parts(costs, slots)
+          later, step_one, merge = cost_parts(costs, slots)
           measured.append(f"- batch {b}, {vocab} micro vocab: r (r1) " + ", ".join(
               f"{m} rows {c:.3f} ({c1:.3f})" for m, c, c1 in
               zip(micro_sizes(slots), later, step_one)) + f"; m {merge:.3f}")

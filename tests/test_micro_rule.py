@@ -1,4 +1,4 @@
-"""The batch-aware micro loop (decode/step.py: pays; decode/micro_rule.py): a batch's next
+"""The batch-aware micro loop (decode/micro_rule.py: pays): a batch's next
 micro step runs only while enough rows go on to pay for it. Off, every row decodes as alone;
 on, each group is cut where a plain lockstep reference cuts it and the row's next macro step
 starts after the cut; one row alone is never cut."""
@@ -10,7 +10,6 @@ import pytest
 
 from hamburger_jax import testing
 from hamburger_jax.decode import micro_rule
-from hamburger_jax.decode import step as step_lib
 from hamburger_jax.decode.engine import Engine, GenerationError
 from hamburger_jax.decode.requests import Request
 from hamburger_jax.testing import DECODE_STOP, tiny_decode_model
@@ -37,12 +36,12 @@ def requests() -> list[Request]:
 
 
 def test_pays_is_the_break_even_and_never_cuts_a_lone_row():
-  assert all(bool(step_lib.pays(np.int32(1), np.int32(1), np.float32(r)))
+  assert all(bool(micro_rule.pays(np.int32(1), np.int32(1), np.float32(r)))
              for r in (0.0, 0.3, 1.0, 5.0))
   # 16 rows decoding, r = 0.2: a micro step costs 3.2 rows' base-step share.
-  assert not bool(step_lib.pays(np.int32(3), np.int32(16), np.float32(0.2)))
-  assert bool(step_lib.pays(np.int32(4), np.int32(16), np.float32(0.2)))
-  assert bool(step_lib.pays(np.int32(1), np.int32(16), np.float32(0.0)))  # off
+  assert not bool(micro_rule.pays(np.int32(3), np.int32(16), np.float32(0.2)))
+  assert bool(micro_rule.pays(np.int32(4), np.int32(16), np.float32(0.2)))
+  assert bool(micro_rule.pays(np.int32(1), np.int32(16), np.float32(0.0)))  # off
 
 
 def test_rule_off_decodes_each_row_as_the_per_row_reference(model, engine):
@@ -68,7 +67,7 @@ def test_micro_step_1_pays_its_own_cost_and_the_merge(model, engine, monkeypatch
   """auto with r = 0.1 at every micro batch for the later micro steps, r1 = 0.25 for micro
   step 1 and m = 0.25 (what a mixed base step costs over a plain one): micro step 1 runs only
   while half the live rows go on, or all of them at r1 alone."""
-  sizes = len(step_lib.micro_sizes(8))
+  sizes = len(micro_rule.micro_sizes(8))
   costs = lambda runner, slots: np.asarray([0.1] * sizes + [0.25] * sizes + [0.25])
   monkeypatch.setattr(micro_rule, "measure", costs)
   got = Engine(model, None, stop_ids=[DECODE_STOP], micro_rule="auto").generate(requests())
@@ -101,7 +100,7 @@ def test_auto_measures_a_ratio_per_micro_batch(engine):
   auto = engine.with_micro_rule("auto")
   layout = auto.layout("hamburger", 8, 16, 32)
   costs = auto.micro_costs(layout)
-  assert costs.shape == (2 * len(step_lib.micro_sizes(8)) + 1,) == (7,)
+  assert costs.shape == (2 * len(micro_rule.micro_sizes(8)) + 1,) == (7,)
   assert np.all(np.isfinite(costs)) and np.all(costs[:-1] > 0)
   assert costs[-1] == 0  # the tiny model has no merged-entry adapters: a mixed step is plain
   assert auto.micro_costs(layout) is costs  # measured once per slot count

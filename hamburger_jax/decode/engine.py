@@ -24,7 +24,7 @@ from flax import nnx
 from hamburger_jax import precision
 from hamburger_jax.config import (DEFAULT_CONFIDENCE, DEFAULT_DRAFT_CONFIDENCE,
                                   DEFAULT_PREFIX_CACHE_TOKENS)
-from hamburger_jax.decode import micro_rule as micro_rules, placement, serving, shapes
+from hamburger_jax.decode import micro_rule as rule_lib, placement, serving, shapes, step_costs
 from hamburger_jax.decode.prefix_cache import PrefixCache
 from hamburger_jax.decode.programs import Compiling, EnginePrograms
 from hamburger_jax.decode.requests import Generation, GenerationError, Request
@@ -76,7 +76,7 @@ class Engine(EnginePrograms):
                dtype: str | None = None, mixed: str | None = None,
                plain_branch: bool | None = None, variant: StepVariant = StepVariant(),
                matmul_precision: str = precision.DEFAULT_PRECISION,
-               micro_rule: str | float = micro_rules.DEFAULT_MICRO_RULE):
+               micro_rule: str | float = rule_lib.DEFAULT_MICRO_RULE):
     """`fused`, `dtype`, `mixed`: the decoding layout (model/decode_layout.py; None: the
     backend's default, precision.decode_defaults); `plain_branch`: a base step's forward in a
     branch of its own (decode/step.py: advance; None: the backend's default). `variant`: what
@@ -93,8 +93,8 @@ class Engine(EnginePrograms):
     self.plain_branch = defaults["plain_branch"] if plain_branch is None else bool(plain_branch)
     self.variant = variant
     self.precision = precision.check(matmul_precision)
-    self.micro_rule = micro_rules.parse(micro_rule)
-    # DecodeState.micro_cost by (rule, slots): "auto" measures once per slot count.
+    self.micro_rule = rule_lib.parse(micro_rule)
+    # Cost vectors (DecodeState.micro_cost) by (rule, slots): "auto" measures once per slot count.
     self._micro_costs: dict[tuple, np.ndarray] = {}
     self.max_seq_len = max_seq_len or base_of(model).cfg.max_position_embeddings
     if stop_ids is None:
@@ -134,16 +134,16 @@ class Engine(EnginePrograms):
     return self.put(state.replace(micro_cost=self.micro_costs(layout)))
 
   def micro_costs(self, layout: Layout) -> np.ndarray:
-    """DecodeState.micro_cost under the engine's micro_rule at `layout`'s slots: the cost
-    ratios at each micro batch size (decode/step.py: pays); 0 in base mode, which has no micro
-    steps. "auto" times the steps the first time a slot count asks (decode/micro_rule.py:
-    measure)."""
+    """The cost vector (DecodeState.micro_cost, decode/micro_rule.py) under the engine's
+    micro_rule at `layout`'s slots; 0 in base mode, which has no micro steps. "auto" times the
+    steps the first time a slot count asks."""
     if layout.mode != "hamburger":
-      return micro_rules.costs("off", layout.slots)
+      return rule_lib.rule_costs("off", layout.slots)
     key = (self.micro_rule, layout.slots)
     if key not in self._micro_costs:
-      self._micro_costs[key] = micro_rules.costs(
-          self.micro_rule, layout.slots, lambda: micro_rules.measure(self.runner, layout.slots))
+      self._micro_costs[key] = rule_lib.rule_costs(
+          self.micro_rule, layout.slots,
+          lambda: rule_lib.measure(step_costs.Probe(self.runner), layout.slots))
     return self._micro_costs[key]
 
   def with_micro_rule(self, rule: str | float) -> "Engine":
@@ -152,7 +152,7 @@ class Engine(EnginePrograms):
     hold the same weights (the rule is a runtime operand of the same programs); `set_model` on
     either gives that one a prefix cache of its own."""
     other = copy.copy(self)
-    other.micro_rule = micro_rules.parse(rule)
+    other.micro_rule = rule_lib.parse(rule)
     return other
 
   def put(self, tree):

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from hamburger_jax.config import LlamaConfig
 from hamburger_jax.decode.paged_kv import PagedKVCache, blocks_for
 from hamburger_jax.decode.requests import GenerationError
-from hamburger_jax.decode.step import DecodeState, micro_cost_size
+from hamburger_jax.decode.micro_rule import cost_size
+from hamburger_jax.decode.step import DecodeState
 
 # Prompts are prefilled in chunks, each padded to one of these sizes (one program per size).
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -140,7 +141,7 @@ def decode_state(cache, cfg: LlamaConfig, *, slots: int, max_new: int, max_group
   of `slots` slots empty (done): N = `max_new` tokens and K = `max_group` per slot, F =
   `num_features` features of the base's width and dtype (`cfg`). The one place a state is
   built: a caller that needs live slots (step_program.py) replaces the fields it fills. The
-  micro steps' cost ratios are 0: every micro step a row goes on for runs (decode/step.py:
+  micro steps' cost ratios are 0: every micro step a row goes on for runs (decode/micro_rule.py:
   pays; Engine.init_state sets the engine's)."""
   b, n, k = slots, max_new, max_group
   zeros = lambda *s, dt=jnp.int32: jnp.zeros(s, dt)
@@ -152,4 +153,4 @@ def decode_state(cache, cfg: LlamaConfig, *, slots: int, max_new: int, max_group
       temperature=zeros(b, dt=jnp.float32),
       top_k=zeros(b), top_p=jnp.ones((b,), jnp.float32),
       key=jax.random.split(jax.random.key(0), b), veto=jnp.full((b,), -1, jnp.int32),
-      micro_cost=jnp.zeros((micro_cost_size(b),), jnp.float32))
+      micro_cost=jnp.zeros((cost_size(b),), jnp.float32))

@@ -6,7 +6,7 @@ decode benches and the standalone step program (step_program.py) all run this co
 Where launches go (a small model's step on a GPU is bound by how many kernels it runs):
 - the micro steps are unrolled (K is static): each takes its token and, but for the last, its
   stop head's decision inside; the next runs only if enough rows go on to pay for it (nested
-  conditionals; `pays`: the batch-aware micro loop);
+  conditionals; micro_rule.pays: the batch-aware micro loop);
 - the base forward reads its cache without writing it and returns the new keys and values,
   which are written for every layer at once after it: so the forward can sit in a branch (a
   branch that wrote the pool would copy it) that picks the adapters' form per step: plain
@@ -26,15 +26,12 @@ from typing import Any, Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from hamburger_jax.decode.micro_rule import cost_parts, micro_batch_sizes, pays
 from hamburger_jax.decode.sampling import sample_rows, sampling_logits
 from hamburger_jax.model.hamburger import Hamburger, continues
 from hamburger_jax.model.llama import ALL_MERGED, Llama
 
-# A macro step whose continuing rows fit in slots / MICRO_BATCH_DIVISOR runs its micro steps on
-# those rows only (micro_batch_sizes).
-MICRO_BATCH_DIVISOR = 4
 PROPOSALS = ("micro", "stop_only", "token0")
 # How a slot decodes: "base" one base token a forward; "hamburger" a group of up to K tokens a
 # forward, smashed into one KV entry; "verify" the base's exact tokens, up to K a forward, the
@@ -66,11 +63,9 @@ class DecodeState:
   # [B] verify mode: the draft the base rejected last step (-1: none): the next token 0 is
   # drawn from the base's distribution without it (`verify_step`)
   veto: jax.Array
-  # [micro_cost_size(B)] the micro steps' cost ratios (`pays`; all 0: off), each a time over a
-  # base step's of the batch: micro step 2 and later at each of micro_sizes(B) rows, then micro
-  # step 1 (it reads the F features and e(t0): more inputs) at each, then m, what a base step
-  # of merged and unmerged entries costs over a plain one. A runtime operand: each value,
-  # measured or given, runs the same compiled program.
+  # [micro_rule.cost_size(B)] the micro steps' cost ratios (micro_rule.pays; all 0: off), laid
+  # out and built by decode/micro_rule.py. A runtime operand: each value, measured or given,
+  # runs the same compiled program.
   micro_cost: jax.Array
 
 
@@ -129,58 +124,6 @@ def sample(logits_bv, state: DecodeState, micro: int, stochastic: bool,
   """Each row's token (token_keys; `veto`: sampling.sample_rows)."""
   return sample_rows(logits_bv, token_keys(state, micro), state.temperature, state.top_k,
                      state.top_p, stochastic=stochastic, veto_b=veto)
-
-
-def micro_batch_sizes(slots: int) -> tuple[int, ...]:
-  """The micro batches (below `slots`) a macro step may gather its continuing rows into: one
-  row, and a quarter of the slots. Each is one more traced copy of the micro steps; the LM head
-  they run costs less for fewer rows (SmolLM2 on 2 CPU cores: 1 row ~3 ms, 4 rows ~8 ms, 16 rows
-  ~17 ms), which is what a macro step pays when only a few rows continue."""
-  return tuple(sorted({n for n in (1, slots // MICRO_BATCH_DIVISOR) if 1 <= n < slots}))
-
-
-def micro_sizes(slots: int) -> tuple[int, ...]:
-  """The row counts a macro step's micro steps may run at: the micro batches and every slot
-  (DecodeState.micro_cost holds one cost ratio for each, then the merge cost)."""
-  return (*micro_batch_sizes(slots), slots)
-
-
-def micro_cost_size(slots: int) -> int:
-  """DecodeState.micro_cost's length at `slots` slots: two ratios at each micro size, and m."""
-  return 2 * len(micro_sizes(slots)) + 1
-
-
-def micro_cost(later, first, m: float) -> np.ndarray:
-  """DecodeState.micro_cost (host side) from its parts: the ratios of micro steps 2 and later
-  and of micro step 1 at each micro size, and the merge cost m."""
-  return np.asarray([*later, *first, m], np.float32)
-
-
-def micro_cost_parts(costs, slots: int):
-  """(later [S], first [S], m) of a micro_cost at `slots` slots (S = len(micro_sizes)): numpy
-  or traced, as given."""
-  n = len(micro_sizes(slots))
-  return costs[:n], costs[n:2 * n], costs[2 * n]
-
-
-def pays(n_go: jax.Array, n_live: jax.Array, r: jax.Array) -> jax.Array:
-  """Whether the next micro step pays for itself: `n_go` rows would emit a token in it, out of
-  `n_live` rows still decoding, at a cost of r base steps (r = micro step / base step at the
-  batch, timed in the same loops).
-
-  The next micro step costs r T (T: one base step of the batch) and yields n_go tokens: r T /
-  n_go a token. Not running it, each of those rows ends its group there and emits that token
-  in a later macro step, whose base step yields one token for each live row: T / n_live a
-  token. So it runs while n_go >= r n_live. (A macro step yields k >= 1 tokens a row, so T /
-  n_live overstates what a token costs there: the rule errs toward running micro steps.)
-  Micro step 1 costs more than a later one (its ratio r1: it reads F + 1 inputs a row) and
-  decides the next base step's form: its rows' entries merge, the others' do not, and a base
-  step of both adds the adapters' change on the merged rows (`advance`), m T more than a plain
-  one; so micro step 1 runs while n_go >= (r1 + m) n_live when some live rows stop at token 0
-  (`propose` passes r1 + m as `r`). r is taken at most 1, so that one row going on, alone in
-  the batch, always goes on: batch 1 is the paper's rule unchanged. r = 0 (off): every micro
-  step a row goes on for runs, as without the rule."""
-  return n_go.astype(jnp.float32) >= jnp.minimum(r, 1.0) * n_live.astype(jnp.float32)
 
 
 def micro_branch(n_continuing: jax.Array, slots: int) -> jax.Array:
@@ -275,7 +218,7 @@ def propose(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids
   # when others stop), every group ends at token 0.
   n_cont = jnp.sum(cont)
   branch = micro_branch(n_cont, b)
-  later, first, m = micro_cost_parts(state.micro_cost, b)
+  later, first, m = cost_parts(state.micro_cost, b)
   merge = jnp.where(n_cont < n_live, m, 0.0)
   branch = jnp.where(pays(n_cont, n_live, first[jnp.maximum(branch, 1) - 1] + merge), branch, 0)
   sizes = micro_batch_sizes(b)

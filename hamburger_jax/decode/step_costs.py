@@ -1,10 +1,11 @@
 """What one decode step costs on this device, timed: the unit steps of decode/launches.py (base,
 merged, mixed, micro) each run in a jitted loop of STEPS steps with its token fed back, as the
-engine's decode loop runs them. The micro rule (decode/micro_rule.py) measures its cost ratios
-with it; the benches (hamburger_jax/benchmarks/) report them."""
+engine's decode loop runs them. The micro rule (decode/micro_rule.py) measures its cost vector
+with it (`Probe`); the benches (hamburger_jax/benchmarks/) report them."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Sequence
 
@@ -13,10 +14,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hamburger_jax.decode import launches
-from hamburger_jax.decode.step import base_of
+from hamburger_jax.decode.step import base_of, has_adapters
 
 STEPS = 8  # steps per timed call: the call's dispatch is spread over them
 KV_ENTRIES = 200  # each sequence's cache: a chat prompt and a short answer
+# Rounds of each probe loop (the fastest kept): the probe runs once per engine and slot count.
+PROBE_REPEATS = 3
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -77,3 +80,18 @@ def step_costs(runner, repeats: int, batch: int = 1,
     call()
     out[name] = min(_timed(call) for _ in range(max(3, repeats))) / STEPS
   return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+  """`step_costs` of one runner (a HAMburger in the decoding layout), as decode/micro_rule.py's
+  `measure` times them."""
+  runner: Any
+  repeats: int = PROBE_REPEATS
+
+  @property
+  def adapters(self) -> bool:
+    return has_adapters(self.runner)
+
+  def __call__(self, batch: int, names: Sequence[str]) -> dict[str, float]:
+    return step_costs(self.runner, self.repeats, batch, names=names)
