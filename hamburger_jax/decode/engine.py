@@ -26,7 +26,7 @@ from hamburger_jax.config import (DEFAULT_CONFIDENCE, DEFAULT_DRAFT_CONFIDENCE,
                                   DEFAULT_PREFIX_CACHE_TOKENS)
 from hamburger_jax.decode import micro_rule as rule_lib, placement, serving, shapes, step_costs
 from hamburger_jax.decode.prefix_cache import PrefixCache
-from hamburger_jax.decode.programs import Compiling, EnginePrograms
+from hamburger_jax.decode.programs import EnginePrograms, ProgramSettings
 from hamburger_jax.decode.requests import Generation, GenerationError, Request
 from hamburger_jax.decode.runner import decode_runner
 from hamburger_jax.decode.sampling import SamplingParams
@@ -90,34 +90,39 @@ class Engine(EnginePrograms):
     self.fused = defaults["fused"] if fused is None else fused
     self.dtype = defaults["dtype"] if dtype is None else dtype
     self.mixed = defaults["mixed"] if mixed is None else mixed
-    self.plain_branch = defaults["plain_branch"] if plain_branch is None else bool(plain_branch)
-    self.variant = variant
-    self.precision = precision.check(matmul_precision)
+    plain_branch = defaults["plain_branch"] if plain_branch is None else bool(plain_branch)
+    matmul_precision = precision.check(matmul_precision)
     self.micro_rule = rule_lib.parse(micro_rule)
     # Cost vectors (DecodeState.micro_cost) by (rule, slots): "auto" measures once per slot count.
     self._micro_costs: dict[tuple, np.ndarray] = {}
     self.max_seq_len = max_seq_len or base_of(model).cfg.max_position_embeddings
     if stop_ids is None:
       stop_ids = tokenizer.stop_ids if tokenizer is not None else ()
-    self.stop_ids = tuple(int(i) for i in stop_ids)
+    stop_ids = tuple(int(i) for i in stop_ids)
     # What ends a turn in a prompt (prefix caching), also where generation ignores it (benches
     # that decode every request to its max_new_tokens pass stop_ids=()).
     if turn_end_ids is None:
-      turn_end_ids = tokenizer.stop_ids if tokenizer is not None else self.stop_ids
-    self.turn_end_ids = tuple(int(i) for i in turn_end_ids)
+      turn_end_ids = tokenizer.stop_ids if tokenizer is not None else stop_ids
     if block_size < 1:
       raise GenerationError(f"block_size={block_size} must be >= 1")
-    self.block_size = block_size
-    self.mesh = mesh
+    super().__init__(ProgramSettings(
+        block_size=block_size, mesh=mesh, precision=matmul_precision, stop_ids=stop_ids,
+        turn_end_ids=tuple(int(i) for i in turn_end_ids), variant=variant,
+        plain_branch=plain_branch))
     try:
       self.prefix_cache = PrefixCache(prefix_cache_tokens)
     except ValueError as e:
       raise GenerationError(str(e)) from None
     self.set_model(model)
-    # Compiled programs by (kind, layout, ...): compiled ahead of time so timings never include
-    # compilation and reuse is observable.
-    self.programs: dict[tuple, Any] = {}
-    self.compiling = Compiling()  # what is being compiled now, by which thread (programs.py)
+
+  # The settings the programs are traced with (decode/programs.py: ProgramSettings), by name.
+  block_size = property(lambda self: self.settings.block_size)
+  mesh = property(lambda self: self.settings.mesh)
+  precision = property(lambda self: self.settings.precision)
+  stop_ids = property(lambda self: self.settings.stop_ids)
+  turn_end_ids = property(lambda self: self.settings.turn_end_ids)
+  variant = property(lambda self: self.settings.variant)
+  plain_branch = property(lambda self: self.settings.plain_branch)
 
   # ------------------------------------------------------------------ traced pieces
 
@@ -154,10 +159,6 @@ class Engine(EnginePrograms):
     other = copy.copy(self)
     other.micro_rule = rule_lib.parse(rule)
     return other
-
-  def put(self, tree):
-    """Host values onto the engine's devices (decode/placement.py: replicate)."""
-    return placement.replicate(tree, self.mesh)
 
   @property
   def max_group(self) -> int | None:

@@ -1,16 +1,18 @@
 """The engine's programs: the traced prefill and decode loop, their lowering and compilation
 (cached by layout on the engine), and prefilling a request through them. `EnginePrograms` is the
-part of decode/engine.Engine that owns programs; the engine owns the weights' placement and the
-requests (its docstring is the contract a scheduler uses)."""
+part of decode/engine.Engine that owns programs, built from the settings they read
+(`ProgramSettings`); the engine owns the weights' placement and the requests (its docstring is
+the contract a scheduler uses)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextvars
+import dataclasses
 import os
 import threading
 import time
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import jax
 import jax.experimental
@@ -20,12 +22,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hamburger_jax import precision
-from hamburger_jax.decode import serving, shapes
+from hamburger_jax.decode import placement, serving, shapes
 from hamburger_jax.decode import step as decode_step
-from hamburger_jax.decode.prefix_cache import CachedPrefix, cacheable_prefix
+from hamburger_jax.decode.prefix_cache import CachedPrefix, PrefixCache, cacheable_prefix
 from hamburger_jax.decode.requests import Request
 from hamburger_jax.decode.shapes import LENGTH_BUCKETS, Layout, bucket, prefill_chunks
-from hamburger_jax.decode.step import DecodeState
+from hamburger_jax.decode.step import DecodeState, StepVariant
 
 
 # At most this many programs compile at once: each compile holds its program's graphs in host
@@ -33,21 +35,60 @@ from hamburger_jax.decode.step import DecodeState
 COMPILE_THREADS = 8
 
 
+@dataclasses.dataclass(frozen=True)
+class ProgramSettings:
+  """What an engine's programs are traced with, fixed for the engine's life (decode/engine.Engine
+  documents each; its attributes of these names read them from here)."""
+  block_size: int  # KV entries a block
+  mesh: jax.sharding.Mesh | None
+  precision: str  # of float32 matmuls (hamburger_jax/precision.py)
+  stop_ids: tuple[int, ...]  # tokens that end a request
+  turn_end_ids: tuple[int, ...]  # tokens that end a prompt's turn (prefix caching)
+  variant: StepVariant  # what each macro step computes (decode/step.py)
+  plain_branch: bool  # a base step's forward in a branch of its own (decode/step.py: advance)
+
+
 class EnginePrograms:
-  """Programs of an engine (decode/engine.Engine sets what they read: graphdef, params, mesh,
-  precision, stop_ids, variant, plain_branch, block_size, turn_end_ids, prefix_cache, programs,
-  compiling, and its `put`, `_empty_state` and `max_group`)."""
+  """Programs of an engine: built from `settings`, compiled into `programs` (by key; shared by
+  engines that share them, with `compiling`). The weights and the state they run on are the
+  engine's: a subclass provides the members below that raise NotImplementedError, and
+  `graphdef`, `params` (replaced by Engine.set_model) and `prefix_cache`."""
+
+  graphdef: Any
+  params: Any
+  prefix_cache: PrefixCache
+
+  def __init__(self, settings: ProgramSettings):
+    self.settings = settings
+    # Compiled programs by (kind, layout, ...): compiled ahead of time so timings never include
+    # compilation and reuse is observable.
+    self.programs: dict[tuple, Any] = {}
+    self.compiling = Compiling()  # what is being compiled now, by which thread
+
+  @property
+  def max_group(self) -> int | None:
+    """The most tokens a macro step can emit (None: one)."""
+    raise NotImplementedError
+
+  def _empty_state(self, layout: Layout) -> DecodeState:
+    """A decode state of `layout`'s shapes, every slot empty (shapes.empty_state)."""
+    raise NotImplementedError
+
+  def put(self, tree):
+    """Host values onto the engine's devices (decode/placement.py: replicate)."""
+    return placement.replicate(tree, self.settings.mesh)
 
   def _abstract_state(self, layout: Layout):
     state = jax.eval_shape(lambda: self._empty_state(layout))
-    if self.mesh is None:
+    if self.settings.mesh is None:
       return state
-    rep = NamedSharding(self.mesh, P())
+    rep = NamedSharding(self.settings.mesh, P())
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), state)
 
   def _jit(self, fn, **kw):
-    if self.mesh is not None:  # the state stays replicated from one program to the next
-      kw["out_shardings"] = NamedSharding(self.mesh, P())
+    mesh = self.settings.mesh
+    if mesh is not None:  # the state stays replicated from one program to the next
+      kw["out_shardings"] = NamedSharding(mesh, P())
     return jax.jit(fn, donate_argnames=("state",), **kw)
 
   def _prefill_impl(self, params, state: DecodeState, ids_c, start, n_valid, slot, last,
@@ -97,7 +138,7 @@ class EnginePrograms:
     model = nnx.merge(self.graphdef, params)
     offset = model.cfg.graft.position_offset if mode == "hamburger" else 0
     n_max = state.groups.shape[1]
-    stop_ids = jnp.asarray(self.stop_ids, jnp.int32)
+    stop_ids = jnp.asarray(self.settings.stop_ids, jnp.int32)
     done_at_start = state.done
 
     def body(carry):
@@ -114,7 +155,8 @@ class EnginePrograms:
       # and the loop ends.
       state = decode_step.macro_step(
           model, mode, state, stop_ids=stop_ids, stochastic=stochastic, offset=offset,
-          variant=self.variant, report=report, plain_branch=self.plain_branch)
+          variant=self.settings.variant, report=report,
+          plain_branch=self.settings.plain_branch)
       return step + 1, state, asked[0] if asked else jnp.bool_(False)
 
     def cond(carry):
@@ -133,14 +175,14 @@ class EnginePrograms:
              kv_blocks: int | None = None) -> Layout:
     """The static shapes for requests up to `longest_prompt` + `max_new` tokens, in this
     engine's blocks (shapes.plan_layout); a verify step writes K entries."""
-    return shapes.plan_layout(mode, slots, max_new, longest_prompt, self.block_size, kv_blocks,
-                              step_entries=self.max_group if mode == "verify" else 1)
+    return shapes.plan_layout(mode, slots, max_new, longest_prompt, self.settings.block_size,
+                              kv_blocks, step_entries=self.max_group if mode == "verify" else 1)
 
   def _spec(self, shape: tuple, dtype) -> jax.ShapeDtypeStruct:
     """An abstract argument, replicated over the mesh if there is one (as `put` places it)."""
-    if self.mesh is None:
+    if self.settings.mesh is None:
       return jax.ShapeDtypeStruct(shape, dtype)
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, P()))
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.settings.mesh, P()))
 
   def lower_prefill(self, layout: Layout, chunk: int) -> jax.stages.Lowered:
     """The prefill program of one `chunk`-token prompt chunk, lowered (`prefill` runs it)."""
@@ -151,7 +193,7 @@ class EnginePrograms:
     key = jax.eval_shape(lambda: jax.random.key(0))
     request["key"] = self._spec(key.shape, key.dtype)
     fn = self._jit(self._prefill_impl, static_argnames=("mode",))
-    with precision.matmuls(self.precision):
+    with precision.matmuls(self.settings.precision):
       return fn.lower(self.params, state, self._spec((chunk,), jnp.int32), i32, i32, i32,
                       self._spec((), bool), request, mode=layout.mode)
 
@@ -165,8 +207,9 @@ class EnginePrograms:
     cache = state.cache
     kv = self._spec((cache.k.shape[0], size, *cache.k.shape[3:]), cache.k.dtype)
     # Not self._jit: reading must not donate the state, which goes on decoding.
+    mesh = self.settings.mesh
     read = jax.jit(lambda state, slot: state.cache.read_row(slot, size), **(
-        {} if self.mesh is None else {"out_shardings": NamedSharding(self.mesh, P())}))
+        {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}))
     write = self._jit(lambda state, slot, k, v, n: state.replace(
         cache=state.cache.write_row(slot, k, v, n)))
     return read.lower(state, i32), write.lower(state, i32, kv, kv, i32)
@@ -178,7 +221,7 @@ class EnginePrograms:
   def prompt_plan(self, ids: Sequence[int]) -> tuple[int, list[tuple[int, int, int]]]:
     """(cacheable prefix length, prefill chunks) of a prompt: with prefix caching on, the
     prefix's chunks come first and end at its last token, whether it is cached or not."""
-    p0 = cacheable_prefix(ids, self.turn_end_ids) if self.prefix_cache.enabled else 0
+    p0 = cacheable_prefix(ids, self.settings.turn_end_ids) if self.prefix_cache.enabled else 0
     return p0, (prefill_chunks(p0) if p0 else []) + prefill_chunks(len(ids) - p0, p0)
 
   def decode_program(self, layout: Layout, stochastic: bool, stream: bool, view: int):
@@ -198,7 +241,7 @@ class EnginePrograms:
     fn = self._jit(self._decode_impl, static_argnames=("mode", "stochastic", "stream", "view",
                                                        "step_entries"))
     i32 = self._spec((), jnp.int32)
-    with precision.matmuls(self.precision):
+    with precision.matmuls(self.settings.precision):
       return fn.lower(self.params, state, self._spec((), bool), i32, i32, mode=layout.mode,
                       stochastic=stochastic, stream=stream, view=view,
                       step_entries=layout.step_entries)
