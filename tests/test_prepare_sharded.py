@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
@@ -286,10 +287,11 @@ def test_sharding_flags_are_checked_before_any_work(capsys):
 
 @pytest.fixture(scope="module")
 def sub_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-  """CPU only, one device unless asked, a jit cache shared by the subprocesses."""
+  """CPU only, one device unless asked, the compilation cache of the test processes
+  (tests/conftest.py: the per-user one)."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-             JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")))
+             JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "")
   return env
 
 
