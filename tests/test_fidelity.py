@@ -136,8 +136,10 @@ def _reference(model, rec, teacher_feats):
                                    {"contextual_entry": True}],
                          ids=["shipped-graft", "after_merge", "contextual"])
 def test_figures_equal_an_uncached_reference(graft):
+  """Every figure, pooled and by group size, of 3 records (groups of 1 to 4, merged and single
+  entries, one-merge contexts; batches of 2 and a partial one) equals the reference's."""
   model = _model(**graft)
-  records = _records()
+  records = _records(3)
   taught = fidelity.teacher_records(model, records)
   got = fidelity.fidelity_figures(model, taught, batch=2, progress=False)
   items: dict[str, list] = {}
