@@ -21,8 +21,14 @@ def _with_parameters(nb, **params) -> None:
 
 
 @pytest.mark.slow
-def test_notebook_runs_in_smoke_mode(tmp_path: Path):
+def test_notebook_runs_in_smoke_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
   nbformat = pytest.importorskip("nbformat")
+  # The kernel keeps its programs in the compilation cache of the test processes (the per-user
+  # one, tests/conftest.py), as the entry points the notebook runs do.
+  import jax  # pylint: disable=import-outside-toplevel
+  if jax.config.jax_compilation_cache_dir:
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", jax.config.jax_compilation_cache_dir)
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   nbclient = pytest.importorskip("nbclient")
   nb = nbformat.read(NOTEBOOK, as_version=4)
   _with_parameters(nb, SMOKE=True)
