@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
@@ -38,6 +39,10 @@ def _release_programs():
   import jax  # pylint: disable=import-outside-toplevel
   jax.clear_caches()
   gc.collect()
+  try:  # hand the freed pages back to the system: glibc keeps them for this process otherwise
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+  except (OSError, AttributeError):  # not glibc
+    pass
 
 
 @pytest.fixture(scope="session")
