@@ -31,8 +31,9 @@ def bench_verify(args) -> None:
                               micro_vocab=args.micro_vocab)
   engine = Engine(model, tok, stop_ids=(), matmul_precision=args.precision)
   k = model.max_group
+  drafter = ("drafter" if getattr(model, "drafter", None) is not None else "micro decoder")
   print(f"verify mode on {pretrained.describe('base', None, args.base)}: drafts from "
-        f"{checkpoint or 'an UNTRAINED graft'}'s micro decoder ({size or 'full'} micro vocab); "
+        f"{checkpoint or 'an UNTRAINED graft'}'s {drafter} ({size or 'full'} micro vocab); "
         f"{peaks.cpu_model()}; greedy, {args.new_tokens} new tokens/row (EOS ignored); tok/s = "
         "tokens all rows generated / the time the batch decoded (the prefills apart), each "
         "setting timed in the same rounds as its base; kept = tokens a forward kept (the base's "
