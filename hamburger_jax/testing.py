@@ -5,6 +5,8 @@ architecture."""
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -277,3 +279,20 @@ def markdown_tables(text: str) -> list[list[dict[str, str]]]:
       current = []
   split = lambda l: [c.strip() for c in l.strip("|").split("|")]
   return [[dict(zip(split(b[0]), split(l))) for l in b[2:]] for b in blocks]
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+  """The environment of an entry point a test runs as a subprocess: this process's, on the CPU
+  with one device (no XLA_FLAGS: a test that wants a fake mesh adds its own), the repository
+  importable, and the compilation cache of the test processes (tests/conftest.py: the
+  per-user one) keeping every program; `extra` added last."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT),
+             JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "",
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  env.update(extra)
+  return env

@@ -16,12 +16,11 @@ import time
 import uuid
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from hamburger_jax import files, graft_checkpoint, pretrained
+from hamburger_jax import files, graft_checkpoint, pretrained, testing
 from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig
 from hamburger_jax.convert.mapping import WeightsError
 from hamburger_jax.model.hamburger import Hamburger
@@ -266,15 +265,9 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def sub_env(gcs, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-  """A subprocess's environment: CPU only, the emulator's address, the compilation cache of the
-  test processes (tests/conftest.py: the per-user one), every program kept."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(gcs.env, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-             JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "",
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-  return env
+def sub_env(gcs) -> dict[str, str]:
+  """A subprocess's environment (testing.subprocess_env) with the emulator's address."""
+  return testing.subprocess_env(**gcs.env)
 
 
 def _train_args(data_dir: str, run_dir: str, every: int) -> list[str]:

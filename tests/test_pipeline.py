@@ -5,7 +5,6 @@ end to end: interrupted in training, resumed by the rerun, then skipped entirely
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -13,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import pytest
 
+from hamburger_jax import testing
 from hamburger_jax.pipeline import budget, plan as planning, state
 from train import pipeline
 
@@ -186,13 +185,6 @@ def test_self_distill_prompts_of_token_ids_and_of_a_reasoning_mix():
 # ----------------------------------------------------------------------------- end to end
 
 
-def _env(tmp_path: Path) -> dict[str, str]:
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-             JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "")
-  return env
-
-
 def _summary(stdout: str) -> dict[str, tuple[str, float, float, str]]:
   """The summary lines after the "pipeline OUT (...):" header: part -> (status, used, budget,
   figure)."""
@@ -215,7 +207,7 @@ def test_tiny_pipeline_end_to_end_interrupted_resumed_and_skipped(tmp_path: Path
   out = tmp_path / "out"
   cmd = [sys.executable, "-m", "train.pipeline", "--config", TINY, "--budget-minutes", "2",
          "--out", str(out)]
-  env = _env(tmp_path)
+  env = testing.subprocess_env()
 
   # 1. SIGTERM once training has saved a step: the stage saves, the run stops, unrecorded.
   with open(tmp_path / "first.out", "w") as log:

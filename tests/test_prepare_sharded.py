@@ -23,11 +23,11 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import jax
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from hamburger_jax import testing
 from hamburger_jax.data import pipeline, prepare, teacher_pass, tfds_builder
 from hamburger_jax.data import shards as shardlib
 from train import prepare_data
@@ -286,13 +286,9 @@ def test_sharding_flags_are_checked_before_any_work(capsys):
 
 
 @pytest.fixture(scope="module")
-def sub_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-  """CPU only, one device unless asked, the compilation cache of the test processes
-  (tests/conftest.py: the per-user one)."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-             JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "")
-  return env
+def sub_env() -> dict[str, str]:
+  """CPU only, one device unless asked (testing.subprocess_env)."""
+  return testing.subprocess_env()
 
 
 def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hamburger_jax import assets, graft_checkpoint, sharding
+from hamburger_jax import assets, graft_checkpoint, sharding, testing
 from hamburger_jax.config import ConfigError
 from hamburger_jax.data import pipeline
 from hamburger_jax.model.llama import GraftParam
@@ -162,16 +162,11 @@ def _no_gguf() -> str:
 
 
 @pytest.fixture(scope="module")
-def sub_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-  """Environment of the subprocesses: CPU only, one device unless asked, the compilation cache
-  of the test processes (tests/conftest.py: the per-user one), every program kept."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-             PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
-             JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "",
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-  return env
+def sub_env() -> dict[str, str]:
+  """Environment of the subprocesses (testing.subprocess_env), this Python's scripts first on
+  the PATH."""
+  return testing.subprocess_env(
+      PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 
 
 @pytest.fixture(scope="module")
