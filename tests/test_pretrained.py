@@ -145,7 +145,8 @@ def test_shipped_checkpoint_loads_is_trained_and_is_the_base_at_confidence_1():
   batch = {n: jnp.asarray(v) for n, v in layout.pack_rows(
       [[lay]], lay.num_entries, lay.num_groups, k).as_dict().items()}
   graphdef, _ = nnx.split(trained)  # the same architecture: one program scores both
-  lm_loss = jax.jit(lambda params: hamburger_loss(nnx.merge(graphdef, params), batch)[1]["lm_loss"])
+  lm_loss = jax.jit(
+      lambda params: hamburger_loss(nnx.merge(graphdef, params), batch)[1]["lm_loss"])
   loss = {name: float(lm_loss(nnx.state(m)))
           for name, m in (("trained", trained), ("untrained", untrained))}
   # Measured: trained 5.5, untrained 12.7 nats (a mis-loaded graft scores like the untrained one).

@@ -379,8 +379,9 @@ def verify_step(model: Hamburger, state: DecodeState, *, stop_ids: jax.Array, st
       return pad(feats, 1), tuple(pad(a, 2) for a in kv), kept, refused
     return run
 
-  # A step where no row drafted reads one input a row, as the base's step does (on a CPU a
-  # forward of K new tokens costs 1.6x one of 1); else every row's K.
+  # A step where no row drafted reads one input a row, as the base's step does (on 2 CPU cores
+  # a forward of K = 4 new tokens a row costs 1.1x one of 1 at 1 row, 1.6x at 16:
+  # docs/results/decode_speed.md); else every row's K.
   feats, kv, kept, refused = jax.lax.cond(jnp.any(live & (n_drafts > 0)), checked(k),
                                           checked(1))
   count = jnp.where(live, 1 + kept, 0)
