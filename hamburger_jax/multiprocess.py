@@ -31,9 +31,12 @@ LOST_EXIT = 75
 SUPERVISED_ENV = "HAMBURGER_JAX_SUPERVISED"
 # The coordination service's reports on stderr (absl log lines: severity, date, time, thread,
 # file:line]): the first one starts what the supervisor holds back. The preemption notices come
-# first when process 0, which runs the service, is gone.
-_REPORT = re.compile(rb"^[EFW]\d{4} [\d:.]+\s+\d+ "
-                     rb"(coordination_service\w*\.cc|client\.h|preemption_sync_manager\.cc):\d+\]")
+# first when process 0, which runs the service, is gone. Orbax's multi-process errors (Python
+# logging, "[process=N]") can come first too: an async save's commit waits at a barrier that
+# fails, with a traceback, the moment the service declares the loss.
+_REPORT = re.compile(rb"^([EFW]\d{4} [\d:.]+\s+\d+ "
+                     rb"(coordination_service\w*\.cc|client\.h|preemption_sync_manager\.cc):\d+\]"
+                     rb"|ERROR:absl:\[process=\d+\] )")
 # The runtime aborts within milliseconds of its first report; held output that no abort follows
 # within this long is printed after all, and the gate opens again.
 HOLD_S = 10.0

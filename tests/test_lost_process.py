@@ -52,6 +52,15 @@ COORDINATOR_GONE = (
     "coordination_service while calling /xla.coordination.CoordinationService/PollForError:\n"
     ':UNKNOWN:Error received from peer  {grpc_message:"Socket closed", grpc_status:14}\n'
     "*** Check failure stack trace: ***\n")
+# Orbax's async save on the survivor when the loss falls inside its commit: its barrier fails
+# first (Python logging, cut short), then the runtime aborts on the service's report.
+ORBAX_BARRIER = (
+    "ERROR:absl:[process=0] Failed to run 4 Handler Commit operations or the Commit callback in "
+    "background save thread, directory: /tmp/run/checkpoints/3\n"
+    "Traceback (most recent call last):\n"
+    "jax.errors.JaxRuntimeError: INTERNAL: Barrier failed because: task is set to ERROR: "
+    "UNAVAILABLE: Task 1 heartbeat timeout.\n"
+    "TimeoutError: Timed out while waiting for async_write_complete barrier.\n")
 TRACE = re.compile(r"Check failure|terminate called|\*\*\* |Traceback|coordination_service")
 
 
@@ -69,6 +78,16 @@ def test_gate_passes_output_and_holds_from_the_first_report():
   mid_line = multiprocess.StderrGate()  # a report's prefix inside a line is no report
   first = UNHEALTHY.splitlines(keepends=True)[0].encode()
   assert mid_line.feed(b"x " + first) == b"x " + first and not mid_line.held
+
+
+def test_gate_holds_from_an_orbax_barrier_error():
+  gate = multiprocess.StderrGate()
+  shown = gate.feed(b"step 3\n" + ORBAX_BARRIER.encode() + UNHEALTHY.encode())
+  assert shown == b"step 3\n"
+  assert gate.held == (ORBAX_BARRIER + UNHEALTHY).encode()
+  other = multiprocess.StderrGate()  # another Python error log is no report
+  assert other.feed(b"ERROR:absl:not a process report\n") == b"ERROR:absl:not a process report\n"
+  assert multiprocess.lost_processes(ORBAX_BARRIER + UNHEALTHY, 0) == [1]
 
 
 def test_reports_name_the_lost_process():
@@ -125,6 +144,11 @@ def test_a_child_dying_of_a_report_ends_in_the_line():
   assert reports == [UNHEALTHY]
   rc, shown, _ = _supervise(f"sys.stderr.write({UNHEALTHY!r}); sys.exit(1)")
   assert (rc, shown) == (multiprocess.LOST_EXIT, "error: LOST\n")  # its words, then a failure
+  rc, shown, reports = _supervise(  # a save's failed barrier first
+      f"sys.stderr.write({ORBAX_BARRIER!r}); sys.stderr.flush(); time.sleep(0.2)\n"
+      f"sys.stderr.write({UNHEALTHY!r}); sys.stderr.flush(); os.abort()")
+  assert (rc, shown, reports) == (multiprocess.LOST_EXIT, "error: LOST\n",
+                                  [ORBAX_BARRIER + UNHEALTHY])
 
 
 @pytest.mark.parametrize("end,want", [("sys.exit(0)", 0), ("sys.exit(3)", 3),
