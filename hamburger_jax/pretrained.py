@@ -5,6 +5,7 @@ checkpoint (its on-disk format: hamburger_jax/graft_checkpoint.py), a run config
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, Mapping
 
@@ -83,7 +84,7 @@ def vocab_size(checkpoint: str | None = None, base_source: str | None = None) ->
                          "vocab_size; the checkpoint's metadata is damaged, re-export it") from None
   kind, path = resolve_base(base_source or DEFAULT_BASE)
   if kind == "gguf":
-    return gguf.GGUFFile(path).config().vocab_size
+    return gguf.read_config(path).vocab_size
   return hf.read_config(path).vocab_size
 
 
@@ -351,7 +352,7 @@ def architecture(model_cfg) -> LlamaConfig:
         f"model.base {source!r} does not exist here and its name is none of the known "
         f"architectures ({', '.join(sorted(KNOWN_ARCHITECTURES))}): point it at the model's "
         "GGUF file or HF directory (config.json is enough for --random-weights)") from None
-  base = gguf.GGUFFile(path).config() if kind == "gguf" else hf.read_config(path)
+  base = gguf.read_config(path) if kind == "gguf" else hf.read_config(path)
   return dataclasses.replace(base, **dtypes)
 
 
@@ -366,8 +367,18 @@ def abstract_run_model(cfg) -> Hamburger:
   """A run config's model (a RunConfig) as shapes only (nnx.eval_shape: nothing is loaded,
   initialised or allocated): its base architecture read from metadata (`architecture`),
   the run's graft and dtypes. What compiling the run's programs ahead of time needs."""
-  hcfg = HamburgerConfig(architecture(cfg.model), cfg.graft)
-  return nnx.eval_shape(lambda: Hamburger(hcfg, rngs=nnx.Rngs(cfg.train.seed)))
+  graphdef, state = _abstract_model(HamburgerConfig(architecture(cfg.model), cfg.graft),
+                                    cfg.train.seed)
+  return nnx.merge(graphdef, state, copy=True)  # its own variables: callers may set them
+
+
+@functools.lru_cache(maxsize=4)
+def _abstract_model(hcfg: HamburgerConfig, seed: int) -> tuple[Any, Any]:
+  """The shapes of Hamburger(hcfg) as (graphdef, state), traced once per process for each
+  config: a trace is seconds (flax's rng counters ask every traced value for its sharding), and
+  a run's stages, its teacher pass and a check of many configs each build the same model; each
+  caller merges its own module from them."""
+  return nnx.split(nnx.eval_shape(lambda: Hamburger(hcfg, rngs=nnx.Rngs(seed))))
 
 
 def load_run(config: str, checkpoint: str | None = None, micro_vocab: int | None = None

@@ -89,6 +89,40 @@ def test_load_hamburger_means_the_shipped_checkpoint_unless_told_untrained(monke
     pretrained.load_hamburger()
 
 
+def test_a_gguf_architecture_is_read_once_per_version_of_the_file(tmp_path):
+  """The architecture read is kept per process, and a file rewritten in place is read again."""
+  import gguf as gguf_lib  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.convert import gguf  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.testing import write_tiny_llama_gguf  # pylint: disable=import-outside-toplevel
+  path = str(tmp_path / "base.gguf")
+  written = write_tiny_llama_gguf(path)
+  assert gguf.read_config(path) == written == gguf.GGUFFile(path).config()
+  assert gguf.read_config(path) is gguf.read_config(path)
+  w = gguf_lib.GGUFWriter(path, "gpt2")  # the same path, another architecture
+  w.add_block_count(2)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.close()
+  with pytest.raises(ConfigError, match="architecture is 'gpt2'"):
+    gguf.read_config(path)
+
+
+def test_abstract_run_models_are_each_their_own():
+  """abstract_run_model traces a config's model once; every call still returns a module with its
+  own variables, the shapes of a direct abstract build."""
+  from hamburger_jax.run_config import load_run_config  # pylint: disable=import-outside-toplevel
+  cfg = load_run_config("configs/tiny.yaml", shared_only=True)
+  a, b = pretrained.abstract_run_model(cfg), pretrained.abstract_run_model(cfg)
+  direct = nnx.eval_shape(lambda: Hamburger(
+      HamburgerConfig(pretrained.architecture(cfg.model), cfg.graft), rngs=nnx.Rngs(0)))
+  shapes = lambda m: jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(m))
+  assert shapes(a) == shapes(b) == shapes(direct)
+  first = nnx.to_flat_state(nnx.state(a, nnx.Param))[0][1]
+  first.set_value(jax.ShapeDtypeStruct((1,), np.float32))
+  assert shapes(b) == shapes(direct)
+
+
 def test_untrained_graft_and_checkpoint_round_trip_on_a_gguf_base(monkeypatch, tmp_path):
   """load_hamburger builds a checkpointed model abstractly and fills it (base from the GGUF file,
   graft and adapters from the checkpoint): the same params as the model that was saved."""

@@ -9,6 +9,7 @@ memory-mapped while the file is unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -72,6 +73,20 @@ class GGUFFile:
         w = unpermute(w, cfg.num_kv_heads)
       out[name] = w
     return out
+
+
+def read_config(path: str) -> LlamaConfig:
+  """The architecture in a GGUF file's metadata, parsed once per process for each version of the
+  file (its path, size and modification time): GGUFReader parses every field, the tokenizer's
+  ~50k strings too, seconds a call, and a run's builds, stages and checks each ask."""
+  st = os.stat(path)
+  return _read_config(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_config(path: str, size: int, mtime_ns: int) -> LlamaConfig:
+  del size, mtime_ns  # the cache's key: a rewritten file is read again
+  return GGUFFile(path).config()
 
 
 def config_from_metadata(metadata: Mapping[str, Any], path: str, **overrides) -> LlamaConfig:
