@@ -240,3 +240,45 @@ def test_requests_are_answered_while_the_rest_of_the_programs_are_prepared(engin
     loop.close()
   for (i, m, _), (g, stream), (h, _) in zip(jobs, before, after):
     assert g.token_ids == stream == alone[m][i].token_ids == h.token_ids, (i, m)
+
+
+def test_the_rest_is_prepared_between_requests(engine):
+  """prepare_rest waits for the requests in flight to end before its next program (they keep
+  the cores), and goes on after prepare_yield_s when they do not."""
+  fresh = Engine(engine.model, None, stop_ids=[DECODE_STOP])
+  loop = AdmissionLoop(fresh, ("base",), LIMITS)
+  loop.start(background=False)
+  held, first = threading.Event(), threading.Event()
+  stream: list[int] = []
+
+  def reader(ids):  # keeps its request in flight until released
+    stream.extend(ids)
+    first.set()
+    held.wait(60)
+
+  try:
+    todo = len(loop.pending()["base"])
+    assert todo >= 2
+    ticket = loop.submit(_request(1), "base", on_tokens=reader)
+    assert first.wait(60)
+    loop.prepare_yield_s = 60.0
+    preparer = threading.Thread(target=loop.prepare_rest)
+    preparer.start()
+    time.sleep(1.0)
+    assert len(loop.pending()["base"]) == todo  # nothing prepared beside the request
+    held.set()
+    assert ticket.wait(60).token_ids == stream
+    preparer.join(120)
+    assert not preparer.is_alive() and loop.pending() == {"base": []}
+  finally:
+    held.set()
+    loop.close()
+  busy = AdmissionLoop(Engine(engine.model, None, stop_ids=[DECODE_STOP]), ("base",), LIMITS)
+  busy.start(background=False)
+  busy._idle.clear()  # pylint: disable=protected-access  # a request that never ends
+  busy.prepare_yield_s = 0.05
+  try:
+    busy.prepare_rest()  # each program after its wait
+    assert busy.pending() == {"base": []}
+  finally:
+    busy.close()

@@ -39,6 +39,11 @@ DEFAULT_ROUND_STEPS = 32
 # Rounds the per-round statistics keep: a server runs for days, its figures describe the
 # recent past.
 STATS_WINDOW = 4096
+# How long the background compile waits for the requests in flight to end before it prepares
+# its next program anyway: on a few cores a program loaded beside a request slows its answer
+# (a second start's first 8-token answer took 6.8 s beside the rest's 46 loads, ~1 s alone),
+# while a server that is never idle still gets the faster programs, one per wait.
+PREPARE_YIELD_S = 5.0
 
 
 class QueueFull(RuntimeError):
@@ -168,6 +173,9 @@ class AdmissionLoop:
     self.prepared = Prepared()  # what prepare_rest did so far
     self._prepared_counts = cache.CompileCounts()
     self._preparer: threading.Thread | None = None
+    self.prepare_yield_s = PREPARE_YIELD_S
+    self._idle = threading.Event()  # no request in flight (prepare_rest's turn)
+    self._idle.set()
     self._cond = threading.Condition()
     self._inbox: collections.deque[Ticket] = collections.deque()
     self._cancels: collections.deque[Ticket] = collections.deque()
@@ -190,9 +198,9 @@ class AdmissionLoop:
     (Engine.ready_keys: every prefill chunk size, the sampling decode loop of the widest view),
     and starts the loop; returns the seconds spent compiling them. The rest (greedy loops,
     narrower views, prefix caching: faster, the same tokens) compile on a thread of their own
-    after, one at a time so that serving keeps its turns (`background`; else
-    `prepare_rest()` does it), and the loop takes each as it is ready (`pending` names those
-    still to come)."""
+    after, one at a time when no request is in flight (or after PREPARE_YIELD_S of
+    waiting) so that serving keeps its turns (`background`; else `prepare_rest()` does it),
+    and the loop takes each as it is ready (`pending` names those still to come)."""
     t = time.perf_counter()
     longest = self.limits.max_prompt_tokens
     with cache.counting(self.compile_cache):
@@ -212,9 +220,11 @@ class AdmissionLoop:
     return self.compile_s
 
   def prepare_rest(self) -> None:
-    """Compiles the programs `start` left for later, one at a time (stops when the loop
-    closes); `prepared` counts its seconds and what the compilation cache gave."""
+    """Compiles the programs `start` left for later, one at a time, each once no request is in
+    flight or `prepare_yield_s` has passed (stops when the loop closes); `prepared` counts its
+    seconds and what the compilation cache gave."""
     while True:
+      self._idle.wait(self.prepare_yield_s)
       with self._cond:
         if self._closing or not self._pending:
           return
@@ -288,6 +298,7 @@ class AdmissionLoop:
                         "try again later")
       self._waiting += 1
       self._tickets[id(request)] = ticket
+      self._idle.clear()
       self._inbox.append(ticket)
       self._cond.notify()
     return ticket
@@ -306,6 +317,7 @@ class AdmissionLoop:
     with self._cond:
       self._closing, self._drain = True, drain
       self._cond.notify()
+    self._idle.set()  # a waiting preparer sees the close at once
     if self._thread is not None:
       self._thread.join(timeout)
     if self._preparer is not None:  # it stops after the program it is compiling
@@ -389,6 +401,8 @@ class AdmissionLoop:
   def _finish(self, ticket: Ticket, gen: Generation) -> None:
     with self._cond:
       self._tickets.pop(id(ticket.request), None)
+      if not self._tickets:
+        self._idle.set()
     self._end(ticket, gen)
 
   def _end(self, ticket: Ticket, gen: Generation) -> None:
@@ -431,6 +445,7 @@ class AdmissionLoop:
       tickets = list(self._tickets.values())
       self._tickets.clear()
       self._inbox.clear()
+      self._idle.set()
     for ticket in tickets:
       self._end(ticket, _ended(ticket, error))
 
