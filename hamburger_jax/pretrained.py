@@ -21,6 +21,7 @@ from hamburger_jax.convert import gguf, hf, mapping
 from hamburger_jax.convert.mapping import WeightsError
 from hamburger_jax.graft_checkpoint import (BASE, GRAFT, META_FILE, base_table, graft_table,
                                             read_meta, read_tensors, tensors_source)
+from hamburger_jax.model.abstract import abstract
 from hamburger_jax.model.hamburger import Hamburger, copy_top_layers_into_micro
 from hamburger_jax.model.llama import Llama
 from hamburger_jax.tokenizer import Tokenizer
@@ -53,11 +54,11 @@ def load_llama(source: str = DEFAULT_BASE, **overrides: Any) -> tuple[Llama, Tok
   if kind == "gguf":
     converted = gguf.read_converted(path)  # from the converted-weights cache when it can
     cfg = converted.config(**overrides)
-    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))  # filled below, no random init
+    model = abstract(lambda rngs: Llama(cfg, rngs=rngs))  # filled below, no random init
     gguf.load_into(model, converted, cfg)
     return model, Tokenizer.from_gguf(converted)
   cfg = dataclasses.replace(hf.read_config(path), **overrides)
-  model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+  model = abstract(lambda rngs: Llama(cfg, rngs=rngs))
   hf.load_into(model, path, cfg)
   return model, Tokenizer.from_hf_dir(path)
 
@@ -144,7 +145,7 @@ def load_hamburger(checkpoint: str | None = None, base_source: str | None = None
   # Built abstract, not randomly initialised (seconds of eager init on a CPU): the base's arrays
   # are moved in and the checkpoint fills every grafted param; load_graft's loader refuses a
   # model left with any param unset.
-  model = nnx.eval_shape(lambda: Hamburger(cfg, rngs=nnx.Rngs(seed)))
+  model = abstract(lambda rngs: Hamburger(cfg, rngs=rngs), seed)
   nnx.update(model.base, nnx.state(base))
   load_graft(model, resolved)
   return model, tok
@@ -378,7 +379,7 @@ def _abstract_model(hcfg: HamburgerConfig, seed: int) -> tuple[Any, Any]:
   config: a trace is seconds (flax's rng counters ask every traced value for its sharding), and
   a run's stages, its teacher pass and a check of many configs each build the same model; each
   caller merges its own module from them."""
-  return nnx.split(nnx.eval_shape(lambda: Hamburger(hcfg, rngs=nnx.Rngs(seed))))
+  return nnx.split(abstract(lambda rngs: Hamburger(hcfg, rngs=rngs), seed))
 
 
 def load_run(config: str, checkpoint: str | None = None, micro_vocab: int | None = None

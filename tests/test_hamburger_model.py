@@ -259,6 +259,24 @@ def test_token_zero_is_the_base_prediction(model):
 # ------------------------------------------------------------------------- sizes (docs/SPEC.md 1.5)
 
 
+def test_abstract_builds_have_the_shapes_of_eval_shape():
+  """model.abstract (rng counters on the host) builds what nnx.eval_shape does, a module that
+  keeps its Rngs included, and allocates no array."""
+  from hamburger_jax.model.abstract import abstract  # pylint: disable=import-outside-toplevel
+
+  class KeepsRngs(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+      self.dense = nnx.Linear(4, 3, rngs=rngs)
+      self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  cfg = tiny_config(micro_layers=2, base_lora_rank=4)
+  for build in (lambda rngs: Hamburger(cfg, rngs=rngs), KeepsRngs):
+    ours, theirs = abstract(build, seed=3), nnx.eval_shape(lambda b=build: b(nnx.Rngs(3)))
+    shapes = lambda m: jax.tree.map(lambda x: (np.shape(x), str(x.dtype)), nnx.state(m))
+    assert shapes(ours) == shapes(theirs)
+    assert not [x for x in jax.tree.leaves(nnx.state(ours)) if isinstance(x, jax.Array)]
+
+
 def test_parameter_counts_at_llama_3_2_1b():
   cfg = HamburgerConfig(llama_3_2_1b_config(), GraftConfig(merger_head_dim=32))
   abstract = nnx.eval_shape(lambda: Hamburger(cfg, rngs=nnx.Rngs(0)))

@@ -18,12 +18,12 @@ from typing import Any, Mapping
 
 import ml_dtypes
 import numpy as np
-from flax import nnx
 
 from hamburger_jax import files
 from hamburger_jax.config import ConfigError, GraftConfig, HamburgerConfig, LlamaConfig
 from hamburger_jax.convert import hf, mapping
 from hamburger_jax.convert.mapping import Rule, Table, WeightsError, linear
+from hamburger_jax.model.abstract import abstract
 from hamburger_jax.model.hamburger import Hamburger, without_adapters
 
 RELEASE_MERGER_HEADS = 64  # hard-coded in the release's CompositionalEmbedder
@@ -260,7 +260,7 @@ def load_lightning_checkpoint(path: str | os.PathLike, base: LlamaConfig,
   e.g. `hf.read_config(dir)`), without a random initialisation of the 1.5 B params."""
   state, hparams = read_lightning_checkpoint(path)
   cfg = HamburgerConfig(base, graft_config_from_hparams(hparams, base, **graft_overrides))
-  model = nnx.eval_shape(lambda: Hamburger(cfg, rngs=nnx.Rngs(0)))
+  model = abstract(lambda rngs: Hamburger(cfg, rngs=rngs))
   load_release_state_dict(model, state, f"Lightning checkpoint {path}")
   return model
 

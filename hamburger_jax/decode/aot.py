@@ -10,13 +10,13 @@ import dataclasses
 from typing import Callable
 
 import jax
-from flax import nnx
 
 from hamburger_jax import aot, graft_checkpoint, pretrained, sharding
 from hamburger_jax.config import ConfigError, GraftConfig, HamburgerConfig, LlamaConfig, from_dict
 from hamburger_jax.decode.engine import Engine
 from hamburger_jax.decode.shapes import prefill_chunks
 from hamburger_jax.decode.step_program import decode_step_program
+from hamburger_jax.model.abstract import abstract
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.run_config import load_run_config
 
@@ -48,7 +48,7 @@ def abstract_model(config: str | None, checkpoint: str | None) -> tuple[Hamburge
   meta = graft_checkpoint.read_meta(resolved)
   hcfg = HamburgerConfig(from_dict(LlamaConfig, meta["base_config"]),
                          from_dict(GraftConfig, meta["graft"]))
-  return nnx.eval_shape(lambda: Hamburger(hcfg, rngs=nnx.Rngs(0))), resolved
+  return abstract(lambda rngs: Hamburger(hcfg, rngs=rngs)), resolved
 
 
 def tensor_mesh(devices: list, tensor: int) -> jax.sharding.Mesh | None:

@@ -41,6 +41,7 @@ from flax import nnx
 
 from hamburger_jax.config import HamburgerConfig, LlamaConfig
 from hamburger_jax.model import lora
+from hamburger_jax.model.abstract import abstract
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import FUSED, Linear, Llama, dtype_of
 
@@ -71,11 +72,11 @@ def decode_layout(model: Llama | Hamburger, *, fused: bool = True,
                             param_dtype=dtype or base_cfg.param_dtype)
   if hamburger:
     adapters = model.cfg.graft.base_lora_rank > 0
-    out = nnx.eval_shape(lambda: Hamburger(HamburgerConfig(cfg, model.cfg.graft),
-                                           rngs=nnx.Rngs(0), folded_adapters=mixed))
+    out = abstract(lambda rngs: Hamburger(HamburgerConfig(cfg, model.cfg.graft), rngs=rngs,
+                                          folded_adapters=mixed))
   else:
     adapters = False
-    out = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    out = abstract(lambda rngs: Llama(cfg, rngs=rngs))
   if not fused and not adapters and cfg == base_cfg:
     return model  # nothing to change: decode the model's own arrays
   src = {tuple(p): v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}

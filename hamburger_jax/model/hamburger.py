@@ -11,6 +11,7 @@ from flax import nnx
 
 from hamburger_jax.config import HamburgerConfig
 from hamburger_jax.model import lora
+from hamburger_jax.model.abstract import abstract
 from hamburger_jax.model.compositional_embedder import CompositionalEmbedder
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.model.llama import Linear, Llama, causal_segment_mask, dtype_of
@@ -235,7 +236,7 @@ def without_adapters(model: Hamburger, merge: bool) -> Hamburger:
   base). Unchanged arrays are shared."""
   cfg = model.cfg
   plain = dataclasses.replace(cfg, graft=dataclasses.replace(cfg.graft, base_lora_rank=0))
-  out = nnx.eval_shape(lambda: Hamburger(plain, rngs=nnx.Rngs(0)))
+  out = abstract(lambda rngs: Hamburger(plain, rngs=rngs))
   deltas = {(*path, "kernel"): node.lora.delta() for path, node in nnx.iter_graph(model)
             if merge and isinstance(node, Linear) and node.lora is not None}
   src = dict(nnx.to_flat_state(nnx.state(model)))
