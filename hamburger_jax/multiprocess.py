@@ -36,7 +36,7 @@ SUPERVISED_ENV = "HAMBURGER_JAX_SUPERVISED"
 # fails, with a traceback, the moment the service declares the loss.
 _REPORT = re.compile(rb"^([EFW]\d{4} [\d:.]+\s+\d+ "
                      rb"(coordination_service\w*\.cc|client\.h|preemption_sync_manager\.cc):\d+\]"
-                     rb"|ERROR:absl:\[process=\d+\] )")
+                     rb"|ERROR:absl:\[process=\d+\])")
 # The runtime aborts within milliseconds of its first report; held output that no abort follows
 # within this long is printed after all, and the gate opens again.
 HOLD_S = 10.0
