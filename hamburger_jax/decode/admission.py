@@ -41,7 +41,7 @@ DEFAULT_ROUND_STEPS = 32
 STATS_WINDOW = 4096
 # How long the background compile waits for the requests in flight to end before it prepares
 # its next program anyway: on a few cores a program loaded beside a request slows its answer
-# (a second start's first 8-token answer took 6.8 s beside the rest's 46 loads, ~1 s alone),
+# (a second start's first 8-token answer took 6.8 s beside the rest's 46 loads, 3.4 s without),
 # while a server that is never idle still gets the faster programs, one per wait.
 PREPARE_YIELD_S = 5.0
 
