@@ -122,6 +122,37 @@ def enable_compilation_cache(enabled: bool = True,
   return directory
 
 
+@dataclasses.dataclass(frozen=True)
+class CachedProgram:
+  """One entry of JAX's persistent compilation cache: the jitted function's name (jit_f), the
+  seconds XLA took to compile it (JAX records them in the entry, truncated to whole seconds: a
+  program under 1 s reads 0) and the entry's size."""
+  name: str
+  compile_s: int
+  nbytes: int
+
+
+def cached_programs(directory: str) -> list[CachedProgram]:
+  """The programs in a compilation cache directory (`enable_compilation_cache`'s), wherever
+  they were compiled: the tests' own processes and the entry points they run alike. Entries
+  JAX cannot read back are left out."""
+  from jax._src import compilation_cache as jax_cache  # pylint: disable=import-outside-toplevel
+  out = []
+  for name in sorted(os.listdir(directory)):
+    path = os.path.join(directory, name)
+    if not name.endswith("-cache") or not os.path.isfile(path):
+      continue
+    with open(path, "rb") as f:
+      raw = f.read()
+    try:
+      _, seconds = jax_cache.extract_executable_and_time(jax_cache.decompress_executable(raw))
+    except Exception:  # pylint: disable=broad-except
+      continue  # written by another JAX, or cut short
+    # Entries are named {function}-{hash}-cache (JAX's key: the function's name, then a digest).
+    out.append(CachedProgram(name.rsplit("-", 2)[0], int(seconds), len(raw)))
+  return out
+
+
 def compile_counts() -> CompileCounts:
   """A copy of this process's counts so far (subtract an earlier copy for a stretch of work)."""
   with _COUNTS_LOCK:

@@ -3,6 +3,9 @@ HAMBURGER_TEST_TIMINGS=DIR: per file and per test, wall seconds and the part spe
 
   HAMBURGER_TEST_TIMINGS=runs/timings python -m pytest -q -n 2 --dist loadfile
   python tests/suite_timings.py runs/timings [--top 40]
+
+With --programs DIR (the run's compilation cache, HAMBURGER_JAX_CACHE_DIR/jax), also the
+programs XLA compiled in that run, by jitted function: what the tests' subprocesses compiled too.
 """
 
 from __future__ import annotations
@@ -53,11 +56,32 @@ def tables(lines: list[dict], top: int) -> str:
   return "\n".join(out)
 
 
+def programs_table(directory: str, top: int) -> str:
+  """The cache's programs by jitted function: how many, and XLA's compile seconds (each
+  truncated to a whole second by JAX, so a sum undercounts by up to a second a program)."""
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
+  entries = cache.cached_programs(directory)
+  by = collections.defaultdict(lambda: [0, 0, 0])
+  for e in entries:
+    by[e.name][0] += 1
+    by[e.name][1] += e.compile_s
+    by[e.name][2] += e.compile_s >= 6
+  total = sum(e.compile_s for e in entries)
+  out = [f"{len(entries)} programs in {directory}, {total} s compiling (whole seconds each)", "",
+         "| program | programs | compiling | of them >= 6 s | share |", "|---|---|---|---|---|"]
+  for name, (n, s, big) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
+    out.append(f"| {name} | {n} | {s} | {big} | {s / max(total, 1):.1%} |")
+  return "\n".join(out)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("directory")
   p.add_argument("--top", type=int, default=40)
+  p.add_argument("--programs", metavar="CACHE_DIR", default=None,
+                 help="also table the programs in this compilation cache by jitted function")
   args = p.parse_args(argv)
   lines = read(args.directory)
   if not lines:
@@ -65,6 +89,12 @@ def main(argv=None) -> int:
           f"HAMBURGER_TEST_TIMINGS={args.directory}", file=sys.stderr)
     return 1
   print(tables(lines, args.top))
+  if args.programs:
+    if not os.path.isdir(args.programs):
+      print(f"error: {args.programs} is not a directory: give the run's compilation cache "
+            "(HAMBURGER_JAX_CACHE_DIR/jax)", file=sys.stderr)
+      return 1
+    print("\n" + programs_table(args.programs, args.top))
   return 0
 
 

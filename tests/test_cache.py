@@ -232,3 +232,22 @@ def test_counts_from_many_compiling_threads_are_exact(monkeypatch):
   for t in threads:
     t.join()
   assert (counts.hits, counts.misses) == (8 * 150, 8 * 150)
+
+
+def test_cached_programs_read_each_entry_name_and_compile_seconds(tmp_path):
+  """The suite's per-program table (tests/suite_timings.py --programs) reads JAX's own entries:
+  the jitted function's name and the compile seconds JAX stored, skipping what it cannot read."""
+  from jax._src import compilation_cache as jax_cache  # pylint: disable=import-outside-toplevel
+  import suite_timings  # pylint: disable=import-outside-toplevel
+  entry = lambda seconds: jax_cache.compress_executable(
+      jax_cache.combine_executable_and_time(b"an executable", seconds))
+  (tmp_path / "jit__decode_impl-1a2b-cache").write_bytes(entry(7))
+  (tmp_path / "jit__decode_impl-3c4d-cache").write_bytes(entry(2))
+  (tmp_path / "jit_add-5e6f-cache").write_bytes(entry(0))
+  (tmp_path / "jit_cut-7a8b-cache").write_bytes(entry(3)[:5])  # cut short: left out
+  (tmp_path / "jit_add-9c0d-atime").write_bytes(b"")  # JAX's access times: not programs
+  got = sorted((p.name, p.compile_s) for p in cache.cached_programs(str(tmp_path)))
+  assert got == [("jit__decode_impl", 2), ("jit__decode_impl", 7), ("jit_add", 0)]
+  table = suite_timings.programs_table(str(tmp_path), top=10)
+  assert "3 programs" in table and "9 s compiling" in table
+  assert "| jit__decode_impl | 2 | 9 | 1 | 100.0% |" in table
