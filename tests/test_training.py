@@ -841,10 +841,13 @@ def test_max_minutes_saves_and_stops_after_a_step(staged, tmp_path: Path, no_ggu
   out = training.run(cfg, max_minutes=0, progress=False, log=lambda *_: None)
   assert (out.steps_done, out.final_step, out.export_dir) == (1, 1, None)
   assert _checkpoint_steps(tmp_path / "boxed" / "micro" / "checkpoints") == [1]
-  logged = _metrics(tmp_path / "boxed" / "micro")  # the stop is evaluated and logged
-  assert [m["step"] for m in logged] == [1] and "val_loss" in logged[0]
+  # The initial graft is validated (where the curves start), and the stop evaluated and logged.
+  logged = _metrics(tmp_path / "boxed" / "micro")
+  assert [m["step"] for m in logged] == [0, 1]
+  assert "val_loss" in logged[0] and "loss" not in logged[0] and "val_loss" in logged[1]
+  assert logged[0]["val_loss"] != logged[1]["val_loss"]  # a step trained between them
   # Acceptance ratios of the validation are ratios of its summed counts.
-  v = logged[0]
+  v = logged[1]
   assert v["val_tf_tokens_per_step_c50"] == pytest.approx(
       v["val_n_tf_emitted_c50"] / v["val_n_tf_groups_c50"])
   assert 1.0 <= v["val_tf_tokens_per_step_c30"] and v["val_n_tf_groups_c30"] > 0

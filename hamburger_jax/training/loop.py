@@ -355,18 +355,24 @@ def _timed_step(trainer: Trainer, iterator, cfg: RunConfig, budget: _Budget) -> 
   return m
 
 
+def _validation(trainer: Trainer, cfg: RunConfig) -> dict[str, float]:
+  """The validation split's metrics (val_*) of the current graft."""
+  d = cfg.data
+  return trainer.evaluate(pipeline.validation_batches(
+      d.dir, batch_rows=trainer.local_rows, entries=d.entries, groups=d.groups,
+      max_group=cfg.graft.max_group, shard_index=trainer.process_index,
+      shard_count=trainer.process_count, position_offset=cfg.graft.position_offset),
+      max(d.validation_rows // d.rows, 1))
+
+
 def _checks_due(trainer: Trainer, cfg: RunConfig, done: int, last_step: bool,
                 generation_check: GenerationCheck,
                 fidelity_check: FidelityCheck) -> dict[str, float]:
   """The validation, the generation check and the fidelity check that fall after step
   `done`."""
-  d, t, out = cfg.data, cfg.train, {}
+  t, out = cfg.train, {}
   if t.eval_every and (done % t.eval_every == 0 or last_step):
-    out.update(trainer.evaluate(pipeline.validation_batches(
-        d.dir, batch_rows=trainer.local_rows, entries=d.entries, groups=d.groups,
-        max_group=cfg.graft.max_group, shard_index=trainer.process_index,
-        shard_count=trainer.process_count, position_offset=cfg.graft.position_offset),
-        max(d.validation_rows // d.rows, 1)))
+    out.update(_validation(trainer, cfg))
   if t.generate_every and (done % t.generate_every == 0 or last_step):
     out.update(generation_check())
   if t.fidelity_every and (done % t.fidelity_every == 0 or last_step):
@@ -403,7 +409,8 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
   budget = _Budget(max_minutes, max_cpu_minutes)
   try:
     if start == 0 < end:  # where the curves start: the initial graft
-      first = {**(generation_check() if t.generate_every else {}),
+      first = {**(_validation(trainer, cfg) if t.eval_every else {}),
+               **(generation_check() if t.generate_every else {}),
                **(fidelity_check() if t.fidelity_every else {})}
       if first:
         metrics_log.write(0, first)
