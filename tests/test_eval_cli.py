@@ -432,6 +432,59 @@ def test_teacher_agreement_in_results_md(teacher_nll: SimpleNamespace):
           f"{agree['unmerged']:.3f} ({agree['groups']['unmerged']}) |") in md
 
 
+def _draft_agreement(model, data: str, drafting: bool) -> tuple[dict, dict]:
+  """Per draft i (micro step i of each window), the share that is the teacher's greedy token,
+  pooled over the split in NumPy from the argmax of the drafting decoder's logits on the stored
+  base features, and the windows counted."""
+  k = model.max_group
+  source = pipeline.open_split(data, "validation", k)
+  records = [source[i] for i in range(len(source))]
+  hits, counts = collections.Counter(), collections.Counter()
+  argmax = jax.jit(lambda f, w: model.base.logits(model.micro_hidden(f, w, drafting)).argmax(-1))
+  for batch in teacher_forced.split_batches(records, k, TEACHER_BATCH):
+    feats = batch["teacher_features"]
+    b, g, f, d = feats.shape
+    got = np.asarray(argmax(feats.reshape(b * g, f, d), batch["window_ids"].reshape(-1, k)))
+    want = batch["teacher_topk_ids"].reshape(b * g, k, -1)[..., 0]
+    size = batch["window_size"].reshape(-1)
+    for i in range(1, k):
+      hits[f"s{i + 1}"] += int(((got[:, i] == want[:, i]) & (size > i)).sum())
+      counts[f"s{i + 1}"] += int((size > i).sum())
+  return {n: hits[n] / counts[n] for n in counts}, dict(counts)
+
+
+def test_verify_drafts_are_the_drafting_decoders_argmax_on_plain_features(
+    teacher_nll: SimpleNamespace):
+  """The nll task reports what verify mode's drafts would be: from the stored exact base
+  features, the share of each draft that is the base's greedy token, drafted by the graft's
+  drafter where it has one, else its micro decoder; results.md shows it."""
+  drafts = teacher_nll.result["verify_drafts"]
+  assert drafts["drafter"] == "micro decoder"
+  want, counts = _draft_agreement(teacher_nll.model, teacher_nll.data, drafting=False)
+  assert drafts["groups"] == counts and min(counts.values()) > 0
+  for n, v in want.items():
+    assert drafts["agree"][n] == pytest.approx(v, abs=1e-6), n
+  md = report.markdown({"config": {"confidence": [0.5], "batch": TEACHER_BATCH},
+                        "created": "now", "model": {"base": "random", "checkpoint": None},
+                        "command": "python -m infer.eval", "tasks": {"nll": teacher_nll.result}})
+  assert "Verify mode's drafts (micro decoder)" in md
+  assert f"| {drafts['agree']['s2']:.3f} ({counts['s2']}) |" in md
+  # A graft with a drafter drafts with it: other drafts than its micro decoder's.
+  cfg = load_run_config(TINY, ["graft.base_lora_rank=4", "graft.drafter_layers=1"])
+  model, _ = pretrained.build_run_model(cfg)
+  k = model.max_group
+  source = pipeline.open_split(teacher_nll.data, "validation", k)
+  batches = list(teacher_forced.split_batches([source[i] for i in range(len(source))], k,
+                                              TEACHER_BATCH))
+  got = teacher_forced.verify_drafts(model, batches)
+  assert got["drafter"] == "drafter"
+  want, _ = _draft_agreement(model, teacher_nll.data, drafting=True)
+  micro, _ = _draft_agreement(model, teacher_nll.data, drafting=False)
+  assert want != micro
+  for n, v in want.items():
+    assert got["agree"][n] == pytest.approx(v, abs=1e-6), n
+
+
 def test_teacher_signals_of_another_base_are_not_compared(teacher_nll: SimpleNamespace):
   assert teacher_forced.teacher_mismatch(teacher_nll.model, teacher_nll.data) is None
   # another random base

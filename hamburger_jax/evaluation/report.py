@@ -39,6 +39,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines += _nll_table(r)
     lines += _teacher_agreement_table(r.get("teacher_agreement"))
     lines += _teacher_acceptance_table(r.get("teacher_acceptance"))
+    lines += _verify_drafts_table(r.get("verify_drafts"))
   if "fidelity" in results["tasks"]:
     lines += fidelity_table(results["tasks"]["fidelity"])
   return "\n".join(lines) + "\n"
@@ -197,3 +198,16 @@ def _teacher_acceptance_table(accept: dict[str, Any] | None) -> list[str]:
               fmt(accept[f"tf_tokens_per_step_{t}"]) for t in tags) + " |",
           "| accepted tokens that are the base's | " + " | ".join(
               fmt(accept[f"tf_accepted_agree_{t}"]) for t in tags) + " |"]
+
+
+def _verify_drafts_table(drafts: dict[str, Any] | None) -> list[str]:
+  if not drafts:
+    return []
+  steps = list(drafts["agree"])
+  return ["", f"Verify mode's drafts ({drafts['drafter']}), teacher-forced from the base's exact "
+          "features (a plain context, as verify drafts): the share of draft i that is the "
+          "base's greedy token (in parentheses: the windows counted).", "",
+          "| " + " | ".join(f"draft {int(n[1:]) - 1}" for n in steps) + " | KL |",
+          "|" + "---|" * (len(steps) + 1),
+          "| " + " | ".join(f"{fmt(drafts['agree'][n])} ({drafts['groups'][n]})" for n in steps)
+          + f" | {fmt(drafts['kl'])} |"]

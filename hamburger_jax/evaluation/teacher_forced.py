@@ -46,7 +46,8 @@ from tqdm import tqdm
 
 from hamburger_jax.data import pipeline
 from hamburger_jax.data.teacher_pass import base_fingerprint
-from hamburger_jax.objectives.distillation import acceptance_metrics, distill_loss
+from hamburger_jax.objectives.distillation import (acceptance_metrics, distill_loss,
+                                                    micro_distill_loss)
 from hamburger_jax.objectives.losses import chunked_cross_entropy, hamburger_loss
 from hamburger_jax.model.llama import causal_segment_mask
 from hamburger_jax.run_config import RECIPES, DistillConfig
@@ -297,4 +298,25 @@ def nll_task(model, data_dir: str, split: str, limit: int | None, batch: int) ->
         **{n: metrics[f"agree_{n}"] for n in names},
         "groups": {n: int(pool.items[f"agree_{n}"]) for n in names}}
     result["teacher_acceptance"] = {n: v for n, v in metrics.items() if n.startswith("tf_")}
+    result["verify_drafts"] = verify_drafts(model, packed)
   return result
+
+
+def verify_drafts(model, batches: Sequence[Mapping[str, np.ndarray]]) -> dict[str, Any]:
+  """What verify mode's drafts would be, teacher-forced on stored teacher signals: from the
+  base's exact features at each predicting entry (a plain context, as verify drafts), draft i
+  (micro step i of the window) is the base's greedy token with share `agree`["s{i+1}"] (s1,
+  the base's own token 0, is 1 by construction), over the windows counted in `groups`; and
+  the stop head's gate at each confidence (`acceptance`: tokens per step, share of kept drafts
+  that are the base's). `drafter`: which decoder drafts (the graft's drafter, or its micro
+  decoder where it has none)."""
+  drafting = lambda m, b: micro_distill_loss(m, b, DistillConfig(), drafting=True)
+  pool = evaluate(model, batches, recipe="distill", loss_fn=drafting, yardstick=False)
+  metrics = pool.result()
+  steps = [f"s{i}" for i in range(2, model.max_group + 1)]
+  return {"drafter": ("drafter" if getattr(model, "drafter", None) is not None
+                      else "micro decoder"),
+          "agree": {n: metrics[f"agree_{n}"] for n in steps},
+          "groups": {n: int(pool.items[f"agree_{n}"]) for n in steps},
+          "kl": metrics["kl"],
+          "acceptance": {n: v for n, v in metrics.items() if n.startswith("tf_")}}
