@@ -31,7 +31,7 @@ def bench_verify(args) -> None:
                               micro_vocab=args.micro_vocab)
   engine = Engine(model, tok, stop_ids=(), matmul_precision=args.precision)
   k = model.max_group
-  drafter = ("drafter" if getattr(model, "drafter", None) is not None else "micro decoder")
+  drafter = model.drafts_with
   print(f"verify mode on {pretrained.describe('base', None, args.base)}: drafts from "
         f"{checkpoint or 'an UNTRAINED graft'}'s {drafter} ({size or 'full'} micro vocab); "
         f"{peaks.cpu_model()}; greedy, {args.new_tokens} new tokens/row (EOS ignored); tok/s = "

@@ -59,7 +59,6 @@ def tables(lines: list[dict], top: int) -> str:
 def programs_table(directory: str, top: int) -> str:
   """The cache's programs by jitted function: how many, and XLA's compile seconds (each
   truncated to a whole second by JAX, so a sum undercounts by up to a second a program)."""
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
   entries = cache.cached_programs(directory)
   by = collections.defaultdict(lambda: [0, 0, 0])

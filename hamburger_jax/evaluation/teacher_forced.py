@@ -314,8 +314,7 @@ def verify_drafts(model, batches: Sequence[Mapping[str, np.ndarray]]) -> dict[st
   pool = evaluate(model, batches, recipe="distill", loss_fn=drafting, yardstick=False)
   metrics = pool.result()
   steps = [f"s{i}" for i in range(2, model.max_group + 1)]
-  return {"drafter": ("drafter" if getattr(model, "drafter", None) is not None
-                      else "micro decoder"),
+  return {"drafter": model.drafts_with,
           "agree": {n: metrics[f"agree_{n}"] for n in steps},
           "groups": {n: int(pool.items[f"agree_{n}"]) for n in steps},
           "kl": metrics["kl"],

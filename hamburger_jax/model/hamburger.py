@@ -121,6 +121,11 @@ class Hamburger(nnx.Module):
     where the graft has one."""
     return self.drafter if drafting and self.drafter is not None else self.micro
 
+  @property
+  def drafts_with(self) -> str:
+    """What verify mode drafts with, by name: "drafter" or "micro decoder" (`micro_decoder`)."""
+    return "drafter" if self.drafter is not None else "micro decoder"
+
   def micro_hidden(self, features_nfd: jax.Array, teacher_nk: jax.Array,
                    drafting: bool = False) -> jax.Array:
     """Teacher-forced micro steps: features [N, F, D], group tokens [N, K] -> h [N, K, D].
