@@ -163,6 +163,7 @@ KNOWN_ARCHITECTURES = {"Llama-3.2-1B-Instruct": LLAMA_3_2_1B, "Llama-3.2-1B": LL
 
 # Where a graft's merged-entry adapters act (GraftConfig.adapter_scope).
 ADAPTER_SCOPES = ("merged", "after_merge")
+MERGE_POOLINGS = ("last", "attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +191,15 @@ class GraftConfig:
   # none, verify drafts with the micro decoder): trained on plain contexts, where verify drafts
   # (train.trainable "drafter"); HAMburger mode keeps the first. EAGLE drafts with one layer.
   drafter_layers: int = 0
+  # Merge at layer L (model/layer_merge.py): a group's tokens run the base's first L layers one
+  # entry each (exact keys and values there), and ONE entry, the last token's layer-L state (or
+  # merge_pooling's pooling of the group's), goes on through layers L..N-1. 0: the paper's
+  # merge at the input (the compositional embedder).
+  merge_layer: int = 0
+  # How the group's layer-L states become its entry at merge_layer > 0 (MERGE_POOLINGS):
+  # "last", the last token's; "attention", the last token's plus a learned attention over the
+  # group's states (its output projection zero at init, so it starts as "last").
+  merge_pooling: str = "last"
 
   def __post_init__(self):
     if self.max_group < 1:
@@ -203,9 +213,27 @@ class GraftConfig:
     if self.adapter_scope not in ADAPTER_SCOPES:
       raise ConfigError(f"adapter_scope={self.adapter_scope!r}: use one of "
                         f"{', '.join(ADAPTER_SCOPES)}")
+    if self.merge_layer < 0:
+      raise ConfigError(f"merge_layer={self.merge_layer} must be >= 0 (0: merge at the input)")
+    if self.merge_pooling not in MERGE_POOLINGS:
+      raise ConfigError(f"merge_pooling={self.merge_pooling!r}: use one of "
+                        f"{', '.join(MERGE_POOLINGS)}")
+    if self.merge_layer and self.contextual_entry:
+      raise ConfigError("contextual_entry feeds the compositional embedder, which a merge at "
+                        f"layer {self.merge_layer} does not use: set merge_layer=0 or "
+                        "contextual_entry=false")
+    if self.merge_pooling != "last" and not self.merge_layer:
+      raise ConfigError(f"merge_pooling={self.merge_pooling!r} pools the group's layer-L states: "
+                        "it needs merge_layer > 0")
     if self.adapter_scope != "merged" and not self.base_lora_rank:
       raise ConfigError(f"adapter_scope={self.adapter_scope!r} places merged-entry adapters, but "
                         "base_lora_rank is 0 (no adapters): set base_lora_rank > 0")
+
+  def check_merge_layer(self, num_layers: int) -> None:
+    """Refuses a merge layer the base does not have."""
+    if self.merge_layer > num_layers:
+      raise ConfigError(f"merge_layer={self.merge_layer} exceeds the base's {num_layers} layers: "
+                        f"use 0..{num_layers}")
 
   def resolved_feature_layers(self, num_layers: int) -> tuple[int, ...]:
     """0-based base layer indices whose outputs feed the micro decoder; the last is normed."""

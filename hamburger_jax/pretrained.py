@@ -246,8 +246,11 @@ def _graft_config(meta: Mapping[str, Any], checkpoint: str) -> GraftConfig:
 # identity (a zero projection, adapters acting at more entries, zero-initialised extra rank), or
 # from what it has (a drafter: the micro decoder's first layers and its stop head), so the new
 # graft starts as the old one, or near it.
+# A graft moved to another merge layer (graft.merge_layer, merge_pooling) keeps its micro decoder
+# and stop head, and its merged-entry adapters start again at zero: they were fitted to entries
+# of another kind, so the moved graft starts as the untrained merge at its layer.
 GROWABLE = ("adapter_scope", "contextual_entry", "base_lora_rank", "base_lora_alpha",
-            "drafter_layers")
+            "drafter_layers", "merge_layer", "merge_pooling")
 
 
 def warm_start(model: Hamburger, checkpoint: str) -> list[str]:
@@ -281,6 +284,8 @@ def warm_start(model: Hamburger, checkpoint: str) -> list[str]:
   grown = []
   ratio = ((old.base_lora_alpha / old.base_lora_rank) / (new.base_lora_alpha / new.base_lora_rank)
            if old.base_lora_rank else 1.0)
+  if old.merge_layer != new.merge_layer:
+    ratio = 0.0  # every adapter's b, so its change, starts at zero (GROWABLE)
   for name, rule in table.items():
     var = params[rule.target]
     if name not in tensors and name.startswith("drafter.") and "micro." + name[8:] in tensors:

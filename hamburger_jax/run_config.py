@@ -275,6 +275,10 @@ class RunConfig:
     if self.distill.dense_weight and not self.data.tokens:
       raise ConfigError("distill.dense_weight runs the base over each row unmerged: set "
                         "data.tokens to the unmerged tokens a row holds (e.g. 2 x data.entries)")
+    if self.graft.merge_layer and not self.data.tokens and self.train.trainable != "micro":
+      raise ConfigError(f"graft.merge_layer={self.graft.merge_layer} runs the base's lower layers "
+                        "over each row unmerged: set data.tokens to the unmerged tokens a row "
+                        "holds (e.g. 2.5 x data.entries)")
     if (self.train.recipe == "distill" and self.train.trainable == "micro"
         and self.distill.stop_target == "harm"):
       raise ConfigError("distill.stop_target=harm labels each merge by how the base reads it, "

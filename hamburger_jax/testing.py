@@ -5,6 +5,7 @@ architecture."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
 
@@ -215,10 +216,46 @@ def reference_hamburger_batch(model, prompts: list[list[int]], max_new: list[int
 
 def _reference_row(model, prompt: list[int]) -> dict:
   """A row of the reference loops: its base inputs, their positions and merged flags (the
-  prompt's are unmerged entries), its tokens and groups."""
+  prompt's are unmerged entries), its tokens and groups; for a merge at layer L > 0 its tokens
+  plain, with which of them the upper layers hide (a merged group's but its last) and where
+  they adapt (a merged group's last)."""
   return {"prompt": prompt, "inputs": list(model.base.embed(jnp.asarray(prompt))),
           "positions": list(range(len(prompt))), "merged": [False] * len(prompt),
-          "tokens": [], "groups": [], "done": False}
+          "plain": list(prompt), "hidden": [False] * len(prompt),
+          "adapted": [False] * len(prompt), "tokens": [], "groups": [], "done": False}
+
+
+@functools.partial(nnx.jit, static_argnums=4)
+def _masked_features(model, ids_bt, hidden_bt, adapted_bt, merge_layer: int):
+  """A merge at layer L as ONE uncached forward of the tokens plain: layers < L exact and
+  causal; at layers >= L a token reads no key of a `hidden` token but its own, and the
+  adapters act at `adapted` tokens. Features [B, T, F, D]; rows past a row's tokens are pad."""
+  base = model.base
+  b, t = ids_bt.shape
+  x = base.embed(ids_bt)
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  causal = jnp.tril(jnp.ones((t, t), bool))[None]
+  upper = causal & (~hidden_bt[:, None, :] | jnp.eye(t, dtype=bool)[None])
+  out = {}
+  for i, layer in enumerate(base.decoder.layers):
+    x, _ = layer(x, pos, causal if i < merge_layer else upper,
+                 merged_bt=None if i < merge_layer else adapted_bt)
+    out[i] = x
+  return jnp.stack([out[i] for i in model.feature_layers[:-1]] + [base.norm(x)], axis=2)
+
+
+def _row_features(model, row: dict, pad: int) -> jax.Array:
+  """The features [F, D] that predict the row's next group, uncached."""
+  if model.merge_layer:
+    n = len(row["plain"])
+    put = lambda v, dt: jnp.zeros((1, pad), dt).at[0, :n].set(jnp.asarray(v, dt))
+    return _masked_features(model, put(row["plain"], jnp.int32), put(row["hidden"], bool),
+                            put(row["adapted"], bool), model.merge_layer)[0, n - 1]
+  n = len(row["inputs"])
+  x = jnp.zeros((1, pad, model.cfg.base.hidden_size)).at[0, :n].set(jnp.stack(row["inputs"]))
+  pos = jnp.zeros((1, pad), jnp.int32).at[0, :n].set(jnp.asarray(row["positions"]))
+  gate = jnp.zeros((1, pad), bool).at[0, :n].set(jnp.asarray(row["merged"]))
+  return _reference_features(model, x, pos, gate)[0, n - 1]  # predicting position
 
 
 def _reference_group(model, row: dict, max_new: int, confidence: float, stop: int, pad: int,
@@ -227,11 +264,7 @@ def _reference_group(model, row: dict, max_new: int, confidence: float, stop: in
   """The group the row's next macro step emits by the per-row rule."""
   k, f = model.max_group, model.num_features
   cap = max_group or k
-  n = len(row["inputs"])
-  x = jnp.zeros((1, pad, model.cfg.base.hidden_size)).at[0, :n].set(jnp.stack(row["inputs"]))
-  pos = jnp.zeros((1, pad), jnp.int32).at[0, :n].set(jnp.asarray(row["positions"]))
-  gate = jnp.zeros((1, pad), bool).at[0, :n].set(jnp.asarray(row["merged"]))
-  feats = _reference_features(model, x, pos, gate)[0, n - 1]  # [F, D], predicting position
+  feats = _row_features(model, row, pad)  # [F, D]
   group: list[int] = []
   for i in range(k):
     if i == 0:  # the skip connection
@@ -266,6 +299,9 @@ def _reference_emit(model, row: dict, group: list[int], max_new: int, stop: int)
   row["positions"].append(len(row["prompt"]) - 1 + len(row["tokens"])
                           + model.cfg.graft.position_offset)
   row["merged"].append(len(group) >= 2)
+  row["plain"] += group
+  row["hidden"] += [len(group) >= 2] * (len(group) - 1) + [False]
+  row["adapted"] += [False] * (len(group) - 1) + [len(group) >= 2]
 
 
 def markdown_tables(text: str) -> list[list[dict[str, str]]]:

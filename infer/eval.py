@@ -6,6 +6,7 @@
   python -m infer.eval --config configs/tiny.yaml --tasks synthetic,nll --data runs/tiny-data
   python -m infer.eval --tasks fidelity --checkpoint C
   python -m infer.eval --tasks fidelity --data runs/data/D --split train --limit 96
+  python -m infer.eval --tasks fidelity --merge-layer 0,2,4,8,15,22
 
 Each task is decoded greedily in mode "base" (the base weights alone) and in mode "hamburger" at
 each confidence c, in batches, with the same engine. Reported per task: the score, the KV
@@ -117,6 +118,10 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--fidelity-set", default=None, metavar="PATH",
                  help="the fidelity task's set (default: the committed one, "
                       "hamburger_jax/evaluation/fidelity_set.json)")
+  p.add_argument("--merge-layer", default=None, metavar="L,L,...",
+                 help="fidelity task: also the untrained merge at each of these base layers (the "
+                      "group's last token's layer-L state read by the exact base; 0: its "
+                      "embedding), e.g. 0,2,4,8,15,22")
   p.add_argument("--write-fidelity-set", default=None, metavar="PATH",
                  help="write a fidelity set (the base's greedy answers to held-out prompts, "
                       "grouped) to PATH, and exit")
@@ -211,6 +216,15 @@ def _check_paths(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
   if args.fidelity_set is not None and not os.path.isfile(args.fidelity_set):
     p.error(f"--fidelity-set {args.fidelity_set} does not exist: write one with "
             "--write-fidelity-set PATH, or leave the flag out for the committed set")
+  if args.merge_layer is not None:
+    try:
+      args.merge_layer = tuple(int(v) for v in args.merge_layer.split(",") if v.strip())
+    except ValueError:
+      args.merge_layer = ()
+    if not args.merge_layer or min(args.merge_layer) < 0:
+      p.error("--merge-layer takes base layer counts >= 0, comma-separated (e.g. 0,8,15)")
+    if not args.tasks or "fidelity" not in args.tasks:
+      p.error("--merge-layer sweeps the fidelity task: add --tasks fidelity")
   if args.tasks and "nll" in args.tasks and args.data is None:
     p.error("task nll needs --data DIR (a tfds dataset written by train.prepare_data)")
   if args.data is not None and not os.path.isdir(args.data):
@@ -243,7 +257,7 @@ def settings(args, argv: Sequence[str]) -> EvalSettings:
       confidences=tuple(args.confidence), tasks=tuple(args.tasks) if args.tasks else None,
       limit=args.limit, batch=args.batch, max_new_tokens=args.max_new_tokens,
       max_group=args.max_group, micro_rule=args.micro_rule, data=args.data, split=args.split,
-      fidelity_set=args.fidelity_set, verify=args.verify,
+      fidelity_set=args.fidelity_set, merge_layers=args.merge_layer or (), verify=args.verify,
       train_data=args.train_data, out=args.out, plots=not args.no_plots,
       unsafe_exec=args.unsafe_exec,
       command=" ".join(shlex.quote(a) for a in ["python", "-m", "infer.eval", *argv]))

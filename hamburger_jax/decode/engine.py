@@ -167,6 +167,11 @@ class Engine(EnginePrograms):
     return self.model.max_group if isinstance(self.model, Hamburger) else None
 
   @property
+  def merge_layer(self) -> int:
+    """Where the HAMburger model's groups become one entry (0: at the input; a base model: 0)."""
+    return self.model.merge_layer if isinstance(self.model, Hamburger) else 0
+
+  @property
   def compilations(self) -> int:
     return len(self.programs)
 

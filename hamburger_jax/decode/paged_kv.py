@@ -57,13 +57,14 @@ class PagedKVCache:
     return blocks, slots_bt % self.block_size
 
   def write_layers(self, slots_bt: jax.Array, k_lbthd: jax.Array,
-                   v_lbthd: jax.Array) -> "PagedKVCache":
-    """Writes T new entries per row, every layer, at per-row slots [B, T] into the rows'
-    blocks."""
+                   v_lbthd: jax.Array, start: int = 0) -> "PagedKVCache":
+    """Writes T new entries per row at per-row slots [B, T] into the rows' blocks, in every
+    layer or in layers start.. (KVCache.write_layers)."""
     blocks, offsets = self._locate(slots_bt)
     dt = self.k.dtype
-    return self.replace(k=self.k.at[:, blocks, offsets].set(k_lbthd.astype(dt)),
-                        v=self.v.at[:, blocks, offsets].set(v_lbthd.astype(dt)))
+    layers = slice(start, start + k_lbthd.shape[0])
+    return self.replace(k=self.k.at[layers, blocks, offsets].set(k_lbthd.astype(dt)),
+                        v=self.v.at[layers, blocks, offsets].set(v_lbthd.astype(dt)))
 
   def _locate_row(self, row: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
     """Block and offset [size] of one row's entries 0..size-1."""

@@ -70,6 +70,11 @@ class EnginePrograms:
     """The most tokens a macro step can emit (None: one)."""
     raise NotImplementedError
 
+  @property
+  def merge_layer(self) -> int:
+    """Where the model's groups become one entry (model/layer_merge.py; 0: at the input)."""
+    raise NotImplementedError
+
   def _empty_state(self, layout: Layout) -> DecodeState:
     """A decode state of `layout`'s shapes, every slot empty (shapes.empty_state)."""
     raise NotImplementedError
@@ -174,9 +179,11 @@ class EnginePrograms:
   def layout(self, mode: str, slots: int, max_new: int, longest_prompt: int,
              kv_blocks: int | None = None) -> Layout:
     """The static shapes for requests up to `longest_prompt` + `max_new` tokens, in this
-    engine's blocks (shapes.plan_layout); a verify step writes K entries."""
+    engine's blocks (shapes.plan_layout); a verify step writes K entries, and so does a
+    HAMburger step of a graft that merges at a layer L > 0 (its lower layers)."""
+    wide = mode == "verify" or (mode == "hamburger" and self.merge_layer > 0)
     return shapes.plan_layout(mode, slots, max_new, longest_prompt, self.settings.block_size,
-                              kv_blocks, step_entries=self.max_group if mode == "verify" else 1)
+                              kv_blocks, step_entries=self.max_group if wide else 1)
 
   def _spec(self, shape: tuple, dtype) -> jax.ShapeDtypeStruct:
     """An abstract argument, replicated over the mesh if there is one (as `put` places it)."""

@@ -26,7 +26,9 @@ class Generation:
   text: str
   groups: list[int]  # tokens per macro step (sums to len(token_ids))
   macro_steps: int
-  kv_entries: int  # KV cache entries the row holds at the end (prompt included)
+  # KV cache entries the row holds at the end (prompt included); a graft that merges at layer
+  # L > 0: those of its upper layers (its lower layers hold one a token)
+  kv_entries: int
   prompt_tokens: int
   prefill_s: float
   decode_s: float  # from the end of its prefill to its last token

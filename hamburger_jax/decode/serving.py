@@ -359,8 +359,13 @@ class Scheduler:
       lv = self.live[s]
       row = tokens[s, :n_tokens[s]].tolist()
       text = tok.decode(row, skip_special_tokens=True) if tok is not None else ""
+      entries = int(length[s])
+      if self.mode == "hamburger" and self.engine.merge_layer:
+        # A merge at layer L: `length` counts the lower layers' entries (one a token); a
+        # group's is the upper layers' (one a forwarded macro step, as at L = 0).
+        entries = len(lv.request.ids) + max(int(n_steps[s]) - 1, 0)
       results.append((lv.request, Generation(
-          row, text, groups[s, :n_steps[s]].tolist(), int(n_steps[s]), int(length[s]),
+          row, text, groups[s, :n_steps[s]].tolist(), int(n_steps[s]), entries,
           len(lv.request.ids), lv.prefill_s, now - lv.admitted, self.compile_s,
           id=lv.request.id, queue_s=lv.admitted - lv.prefill_s - self.arrival,
           latency_s=now - self.arrival, preemptions=lv.preemptions,

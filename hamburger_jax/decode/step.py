@@ -233,7 +233,10 @@ def advance(model: Llama | Hamburger, mode: str, state: DecodeState, group: jax.
             plain_branch: bool = False) -> DecodeState:
   """The emitted group becomes ONE base input at the position of its last token; the base
   forward of it gives the next features and its KV entry. `plain_branch`: a forward without
-  adapters runs in a branch, skipped when every row is done (precision.DECODE_PLAIN_BRANCH)."""
+  adapters runs in a branch, skipped when every row is done (precision.DECODE_PLAIN_BRANCH).
+  A graft that merges at layer L > 0: `advance_at_layer`."""
+  if mode == "hamburger" and merges_at_layer(model):
+    return advance_at_layer(model, state, group, count, offset=offset, variant=variant)
   if mode == "hamburger" and variant.embedder == "graft":
     x = model.smash(group, jnp.maximum(count, 1))
   else:
@@ -250,20 +253,68 @@ def advance(model: Llama | Hamburger, mode: str, state: DecodeState, group: jax.
       feats, kv = jax.lax.cond(jnp.all(state.done), idle, lambda: run(None))
     else:
       feats, kv = run(None)
-  elif variant.forced:
-    feats, kv = run(ALL_MERGED)
   else:
-    # Base adapters act only on a merged entry (a group of >= 2 tokens): after a single token
-    # the base runs its exact weights, so confidence 1.0 is the base, token for token.
-    merged = count >= 2  # empty and finished rows emit nothing: they agree with either form
-    every = jnp.all(merged | (count == 0))
-    branches = [lambda: run(None), lambda: run(ALL_MERGED)]
-    if merged.shape[0] > 1:  # one row always agrees with itself
-      branches.append(lambda: run(merged[:, None]))
-    index = jnp.where(~jnp.any(merged), 0, jnp.where(every, 1, len(branches) - 1))
-    feats, kv = jax.lax.switch(index, branches)
+    feats, kv = _adapted(run, count, variant)
   cache = state.cache.write_layers(slot, *kv)
   cache = cache.replace(length=cache.length + (~state.done).astype(jnp.int32))
+  return state.replace(cache=cache, features=feats[:, 0])
+
+
+def _adapted(run: Callable[[Any], Any], count: jax.Array, variant: StepVariant):
+  """`run(merged)` with the merged-entry adapters in the form the step's rows need."""
+  if variant.forced:
+    return run(ALL_MERGED)
+  # Base adapters act only on a merged entry (a group of >= 2 tokens): after a single token
+  # the base runs its exact weights, so confidence 1.0 is the base, token for token.
+  merged = count >= 2  # empty and finished rows emit nothing: they agree with either form
+  every = jnp.all(merged | (count == 0))
+  branches = [lambda: run(None), lambda: run(ALL_MERGED)]
+  if merged.shape[0] > 1:  # one row always agrees with itself
+    branches.append(lambda: run(merged[:, None]))
+  index = jnp.where(~jnp.any(merged), 0, jnp.where(every, 1, len(branches) - 1))
+  return jax.lax.switch(index, branches)
+
+
+def merges_at_layer(model) -> bool:
+  """A HAMburger graft whose groups become one entry at a layer L > 0 (model/layer_merge.py)."""
+  return isinstance(model, Hamburger) and model.merge_layer > 0
+
+
+def advance_at_layer(model: Hamburger, state: DecodeState, group: jax.Array, count: jax.Array,
+                     *, offset: int, variant: StepVariant = StepVariant()) -> DecodeState:
+  """`advance` for a graft that merges at layer L > 0: the group's K tokens run layers 0..L-1
+  as plain inputs at their own positions, one entry each (the cache's `length` counts tokens:
+  a macro step writes up to K entries past it, Layout.step_entries); its pooled layer-L state
+  runs layers L..N-1 as ONE input at the position of its last token, in the upper layers'
+  entry (group) slot, prompt_len + macro steps (a prompt token is an entry in every layer).
+  The pool keeps both in one table: the upper layers use the first of a row's slots only.
+  Entries past a row's count are written but never read (overwritten by its next group)."""
+  base, l, n = model.base, model.merge_layer, model.cfg.base.num_layers
+  k = group.shape[1]
+  at = jnp.arange(k)[None, :]
+  size = jnp.maximum(count, 1)
+  before = state.n_tokens - count  # `emit` has counted the group already
+  view = state.cache.view()  # read before the branch, written after it
+  below = tuple(i for i in model.feature_layers if i < l - 1)
+  low = base.forward(base.embed(group), (state.prompt_len + before)[:, None] + at,
+                     None, view.layers(0, l), state.cache.length[:, None] + at, collect=below,
+                     write=False, span=(0, l), norm=False)
+  last = lambda h: jnp.take_along_axis(h, (size - 1)[:, None, None], axis=1)[:, 0]
+  lower = {i: last(h)[:, None] for i, h in zip((*below, l - 1), (*low.collected, low.hidden))}
+  x = model.pool_group(low.hidden, size)[:, None]
+  pos = (state.prompt_len - 1 + state.n_tokens + offset)[:, None]
+  # A row that emitted nothing writes past its entries (its token length), where nothing reads.
+  slot = jnp.where(count > 0, state.prompt_len + state.n_steps - 1, state.cache.length)[:, None]
+  run = lambda merged: model.base_features(x, pos, None, view.layers(l, n), slot, merged,
+                                           write=False, span=(l, n), lower=lower)
+  if not has_adapters(model) or not variant.adapters:
+    feats, kv = run(None)
+  else:
+    feats, kv = _adapted(run, count, variant)
+  cache = state.cache.write_layers(state.cache.length[:, None] + at, *low.kv)
+  cache = cache.write_layers(slot, *kv, start=l)
+  # As `advance`: a row that has just finished keeps its length (its last group is never read).
+  cache = cache.replace(length=cache.length + jnp.where(state.done, 0, count))
   return state.replace(cache=cache, features=feats[:, 0])
 
 

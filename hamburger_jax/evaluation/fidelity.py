@@ -22,6 +22,7 @@ group's size; `kl_*` is the KL from the teacher's top-k distribution, as the dis
 from __future__ import annotations
 
 import collections
+import functools
 import sys
 from typing import Any, Mapping, Sequence
 
@@ -32,6 +33,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from hamburger_jax.data.tfds_builder import bfloat16_bits, from_bfloat16_bits
+from hamburger_jax.model import layer_merge
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.model.llama import ALL_MERGED
 from hamburger_jax.objectives.distillation import predicting_features, window_stats
@@ -107,10 +109,10 @@ def merged_context(model, records: Sequence[Mapping[str, Any]], batch: int = 8,
   k = model.max_group
   graphdef, state = nnx.split(model)
 
-  @jax.jit
-  def per_window(state, b):
+  @functools.partial(jax.jit, static_argnums=2)
+  def per_window(state, b, tokens):
     m = nnx.merge(graphdef, state)
-    feats, read_size = predicting_features(m, b)
+    feats, read_size = predicting_features(m, b, tokens=tokens)
     bb, g, f, d = feats.shape
     w = window_stats(m, feats.reshape(bb * g, f, d), b, ce_chunk)
     return {"agree": w["agree"], "kl": w["kl"], "valid": w["valid"],
@@ -118,7 +120,9 @@ def merged_context(model, records: Sequence[Mapping[str, Any]], batch: int = 8,
 
   tally = Tally()
   for b in split_batches(records, k, batch, model.cfg.graft.position_offset):
-    out = jax.device_get(per_window(state, b))
+    # A merge at layer L runs the lower layers over every row unmerged: room for the longest.
+    tokens = padded(int(np.asarray(b["input_size"]).sum(1).max()), _TOKENS_BUCKET)
+    out = jax.device_get(per_window(state, b, tokens if model.merge_layer else None))
     valid, read, group = out["valid"], out["read_size"], out["group_size"]
     first = valid[:, 0]
     for name, values in (("agree", out["agree"]), ("kl", out["kl"])):
@@ -161,38 +165,58 @@ def one_merge_rows(record: Mapping[str, Any], max_group: int, position_offset: i
   return out
 
 
-def plain_cache(model, ids_1t: jax.Array) -> KVCache:
-  """The exact base's keys and values of a plain token row [1, T], every layer."""
+def plain_cache(model, ids_1t: jax.Array, collect: tuple[int, ...] = ()
+                ) -> tuple[KVCache, list[jax.Array]]:
+  """The exact base's keys and values of a plain token row [1, T], every layer, and the
+  residual outputs of layers `collect` there [1, T, D] each."""
   base, cfg = model.base, model.cfg.base
   t = ids_1t.shape[1]
   cache = KVCache.init(cfg.num_layers, 1, t, cfg.num_kv_heads, cfg.head_dim,
                        jnp.dtype(cfg.dtype))
   positions = jnp.arange(t)[None]
-  return base.forward(base.embed(ids_1t), positions, None, cache, positions).cache
+  out = base.forward(base.embed(ids_1t), positions, None, cache, positions, collect=collect)
+  return out.cache, out.collected
 
 
 def slot_features(model, cache_1: KVCache, x_rd: jax.Array, positions_r: jax.Array,
-                  slots_r: jax.Array) -> jax.Array:
+                  slots_r: jax.Array, lower: dict[int, jax.Array] | None = None) -> jax.Array:
   """Features [R, F, D] of R merged inputs x [R, D], each alone after the cache's entries before
-  its slot (one row each, read side as HAMburger decodes a merged entry)."""
-  r = x_rd.shape[0]
-  grow = lambda a: jnp.broadcast_to(a, (a.shape[0], r, *a.shape[2:]))
+  its slot (one row each, read side as HAMburger decodes a merged entry). A merge at layer L:
+  x is the entry's input to layer L, read by layers L.. of the cache, and `lower` ({layer:
+  [R, D]}) gives the features below L."""
+  r, l, n = x_rd.shape[0], model.merge_layer, model.cfg.base.num_layers
+  grow = lambda a: jnp.broadcast_to(a[l:], (n - l, r, *a.shape[2:]))
   cache = cache_1.replace(k=grow(cache_1.k), v=grow(cache_1.v),
                           length=jnp.broadcast_to(cache_1.length, (r,)))
   feats, _ = model.base_features(x_rd[:, None], positions_r[:, None], None, cache,
-                                 slots_r[:, None], merged_bt=ALL_MERGED, write=False)
+                                 slots_r[:, None], merged_bt=ALL_MERGED, write=False,
+                                 span=(l, n) if l else None,
+                                 lower={i: v[:, None] for i, v in (lower or {}).items()})
   return feats[:, 0]
 
 
 def one_merge_logits(model, ids_1t, rows: Mapping[str, jax.Array],
                      x_rd: jax.Array | None = None) -> jax.Array:
-  """fp32 next-token logits [R, V] at each one-merge row (its embedder's entry, or `x_rd`)."""
-  cache = plain_cache(model, ids_1t)
-  if x_rd is None:
+  """fp32 next-token logits [R, V] at each one-merge row (its embedder's entry, or `x_rd`; a
+  merge at layer L: the group's pooled layer-L states)."""
+  l, k = model.merge_layer, model.max_group
+  below = tuple(i for i in model.feature_layers if i < l - 1)
+  cache, states = plain_cache(model, ids_1t, below + (l - 1,) if l else ())
+  lower = None
+  if l:  # each group's tokens' layer-L states, and the features below L at its last token
+    idx = rows["slot"][:, None] + jnp.arange(k)  # [R, K]
+    idx = jnp.where(jnp.arange(k) < rows["size"][:, None], idx, rows["slot"][:, None])
+    at = lambda h: jnp.take(h[0], idx, axis=0)  # [R, K, D]
+    hidden = at(states[-1])
+    x_rd = model.pool_group(hidden, rows["size"])
+    lower = {i: layer_merge.last_of_group(at(h), rows["size"])
+             for i, h in zip(below + (l - 1,), states)}
+  elif x_rd is None:
     context = (model.group_context(rows["features"].astype(jnp.dtype(model.cfg.base.dtype)),
                                    rows["window"]) if model.embedder.contextual else None)
     x_rd = model.smash(rows["ids"], rows["size"], context)
-  return model.logits(slot_features(model, cache, x_rd, rows["position"], rows["slot"])[:, -1])
+  return model.logits(slot_features(model, cache, x_rd, rows["position"], rows["slot"],
+                                    lower)[:, -1])
 
 
 def padded(n: int, bucket: int) -> int:
@@ -261,12 +285,43 @@ def fidelity_figures(model, records: Sequence[Mapping[str, Any]], batch: int = 8
   return out
 
 
+def kv_compression(records: Sequence[Mapping[str, Any]], merge_layer: int, num_layers: int
+                   ) -> float:
+  """The records' answers' KV compression when their groups merge at layer `merge_layer`
+  (layer_merge.kv_compression: layer entries unmerged over merged)."""
+  tokens = sum(int(np.sum(r["groups"])) for r in records)
+  groups = sum(len(r["groups"]) for r in records)
+  return layer_merge.kv_compression(tokens, groups, merge_layer, num_layers)
+
+
+def merge_layer_sweep(model, records: Sequence[Mapping[str, Any]], layers: Sequence[int],
+                      batch: int = 8) -> list[dict[str, Any]]:
+  """The untrained merge at each layer L of `layers` (the last token's layer-L state, read by
+  the exact base: with_merge_layer + with_merged_entry "last_token"; the micro steps are the
+  graft's): each L's figures and KV compression, on the same records."""
+  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.model.hamburger import with_merge_layer, with_merged_entry
+  n = model.cfg.base.num_layers
+  out = []
+  for l in layers:
+    untrained = with_merged_entry(with_merge_layer(model, l), "last_token")
+    figures = fidelity_figures(untrained, records, batch)
+    out.append({"merge_layer": l, "kv_compression": kv_compression(records, l, n),
+                **{c: figures.get(c) for c in SWEEP_FIGURES},
+                "items": {c: figures["items"].get(c) for c in SWEEP_FIGURES}})
+  return out
+
+
+SWEEP_FIGURES = ("agree_merged", "agree_single", "agree_one_merge", "kl_merged", "kl_single")
+
+
 def fidelity_task(model, *, path: str | None = None, data: str | None = None,
                   split: str = "validation", limit: int | None = None,
-                  batch: int = 8) -> dict[str, Any]:
+                  batch: int = 8, merge_layers: Sequence[int] = ()) -> dict[str, Any]:
   """results.json's `fidelity` entry: the figures on the fidelity set at `path` (default: the
   committed one), or on a prepared split (`data`, `split`: e.g. a training split, for the gap
-  between the data a graft learned from and held-out answers)."""
+  between the data a graft learned from and held-out answers). `merge_layers`: also the
+  untrained merge at each of those layers (`merge_layer_sweep`)."""
   # pylint: disable=import-outside-toplevel
   from hamburger_jax.evaluation import fidelity_set
   from hamburger_jax.evaluation.teacher_forced import read_records, teacher_mismatch
@@ -288,5 +343,10 @@ def fidelity_task(model, *, path: str | None = None, data: str | None = None,
       records = teacher_records(model, chosen, bar=bar)
     source = {"set": path or fidelity_set.DEFAULT_PATH, "created": fset.meta.get("created")}
   figures = fidelity_figures(model, records, batch)
-  return {"metric": "agree_merged", "score": figures["agree_merged"], "n": len(records),
-          **source, **figures}
+  out = {"metric": "agree_merged", "score": figures["agree_merged"], "n": len(records),
+         "merge_layer": model.merge_layer,
+         "kv_compression": kv_compression(records, model.merge_layer, model.cfg.base.num_layers),
+         **source, **figures}
+  if merge_layers:
+    out["merge_layer_sweep"] = merge_layer_sweep(model, records, merge_layers, batch)
+  return out

@@ -72,7 +72,7 @@ def optimise(model, records: Sequence[Mapping[str, Any]], *, slots: int = 256, s
   @jax.jit
   def run(state, ids, rows, mask):
     m = nnx.merge(graphdef, state)
-    cache = jax.lax.stop_gradient(fidelity.plain_cache(m, ids))
+    cache = jax.lax.stop_gradient(fidelity.plain_cache(m, ids)[0])
     context = (m.group_context(rows["features"].astype(jnp.dtype(m.cfg.base.dtype)),
                                rows["window"]) if m.embedder.contextual else None)
     x0 = jax.lax.stop_gradient(m.smash(rows["ids"], rows["size"], context))

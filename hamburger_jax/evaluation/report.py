@@ -61,12 +61,24 @@ def fidelity_table(r: dict[str, Any]) -> list[str]:
            "merged entry in an otherwise plain context, s_i = micro step i (items in "
            "parentheses).", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
            "| " + " | ".join(f"{fmt(r[c])} ({r['items'][c]})" for c in cols) + " |"]
+  if "kv_compression" in r:
+    lines += ["", f"Merged at layer {r['merge_layer']}: KV compression "
+              f"{r['kv_compression']:.2f}x on these answers' groups."]
   if sizes:
     lines += ["", "By the merged entry's group size:", "",
               "| figure | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
     for c in ("agree_merged", "agree_one_merge", "kl_merged", "kl_one_merge"):
       if c in r:
         lines.append(f"| {c} | " + " | ".join(fmt(r["by_size"][c].get(s)) for s in sizes) + " |")
+  if r.get("merge_layer_sweep"):
+    lines += ["", "Untrained merge at layer L (the group's last token's layer-L state read by the "
+              "exact base; L = 0: its embedding), the same records:", "",
+              "| L | agree merged | agree single | agree one merge | KL merged | KV compression |",
+              "|---|---|---|---|---|---|"]
+    for row in r["merge_layer_sweep"]:
+      lines.append(f"| {row['merge_layer']} | {fmt(row['agree_merged'])} | "
+                   f"{fmt(row['agree_single'])} | {fmt(row['agree_one_merge'])} | "
+                   f"{fmt(row['kl_merged'])} | {row['kv_compression']:.2f}x |")
   return lines
 
 

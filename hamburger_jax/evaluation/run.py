@@ -55,6 +55,9 @@ class EvalSettings:
   verify: float | None = None
   data: str | None = None  # a tfds dataset, for nll (and fidelity: its split instead of the set)
   fidelity_set: str | None = None  # the fidelity task's set (None: the committed one)
+  # The fidelity task also measures the untrained merge at each of these layers (model/
+  # layer_merge.py: the last token's layer-L state, the exact base reading it)
+  merge_layers: tuple[int, ...] = ()
   split: str = "validation"
   train_data: str | None = None  # prompts that must not be evaluation prompts
   out: str = "runs/eval"
@@ -191,7 +194,7 @@ def _run_tasks(model, tok, engine, s: EvalSettings, names, tasks, examples, resu
       try:
         results["tasks"][name] = r = fidelity.fidelity_task(
             model, path=s.fidelity_set, data=s.data, split=s.split, limit=s.limit,
-            batch=s.batch)
+            batch=s.batch, merge_layers=s.merge_layers)
       except (fidelity_set.FidelitySetError, teacher_forced.SplitError) as e:
         raise EvalError(str(e)) from None
       log(f"fidelity: agree after merged {r['agree_merged']:.3f}, after single "

@@ -14,6 +14,7 @@ from hamburger_jax.model import lora
 from hamburger_jax.model.abstract import abstract
 from hamburger_jax.model.compositional_embedder import CompositionalEmbedder
 from hamburger_jax.model.kv_cache import KVCache
+from hamburger_jax.model.layer_merge import GroupPooling, last_of_group
 from hamburger_jax.model.llama import Linear, Llama, causal_segment_mask, dtype_of
 from hamburger_jax.model.micro_step_decoder import MicroStepDecoder
 
@@ -49,6 +50,12 @@ class Hamburger(nnx.Module):
                                           param_dtype=dtype_of(b.param_dtype),
                                           dtype=dtype_of(b.dtype),
                                           contextual=g.contextual_entry, eps=b.rms_norm_eps)
+    g.check_merge_layer(b.num_layers)
+    # Merge at layer L > 0 (model/layer_merge.py): the group's layer-L states pooled to one entry.
+    self.pooling = (GroupPooling(b.hidden_size, g.max_group, g.merger_head_dim, rngs=rngs,
+                                 param_dtype=dtype_of(b.param_dtype), dtype=dtype_of(b.dtype),
+                                 eps=b.rms_norm_eps)
+                    if g.merge_pooling == "attention" else nnx.data(None))
     self.micro = MicroStepDecoder(b, g, rngs=rngs)
     # Verify mode's drafter (graft.drafter_layers), else its drafts come from `micro`.
     self.drafter = (MicroStepDecoder(b, g, rngs=rngs, layers=g.drafter_layers)
@@ -65,6 +72,18 @@ class Hamburger(nnx.Module):
   @property
   def num_features(self) -> int:
     return len(self.feature_layers)
+
+  @property
+  def merge_layer(self) -> int:
+    """L: where a group becomes one entry (0: at the input, the compositional embedder)."""
+    return self.cfg.graft.merge_layer
+
+  def pool_group(self, states_nkd: jax.Array, size_n: jax.Array) -> jax.Array:
+    """A group's entry at layer L from its tokens' layer-L states [..., K, D] (graft.merge_pooling;
+    a single token's state unchanged)."""
+    if self.pooling is None or self.merged_entry == "last_token":
+      return last_of_group(states_nkd, size_n)
+    return self.pooling(states_nkd, size_n)
 
   def smash(self, ids_nk: jax.Array, size_n: jax.Array,
             context_nkd: jax.Array | None = None) -> jax.Array:
@@ -102,19 +121,25 @@ class Hamburger(nnx.Module):
   def base_features(self, x_btd: jax.Array, positions_bt: jax.Array,
                     mask_bts: jax.Array | None = None, cache=None,
                     slots_bt: jax.Array | None = None, merged_bt=None,
-                    write: bool = True) -> tuple[jax.Array, Any]:
+                    write: bool = True, span: tuple[int, int] | None = None,
+                    lower: dict[int, jax.Array] | None = None) -> tuple[jax.Array, Any]:
     """Base forward -> micro-decoder features [B, T, F, D] (raw residuals, then the normed
     last), and the cache with the inputs' entries written (`write`; without a cache: None), or
     their keys and values (write=False: Llama.forward).
 
     `merged_bt`: inputs that are merged groups (size >= 2), where base adapters act (Linear:
     [B, T] bool, or ALL_MERGED); prompt tokens and single-token entries run the exact base
-    weights."""
+    weights. `span` (L, N): the upper layers of a merge at layer L alone, from their input x;
+    the features of layers below L come from `lower` ({layer: [B, T, D]}, layer_merge)."""
     if self.merged_entry != "graft":
       merged_bt = None  # an ablation (with_merged_entry): the exact base reads every entry
-    out = self.base.forward(x_btd, positions_bt, mask_bts, cache, slots_bt,
-                            collect=self.feature_layers[:-1], merged_bt=merged_bt, write=write)
-    return jnp.stack([*out.collected, out.hidden], axis=-2), out.cache if write else out.kv
+    start = 0 if span is None else span[0]
+    collect = tuple(i for i in self.feature_layers[:-1] if i >= start)
+    out = self.base.forward(x_btd, positions_bt, mask_bts, cache, slots_bt, collect=collect,
+                            merged_bt=merged_bt, write=write, span=span)
+    upper = dict(zip(collect, out.collected))
+    feats = [upper[i] if i >= start else lower[i] for i in self.feature_layers[:-1]]
+    return jnp.stack([*feats, out.hidden], axis=-2), out.cache if write else out.kv
 
   def micro_decoder(self, drafting: bool = False) -> MicroStepDecoder:
     """The micro decoder of a step: verify mode's drafts (`drafting`) come from the drafter
@@ -220,6 +245,21 @@ def with_merged_entry(model: Hamburger, kind: str) -> Hamburger:
     raise ValueError(f"merged entry {kind!r}: use one of {', '.join(MERGED_ENTRIES)}")
   out = nnx.merge(*nnx.split(model))
   out.merged_entry = kind
+  return out
+
+
+def with_merge_layer(model: Hamburger, merge_layer: int) -> Hamburger:
+  """A second model on `model`'s arrays (nothing copied) that merges at layer `merge_layer`
+  (model/layer_merge.py) in every program traced with it: with with_merged_entry "last_token",
+  the untrained merge at that layer (the last token's state, the exact base reading it)."""
+  graft = dataclasses.replace(model.cfg.graft, merge_layer=merge_layer,
+                              merge_pooling=model.cfg.graft.merge_pooling if merge_layer else
+                              "last")
+  out = nnx.merge(*nnx.split(model))
+  out.cfg = dataclasses.replace(model.cfg, graft=graft)
+  out.cfg.graft.check_merge_layer(model.cfg.base.num_layers)
+  if not merge_layer:
+    out.pooling = nnx.data(None)
   return out
 
 

@@ -27,14 +27,21 @@ class KVCache:
     return self.k.shape[2]
 
   def write_layers(self, slots_bt: jax.Array, k_lbthd: jax.Array,
-                   v_lbthd: jax.Array) -> "KVCache":
-    """Writes T new entries per row, every layer, at per-row slots [B, T] (rows advance
-    independently); slots past the end are dropped."""
+                   v_lbthd: jax.Array, start: int = 0) -> "KVCache":
+    """Writes T new entries per row at per-row slots [B, T] (rows advance independently), in
+    every layer, or in layers start.. (as many as k has: a merge at layer L writes its lower
+    and upper layers at different slots); slots past the end are dropped."""
     rows = jnp.arange(k_lbthd.shape[1])[:, None]
     dt = self.k.dtype
+    layers = slice(start, start + k_lbthd.shape[0])
     # A scatter on the loop-carried buffer is done in place by XLA (no copy of the cache).
-    return self.replace(k=self.k.at[:, rows, slots_bt].set(k_lbthd.astype(dt), mode="drop"),
-                        v=self.v.at[:, rows, slots_bt].set(v_lbthd.astype(dt), mode="drop"))
+    return self.replace(
+        k=self.k.at[layers, rows, slots_bt].set(k_lbthd.astype(dt), mode="drop"),
+        v=self.v.at[layers, rows, slots_bt].set(v_lbthd.astype(dt), mode="drop"))
+
+  def layers(self, start: int, stop: int) -> "KVCache":
+    """The cache of layers start..stop-1 alone (what a span of the stack reads)."""
+    return self.replace(k=self.k[start:stop], v=self.v[start:stop])
 
   def view(self) -> "KVCache":
     """What a forward reads (a dense cache is its own)."""

@@ -227,28 +227,41 @@ class DecoderStack(nnx.Module):
 
   def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: Mask | None,
                cache=None, slots_bt: jax.Array | None = None, collect: Sequence[int] = (),
-               merged_bt=None) -> tuple[jax.Array, list[jax.Array], KV | None]:
+               merged_bt=None, span: tuple[int, int] | None = None
+               ) -> tuple[jax.Array, list[jax.Array], KV | None]:
     """Returns the last residual stream, the residual outputs of layers `collect`, and with a
     cache (read only) the inputs' keys and values of every layer, for the caller to write.
 
-    `merged_bt`: where the adapters act (Linear: None, ALL_MERGED, or [B, T] bool)."""
+    `merged_bt`: where the adapters act (Linear: None, ALL_MERGED, or [B, T] bool). `span`
+    (start, stop): only those layers run (a merge at layer L runs [0, L) per token and [L, N)
+    per group); `collect` names layers by their index in the stack, and a cache holds the
+    span's layers alone (its layer 0 is layer `start`)."""
+    start, stop = span or (0, len(self.layers))
     x_btd = sharding.constrain_rows(x_btd)
-    if self.scan and cache is None and len(self.layers) > 1:
-      return self._scanned(x_btd, positions_bt, mask_bts, collect, merged_bt)
+    if self.scan and cache is None and stop - start > 1:
+      return self._scanned(x_btd, positions_bt, mask_bts, collect, merged_bt, start, stop)
     collected, keys, values = [], [], []
-    for i, layer in enumerate(self.layers):
-      x_btd, (k, v) = layer(x_btd, positions_bt, mask_bts, cache, slots_bt, i, merged_bt)
+    for i in range(start, stop):
+      x_btd, (k, v) = self.layers[i](x_btd, positions_bt, mask_bts, cache, slots_bt, i - start,
+                                     merged_bt)
       x_btd = sharding.constrain_rows(x_btd)
       keys.append(k)
       values.append(v)
       if i in collect:
         collected.append(x_btd)
-    kv = (jnp.stack(keys), jnp.stack(values)) if cache is not None else None
+    kv = None
+    if cache is not None and keys:
+      kv = (jnp.stack(keys), jnp.stack(values))
+    elif cache is not None:  # an empty span (a merge above the top layer): no layer's entries
+      attn = self.layers[0].self_attn
+      empty = jnp.zeros((0, *x_btd.shape[:2], attn.num_kv_heads, attn.head_dim), x_btd.dtype)
+      kv = (empty, empty)
     return x_btd, collected, kv
 
-  def _scanned(self, x_btd, positions_bt, mask_bts, collect, merged_bt):
-    graphdef = nnx.graphdef(self.layers[0])
-    stacked = jax.tree.map(lambda *w: jnp.stack(w), *[nnx.state(l) for l in self.layers])
+  def _scanned(self, x_btd, positions_bt, mask_bts, collect, merged_bt, start, stop):
+    graphdef = nnx.graphdef(self.layers[start])
+    stacked = jax.tree.map(lambda *w: jnp.stack(w),
+                           *[nnx.state(l) for l in self.layers[start:stop]])
 
     def body(x, state):
       x, _ = nnx.merge(graphdef, state)(x, positions_bt, mask_bts, merged_bt=merged_bt)
@@ -258,7 +271,7 @@ class DecoderStack(nnx.Module):
     if self.remat == "layers":
       body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
     x_btd, outputs = jax.lax.scan(body, x_btd, stacked)
-    return x_btd, [outputs[i] for i in collect], None
+    return x_btd, [outputs[i - start] for i in collect], None
 
 
 def set_layer_execution(model: nnx.Module, scan: bool, remat: str = "none") -> None:
@@ -283,7 +296,7 @@ def set_attention(model: nnx.Module, kernel: str) -> None:
 
 @dataclasses.dataclass
 class BaseOutput:
-  hidden: jax.Array  # [B, T, D] final-normed last layer
+  hidden: jax.Array  # [B, T, D] final-normed last layer (a span short of it: its raw output)
   collected: list[jax.Array]  # residual outputs of the requested layers, each [B, T, D]
   cache: Any = None  # the cache with the inputs' entries written (write=True)
   kv: KV | None = None  # the inputs' keys and values (with a cache)
@@ -319,18 +332,22 @@ class Llama(nnx.Module):
 
   def forward(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: Mask | None = None,
               cache=None, slots_bt: jax.Array | None = None, collect: Sequence[int] = (),
-              merged_bt=None, write: bool = True) -> BaseOutput:
+              merged_bt=None, write: bool = True,
+              span: tuple[int, int] | None = None, norm: bool = True) -> BaseOutput:
     """Without a cache: inputs attending among themselves under `mask_bts`. With one: inputs at
     cache slots `slots_bt` after its earlier entries; `write` puts their keys and values in it
     (else the caller writes `kv`, e.g. after a branch that must not carry the cache).
     `merged_bt` marks merged-entry inputs, where base adapters act (Linear); None (prompt,
-    base mode) runs the exact base weights everywhere."""
+    base mode) runs the exact base weights everywhere. `span` (start, stop): those layers only
+    (DecoderStack); `hidden` is final-normed where the span ends at the last layer and `norm`,
+    else the raw residual stream (what a merge at layer L hands its upper layers)."""
     x, collected, kv = self.decoder(x_btd, positions_bt, mask_bts,
                                     None if cache is None else cache.view(), slots_bt, collect,
-                                    merged_bt)
+                                    merged_bt, span)
     if cache is not None and write:
       cache = cache.write_layers(slots_bt, *kv)
-    return BaseOutput(self.norm(x), collected, cache, kv)
+    top = span is None or span[1] == self.cfg.num_layers
+    return BaseOutput(self.norm(x) if top and norm else x, collected, cache, kv)
 
   def __call__(self, ids_bt: jax.Array, segment_ids_bt: jax.Array | None = None,
                positions_bt: jax.Array | None = None,

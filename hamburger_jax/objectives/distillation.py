@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from hamburger_jax import layout
 from hamburger_jax.objectives.losses import bce_with_logits, chunked_token_stats
+from hamburger_jax.model import layer_merge
 from hamburger_jax.model.attention import PackedMask
 from hamburger_jax.model.hamburger import Hamburger, continues
 from hamburger_jax.model.llama import ALL_MERGED
@@ -174,19 +175,35 @@ def micro_distill_loss(model: Hamburger, batch: Mapping[str, jax.Array], cfg: Di
 
 
 def predicting_features(model: Hamburger, batch: Mapping[str, jax.Array], *,
-                        layers: bool = False) -> tuple[jax.Array, ...]:
+                        layers: bool = False, tokens: int | None = None) -> tuple[jax.Array, ...]:
   """The HAMburger forward of a packed batch (merged entries, adapters where the graft puts
   them): the features at each group's predicting entry [B, G, F, D], and that entry's group
   size [B, G] (1: a prompt token or a single-token group; >= 2: a merged entry). With `layers`,
   also that entry's input to every base layer [B, G, L, D] (the entry itself, then each layer's
-  residual output) and the last layer's residual output [B, G, D] (`dense_alignment`)."""
+  residual output) and the last layer's residual output [B, G, D] (`dense_alignment`).
+
+  A merge at layer L > 0 (model/layer_merge.py) runs the lower layers over the rows unmerged in
+  `tokens` slots; a predicting entry whose group does not fit them gets size 0 (`fit_windows`
+  then drops what it predicts)."""
   ids, size = batch["input_ids"], batch["input_size"]
   rows = jnp.arange(ids.shape[0])[:, None]
   at = lambda a: a[rows, batch["pred_index"]]
-  context = entry_context(model, batch) if model.embedder.contextual else None
-  x = model.smash(ids, size, context)
   adapted = model.adapted_entries(size, batch["segment_ids"])
   mask = PackedMask(batch["segment_ids"])
+  if model.merge_layer:
+    if layers:
+      raise ValueError("dense alignment (distill.dense_weight) aligns a merged input entry: a "
+                       f"merge at layer {model.merge_layer} has none; use merge_layer=0")
+    if not tokens:
+      raise ValueError(f"a merge at layer {model.merge_layer} runs the lower layers over the rows "
+                       "unmerged: give their length (tokens; the trainer passes data.tokens)")
+    x, lower, fits = layer_merge.entry_states(model, batch, tokens)
+    feats, _ = model.base_features(x, batch["positions"], mask, merged_bt=adapted,
+                                   span=(model.merge_layer, model.cfg.base.num_layers),
+                                   lower=lower)
+    return at(feats), jnp.where(at(fits), at(size), 0)
+  context = entry_context(model, batch) if model.embedder.contextual else None
+  x = model.smash(ids, size, context)
   if not layers:
     feats, _ = model.base_features(x, batch["positions"], mask, merged_bt=adapted)
     return at(feats), at(size)
@@ -263,19 +280,30 @@ def entry_context(model: Hamburger, batch: Mapping[str, jax.Array]) -> jax.Array
   return jnp.zeros((b, m, k, d), h.dtype).at[rows, entry].set(h, mode="drop")
 
 
+def fit_windows(batch: Mapping[str, jax.Array], read_size: jax.Array) -> dict[str, jax.Array]:
+  """The batch without the windows whose predicting entry did not fit (read size 0 there:
+  predicting_features), so that no loss or metric counts them."""
+  keep = read_size > 0
+  return {**batch, "window_size": jnp.where(keep, batch["window_size"], 0),
+          "target_size": jnp.where(keep, batch["target_size"], 0)}
+
+
 def distill_loss(model: Hamburger, batch: Mapping[str, jax.Array], cfg: DistillConfig,
                  ce_chunk: int = 1024, dense_tokens: int | None = None
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Stages 2 and 3: the HAMburger forward (merged entries, adapters on them) against the
   teacher: micro-step KL and stop on each window, feature regression at merged entries, and
   with distill.dense_weight the dense alignment of every layer there (`dense_alignment`, on
-  unmerged rows of `dense_tokens` slots)."""
+  unmerged rows of `dense_tokens` slots; a merge at layer L > 0 runs its lower layers over
+  those rows too)."""
   b = batch["input_ids"].shape[0]
   dense = cfg.dense_weight > 0
   if dense and not dense_tokens:
     raise ValueError("distill.dense_weight > 0 aligns against the unmerged rows: give their "
                      "length (dense_tokens; the trainer passes data.tokens)")
-  feats, read_size, *layer_states = predicting_features(model, batch, layers=dense)
+  feats, read_size, *layer_states = predicting_features(model, batch, layers=dense,
+                                                        tokens=dense_tokens)
+  batch = fit_windows(batch, read_size)
   g, f, d = feats.shape[1:]
   # Groups predicted from a merged entry: the teacher saw the same context unmerged.
   from_merged = (read_size >= 2) & (batch["window_size"] > 0)  # [B, G]
