@@ -117,7 +117,7 @@ class EnginePrograms:
           features=at(state.features, feats[0, n_valid - 1]),
           prompt_len=at(state.prompt_len, prompt_len), tokens=zero(state.tokens),
           n_tokens=zero(state.n_tokens), groups=zero(state.groups), n_steps=zero(state.n_steps),
-          done=at(state.done, False), veto=at(state.veto, -1),
+          done=at(state.done, False), next_token=at(state.next_token, -1),
           **{k: at(getattr(state, k), v) for k, v in request.items()})
 
     # The pool stays out of the cond, which would copy it (see _decode_impl).
@@ -130,8 +130,8 @@ class EnginePrograms:
                    stochastic: bool, stream: bool, view: int,
                    step_entries: int = 1) -> DecodeState:
     """Macro steps until every slot is done, or (with `refill`) a slot finishes so the host can
-    give it the next request, or a live slot's blocks cannot hold the `step_entries` a macro
-    step writes so the host can add one, or
+    give it the next request, or a live slot's blocks cannot hold the entries its next macro
+    step may keep (shapes.step_room: at most `step_entries`) so the host can add one, or
     `limit` macro steps have run, or (with `stream`) the sink asks for the host.
 
     Attention reads the first `view` blocks of each slot's table (the host picks a view that
@@ -167,7 +167,8 @@ class EnginePrograms:
     def cond(carry):
       step, state, host = carry
       finished = jnp.any(state.done & ~done_at_start)
-      full = jnp.any(~state.done & (state.cache.length + step_entries > state.cache.capacity()))
+      room = shapes.step_room(step_entries, state.max_new, state.n_tokens)
+      full = jnp.any(~state.done & (state.cache.length + room > state.cache.capacity()))
       return (step < jnp.minimum(n_max, limit)) & ~jnp.all(state.done) & ~(
           refill & finished) & ~full & ~host
 

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hamburger_jax.config import LlamaConfig
 from hamburger_jax.decode.paged_kv import PagedKVCache, blocks_for
@@ -48,8 +49,22 @@ class Layout:
   num_blocks: int  # NB, the trash block included
   block_size: int
   # KV entries a macro step writes past a slot's length: 1, or K in verify mode (the token it
-  # keeps for sure and K - 1 drafts); a slot needs room for them all before a step runs
+  # keeps for sure and K - 1 drafts) and in HAMburger mode merging at a layer L > 0 (the
+  # group's lower-layer entries); the room a slot needs before a step runs is step_room's
   step_entries: int = 1
+
+
+def step_room(step_entries: int, max_new, n_tokens):
+  """The KV entries past a live row's length that its next macro step needs blocks for: the
+  layout's `step_entries`, but no more than the tokens the row has left (`max_new - n_tokens`,
+  each its own entry at most). A step keeps one entry per token it emits; those it writes past
+  them are never read, and past the row's blocks they land in the trash block. The host
+  (serving.Scheduler, numpy) and the decode loop (programs.py, traced) both ask this, so the
+  loop returns to the host exactly when the host would add a block."""
+  left = max_new - n_tokens
+  if isinstance(left, jax.Array):
+    return jnp.minimum(step_entries, left)
+  return np.minimum(step_entries, left)
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
@@ -152,5 +167,5 @@ def decode_state(cache, cfg: LlamaConfig, *, slots: int, max_new: int, max_group
       confidence=jnp.ones((b,), jnp.float32), max_group=jnp.full((b,), k, jnp.int32),
       temperature=zeros(b, dt=jnp.float32),
       top_k=zeros(b), top_p=jnp.ones((b,), jnp.float32),
-      key=jax.random.split(jax.random.key(0), b), veto=jnp.full((b,), -1, jnp.int32),
+      key=jax.random.split(jax.random.key(0), b), next_token=jnp.full((b,), -1, jnp.int32),
       micro_cost=jnp.zeros((cost_size(b),), jnp.float32))

@@ -13,7 +13,7 @@ Where launches go (a small model's step on a GPU is bound by how many kernels it
   kernels when no entry is merged, folded kernels when every live entry is, both (selected per
   row) otherwise (model/llama.py: Linear).
 
-`StepVariant` takes parts out (infer.ablate_step) or fixes what tracing may assume
+`StepVariant` takes parts out (infer.experiments.ablate_step) or fixes what tracing may assume
 (`forced`: every group runs to K tokens, every entry merges: step_program.py's step, no
 branches).
 """
@@ -60,9 +60,10 @@ class DecodeState:
   top_k: jax.Array  # [B] 0 = off
   top_p: jax.Array  # [B] 1 = off
   key: jax.Array  # [B] the slot's request key; token keys fold in the step and micro index
-  # [B] verify mode: the draft the base rejected last step (-1: none): the next token 0 is
-  # drawn from the base's distribution without it (`verify_step`)
-  veto: jax.Array
+  # [B] verify mode: token 0 of the row's next step, drawn at the end of this one from the
+  # logits its check computed (without the draft the base refused: `verify_step`), so that the
+  # LM head runs once a step; -1 where none is drawn yet (a slot just prefilled)
+  next_token: jax.Array
   # [micro_rule.cost_size(B)] the micro steps' cost ratios (micro_rule.pays; all 0: off), laid
   # out and built by decode/micro_rule.py. A runtime operand: each value, measured or given,
   # runs the same compiled program.
@@ -175,7 +176,10 @@ def propose(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids
   while the stop head goes on at the rows' draft confidence."""
   base = base_of(model)
   h0 = state.features[:, -1]  # skip connection: token 0 is the base's own prediction
-  t0 = sample(base.logits(h0), state, 0, stochastic, state.veto if mode == "verify" else None)
+  if mode == "verify":
+    t0 = verify_token0(model, state, stochastic)
+  else:
+    t0 = sample(base.logits(h0), state, 0, stochastic)
   count = jnp.where(state.done, 0, 1).astype(jnp.int32)
   if mode not in FEATURE_MODES or model.max_group == 1:
     return t0[:, None], count
@@ -390,6 +394,17 @@ def accepted_drafts(logits_bkv: jax.Array, drafts_bk: jax.Array, n_drafts: jax.A
   return kept, refused
 
 
+def verify_token0(model: Hamburger, state: DecodeState, stochastic: bool) -> jax.Array:
+  """Token 0 of each row's verify step: the one its last step drew (DecodeState.next_token);
+  a row just prefilled has none, and the LM head runs for the batch only in a step that has
+  such a row."""
+  pending = state.next_token
+  fresh = lambda: sample(model.base.logits(state.features[:, -1]), state, 0, stochastic)
+  need = jnp.any(~state.done & (pending < 0))
+  drawn = jax.lax.cond(need, fresh, lambda: jnp.zeros_like(pending))
+  return jnp.where(pending >= 0, pending, drawn)
+
+
 def verify_step(model: Hamburger, state: DecodeState, *, stop_ids: jax.Array, stochastic: bool,
                 report: Callable[[jax.Array, jax.Array], None] | None = None) -> DecodeState:
   """One macro step of verify mode: the base's exact output, several tokens a forward where
@@ -400,8 +415,9 @@ def verify_step(model: Hamburger, state: DecodeState, *, stop_ids: jax.Array, st
   weights: no adapters) and writes their keys and values; the base's output after t0 and
   each kept draft checks the next draft (`accepted_drafts`). The row emits t0 and the drafts
   it keeps, its slot counter moves by as many (entries past it are overwritten later, never
-  read), and the features after its last kept token predict the next step's t0, drawn without
-  a refused draft (DecodeState.veto)."""
+  read), and the features after its last kept token predict the next step's t0: drawn here,
+  without a refused draft, from the logits the check computed (one LM-head pass a step:
+  DecodeState.next_token), with the next step's token key."""
   base = model.base
   group, count = propose(model, "verify", state, stop_ids=stop_ids, stochastic=stochastic)
   b, k = group.shape
@@ -414,32 +430,38 @@ def verify_step(model: Hamburger, state: DecodeState, *, stop_ids: jax.Array, st
   n_drafts = jnp.maximum(count - 1, 0)
 
   def checked(width: int):
-    """The forward of each row's first `width` inputs and the drafts it keeps; its features
-    and keys and values padded to K (entries past the kept ones are never read)."""
+    """The forward of each row's first `width` inputs, the drafts it keeps, and the logits
+    after its last kept token [B, V] (one LM-head pass over the `width` rows: the base after
+    t0, d1, .. checks d1, d2, .., and the one after the last kept predicts the next t0); its
+    features and keys and values padded to K (entries past the kept ones are never read)."""
     def run():
       feats, kv = forward_features(model, "verify", base.embed(group[:, :width]),
                                    positions[:, :width], view, slots[:, :width], None,
                                    write=False)
+      logits = base.logits(feats[:, :, -1])  # [B, width, V]
       if width == 1:
         kept, refused = jnp.zeros((b,), jnp.int32), jnp.full((b,), -1, jnp.int32)
-      else:  # the base after t0, d1, ..: what checks d1, d2, ..
-        kept, refused = accepted_drafts(base.logits(feats[:, :-1, -1]), group[:, 1:], n_drafts,
-                                        state, stochastic)
+      else:
+        kept, refused = accepted_drafts(logits[:, :-1], group[:, 1:], n_drafts, state,
+                                        stochastic)
+      after = jnp.take_along_axis(logits, kept[:, None, None], axis=1)[:, 0]
       pad = lambda a, axis: jnp.pad(a, [(0, k - width if i == axis else 0)
                                         for i in range(a.ndim)])
-      return pad(feats, 1), tuple(pad(a, 2) for a in kv), kept, refused
+      return pad(feats, 1), tuple(pad(a, 2) for a in kv), kept, refused, after
     return run
 
   # A step where no row drafted reads one input a row, as the base's step does (on 2 CPU cores
   # a forward of K = 4 new tokens a row costs 1.1x one of 1 at 1 row, 1.6x at 16:
   # docs/results/decode_speed.md); else every row's K.
-  feats, kv, kept, refused = jax.lax.cond(jnp.any(live & (n_drafts > 0)), checked(k),
-                                          checked(1))
+  feats, kv, kept, refused, after = jax.lax.cond(jnp.any(live & (n_drafts > 0)), checked(k),
+                                                 checked(1))
   count = jnp.where(live, 1 + kept, 0)
   cache = state.cache.write_layers(slots, *kv)
   cache = cache.replace(length=cache.length + count)
   last = jnp.maximum(count - 1, 0)
-  state = state.replace(cache=cache, veto=jnp.where(live, refused, -1),
-                        features=jnp.take_along_axis(feats, last[:, None, None, None],
-                                                     axis=1)[:, 0])
-  return emit(state, group, count, stop_ids, report)
+  state = state.replace(cache=cache, features=jnp.take_along_axis(
+      feats, last[:, None, None, None], axis=1)[:, 0])
+  state = emit(state, group, count, stop_ids, report)
+  # The next step's token 0, with its key (emit has moved the step counter).
+  t0 = sample(after, state, 0, stochastic, refused)
+  return state.replace(next_token=jnp.where(state.done, -1, t0))
