@@ -8,7 +8,7 @@ from hamburger_jax.evaluation.agreement import DIVERGENCE_KINDS
 from hamburger_jax.evaluation.scoring import ckey
 
 # Teacher-forced tasks (infer.eval): no decoding and no score against the base; tabled apart.
-TEACHER_FORCED_TASKS = ("nll", "fidelity")
+TEACHER_FORCED_TASKS = ("nll", "fidelity", "drafts")
 
 
 def fmt(x: float | None, digits: int = 3) -> str:
@@ -42,11 +42,30 @@ def markdown(results: dict[str, Any]) -> str:
     lines += _verify_drafts_table(r.get("verify_drafts"))
   if "fidelity" in results["tasks"]:
     lines += fidelity_table(results["tasks"]["fidelity"])
+  if "drafts" in results["tasks"]:
+    lines += drafts_table(results["tasks"]["drafts"])
   return "\n".join(lines) + "\n"
 
 
 FIDELITY_COLUMNS = ("agree_merged", "agree_single", "agree_one_merge", "agree_s2", "agree_s3",
                     "agree_s4", "kl_merged", "kl_single", "kl_one_merge")
+
+
+def drafts_table(r: dict[str, Any]) -> list[str]:
+  """The drafts task: verify mode's drafts teacher-forced on single-token answers, and the
+  engine's greedy verify on the same prompts."""
+  marg = r["marginal"]
+  cols = [f"draft {i[1:]} the base's" for i in marg]
+  return ["", f"Verify mode's drafts ({r['drafter']}, draft confidence {r['draft_confidence']:g}), "
+          f"teacher-forced on the fidelity set read as single tokens ({r['n']} records, "
+          f"{r['windows']} positions); chained = 1 + the share of windows whose drafts 1..i are "
+          "all the base's, summed over i; walk = greedy verify replayed over the answers; "
+          "engine = greedy verify decoding the same prompts.", "",
+          "| " + " | ".join(cols) + " | chained | walk | engine | walk's steps = engine's |",
+          "|" + "---|" * (len(cols) + 4),
+          "| " + " | ".join(fmt(v) for v in marg.values()) +
+          f" | {r['chained']:.3f} | {r['walk_tokens_per_forward']:.3f} | "
+          f"{r['engine_tokens_per_forward']:.3f} | {r['walk_equals_engine']} of {r['n']} |"]
 
 
 def fidelity_table(r: dict[str, Any]) -> list[str]:

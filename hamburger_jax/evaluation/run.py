@@ -189,6 +189,17 @@ def _run_tasks(model, tok, engine, s: EvalSettings, names, tasks, examples, resu
       except teacher_forced.SplitError as e:
         raise EvalError(str(e)) from None
       continue
+    if name == "drafts":
+      from hamburger_jax.evaluation import fidelity_set, verify_walk  # pylint: disable=C0415
+      try:
+        results["tasks"][name] = r = verify_walk.drafts_task(
+            model, engine, path=s.fidelity_set, limit=s.limit,
+            draft_confidence=s.verify if s.verify is not None else 0.0)
+      except fidelity_set.FidelitySetError as e:
+        raise EvalError(str(e)) from None
+      log(f"drafts: chained {r['chained']:.3f}, walk {r['walk_tokens_per_forward']:.3f}, "
+          f"engine {r['engine_tokens_per_forward']:.3f} tokens a forward")
+      continue
     if name == "fidelity":
       from hamburger_jax.evaluation import fidelity, fidelity_set  # pylint: disable=C0415
       try:
