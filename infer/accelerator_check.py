@@ -220,7 +220,7 @@ def decode_rows(engine, ids: list, n_new: int, flags: str,
   for name, t in res.items():
     if tps is not None:
       tps[name] = t.tokens_per_s
-    k = t.tokens / sum(g.macro_steps for g in t.gens)
+    k = t.tokens_per_step
     yield (f"| {len(ids)} | {name} | {flags} | {t.tokens_per_s:.1f} | "
            f"{t.tokens_per_s / res['base'].tokens_per_s:.2f}x | {k:.2f} | "
            f"{timing.micro_steps_per_step(t.gens):.2f} | {timing.last_row_steps(t.gens)} | "

@@ -1,5 +1,4 @@
-"""Check a serving setup without its accelerator: compile the engine's programs for a TPU on
-this machine (no TPU, no weights) and print what each needs per chip.
+"""Check a TPU serving setup without a TPU or weights: what each engine program needs per chip.
 
   python -m infer.aot --topology v5e:2x2 --batches 1,32              # the shipped graft
   python -m infer.aot --topology v5p:2x2x1 --config configs/llama3_2_1b.yaml --batches 1,64

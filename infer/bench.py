@@ -1,4 +1,4 @@
-"""Decode benchmarks, measured against a baseline in the same run (results: docs/results/).
+"""Decode and serving benchmarks, each against a baseline in the same run (docs/results/).
 
   python -m infer.bench                      # our base decode vs transformers' generate
   python -m infer.bench --mode hamburger     # HAMburger vs base in our engine (+ ceiling)
@@ -11,6 +11,10 @@
   python -m infer.bench --mode server        # infer.server under concurrent streaming clients
                                              # vs serve() in process, the same requests
   python -m infer.bench --mode widths        # a w-row base forward vs a 1-row one, bandwidth
+  python -m infer.bench --mode server-start --starts 2 -- --slots 8
+                                             # infer.server's time to /health and to a first
+                                             # answer, start after start, one compilation
+                                             # cache (what follows -- goes to the server)
   python -m infer.bench --config configs/llama3_2_1b.yaml --random-weights --batches 1,8
                                              # a config's model, random weights: FLOPs, MFU,
                                              # roofline (docs/results/accelerator_benches.md)
@@ -32,7 +36,9 @@ import sys
 from hamburger_jax import cli
 from hamburger_jax.config import DEFAULT_DRAFT_CONFIDENCE
 from hamburger_jax.decode.requests import GenerationError, check_settings
-from infer import bench_decode, bench_random, bench_serve, bench_server, bench_verify, bench_widths
+from hamburger_jax.benchmarks import (decode_bench, random_weights_bench, serve_bench,
+                                      server_bench, server_start_bench, verify_bench,
+                                      widths_bench)
 
 
 def main(argv=None) -> int:
@@ -51,22 +57,28 @@ def main(argv=None) -> int:
                  help="hamburger: after the table, where one decode of each batch and setting "
                       "spends the device's time, by kind of operation (a profiler trace)")
   _add_serve_flags(p)
-  args = p.parse_args(argv)
+  _add_server_start_flags(p)
+  argv = list(sys.argv[1:] if argv is None else argv)
+  split = argv.index("--") if "--" in argv else len(argv)
+  args, server_args = p.parse_args(argv[:split]), argv[split + 1:]
+  if args.mode == "server-start" or split < len(argv):
+    _check_server_start_args(p, args, server_args)
+    return server_start_bench.bench_server_start(args, server_args)
   _check_args(p, args)
   from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
   cache.enable_compilation_cache()
   if args.random_weights:
     args.batches = args.batches or [1, 8]
-    bench_random.bench_random(args)
+    random_weights_bench.bench_random(args)
     return 0
   args.dtype = args.dtype or "float32"
-  default_batches = {"base": [1, 8], "widths": list(bench_widths.WIDTHS)}.get(args.mode,
+  default_batches = {"base": [1, 8], "widths": list(widths_bench.WIDTHS)}.get(args.mode,
                                                                              [1, 8, 32])
   args.batches = args.batches or default_batches
   try:
-    {"base": bench_decode.bench_base, "hamburger": bench_decode.bench_hamburger,
-     "verify": bench_verify.bench_verify, "serve": bench_serve.bench_serve,
-     "server": bench_server.bench_server, "widths": bench_widths.bench_widths}[args.mode](args)
+    {"base": decode_bench.bench_base, "hamburger": decode_bench.bench_hamburger,
+     "verify": verify_bench.bench_verify, "serve": serve_bench.bench_serve,
+     "server": server_bench.bench_server, "widths": widths_bench.bench_widths}[args.mode](args)
   except cli.ModelLoadError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
@@ -75,8 +87,8 @@ def main(argv=None) -> int:
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
   """Which benchmark, its batches and lengths, and the weights it loads."""
-  p.add_argument("--mode", choices=("base", "hamburger", "verify", "serve", "server", "widths"),
-                 default=None,
+  p.add_argument("--mode", choices=("base", "hamburger", "verify", "serve", "server", "widths",
+                                    "server-start"), default=None,
                  help="default: base (with --random-weights: base and hamburger)")
   p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=None,
                  help="comma-separated batch sizes (default: 1,8 for base and --random-weights; "
@@ -130,10 +142,41 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                  help="serve (c): refill every K macro steps, against refill at each finish")
 
 
+def _add_server_start_flags(p: argparse.ArgumentParser) -> None:
+  """--mode server-start: how many server starts, and the compilation cache they share."""
+  p.add_argument("--starts", type=int, default=2,
+                 help="server-start: server starts, one after the other")
+  p.add_argument("--timeout", type=float, default=1800,
+                 help="server-start: seconds a start may take")
+  p.add_argument("--cache-dir", default=None,
+                 help="server-start: the compilation cache the starts share, kept afterwards "
+                 "(default: a fresh temporary one)")
+
+
+def _check_server_start_args(p: argparse.ArgumentParser, args: argparse.Namespace,
+                             server_args: list[str]) -> None:
+  """--mode server-start takes its own flags before `--` and the server's after it: a server
+  flag before `--` would be a bench flag of the same name, silently unused."""
+  if args.mode != "server-start":
+    p.error("the arguments after `--` go to the server of --mode server-start: add "
+            "--mode server-start, or drop them")
+  defaults = vars(p.parse_args([]))
+  own = {"mode", "starts", "timeout", "cache_dir"}
+  other = [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
+           if k not in own and v != defaults[k]]
+  if other:
+    p.error(f"--mode server-start takes --starts, --timeout and --cache-dir; the server's flags "
+            f"go after `--` (e.g. -- {other[0]} ...), not {', '.join(other)} before it")
+  if args.starts < 1:
+    p.error("--starts must be >= 1")
+  if any(a == "--port" or a.startswith("--port=") for a in server_args):
+    p.error("leave out --port: each start listens on a free port of its own")
+
+
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
   """Checks the flags, filling in the defaults that depend on --mode and --random-weights, and
   parses --micro-rule."""
-  bench_random.check_random_weights_flags(p, args)
+  random_weights_bench.check_random_weights_flags(p, args)
   if not args.random_weights:
     args.mode = args.mode or "base"
   if not args.parts or not set(args.parts) <= {"a", "b", "p"}:

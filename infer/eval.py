@@ -7,6 +7,7 @@
   python -m infer.eval --tasks fidelity --checkpoint C
   python -m infer.eval --tasks fidelity --data runs/data/D --split train --limit 96
   python -m infer.eval --tasks fidelity --merge-layer 0,2,4,8,15,22
+  python -m infer.eval --replot runs/eval/results.json     # its plots again, from the JSON
 
 Each task is decoded greedily in mode "base" (the base weights alone) and in mode "hamburger" at
 each confidence c, in batches, with the same engine. Reported per task: the score, the KV
@@ -33,7 +34,9 @@ by group size (hamburger_jax/evaluation/fidelity.py).
 tiny model with no tokenizer, where only the token-id tasks `synthetic` and `nll` make sense).
 
 Writes to --out: results.json (numbers, config, command line), results.md (tables),
-generations.jsonl (every generation) and the PNG plots of hamburger_jax/evaluation/plots.py.
+generations.jsonl (every generation) and the PNG plots of hamburger_jax/evaluation/plots.py;
+`--replot RESULTS_JSON` draws an earlier run's plots again from its results.json alone (into
+--out if given, else beside it).
 """
 
 # Heavy imports (jax, models, data) live inside the functions that need them, so that --help and
@@ -61,12 +64,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   _add_model_flags(p)
   _add_data_flags(p)
   _add_suite_flags(p)
-  p.add_argument("--out", default="runs/eval", help="output directory")
+  p.add_argument("--out", default=None,
+                 help="output directory (default runs/eval; --replot: the JSON's)")
   p.add_argument("--no-plots", action="store_true")
+  p.add_argument("--replot", default=None, metavar="RESULTS_JSON",
+                 help="draw an earlier evaluation's plots again from its results.json, and exit")
   p.add_argument("--unsafe-exec", action="store_true",
                  help="humaneval: run model-written code as a plain subprocess when no OS sandbox "
                  "(namespaces through util-linux's unshare) is available; only for trusted code")
   args = p.parse_args(argv)
+  if args.replot:
+    _check_replot(p, args)
+    return args
+  args.out = args.out or "runs/eval"
   _check_suite_flags(p, args)
   _check_decode_flags(p, args)
   _check_paths(p, args)
@@ -148,6 +158,24 @@ def _add_suite_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--against", action="append", default=[], metavar="CHECKPOINT",
                  help="--suite: another graft judged on the same suite and base answers; each is "
                       "compared with --checkpoint at c = 0.8 (paired interval)")
+
+
+def _check_replot(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """--replot draws plots and exits: any flag of an evaluation beside it would go unused."""
+  from hamburger_jax import files
+  defaults = vars(p.parse_args([]))
+  other = [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
+           if k not in ("replot", "out") and v != defaults[k]]
+  if other:
+    p.error(f"--replot draws an earlier evaluation's plots and exits: leave out "
+            f"{', '.join(other)} (only --out goes with it)")
+  try:
+    if not files.exists(args.replot):
+      p.error(f"{args.replot} does not exist: run python -m infer.eval first")
+    if args.out is not None:
+      files.check_writable(args.out, "--out")
+  except files.StorageError as e:
+    p.error(str(e))
 
 
 def _check_suite_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -266,6 +294,8 @@ def settings(args, argv: Sequence[str]) -> EvalSettings:
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
+  if args.replot:
+    return replot(args)
   # Imported after argument checks so bad arguments fail fast.
   from hamburger_jax import cache, files
   from hamburger_jax.assets import AssetError
@@ -292,6 +322,18 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(markdown(results))
   print(f"wrote {args.out}/results.json, results.md, generations.jsonl" +
         ("" if args.no_plots else " and the plots"), file=sys.stderr)
+  return 0
+
+
+def replot(args) -> int:
+  """--replot RESULTS_JSON: the evaluation's plots drawn again from its results.json alone, each
+  PNG's path printed."""
+  import json
+  from hamburger_jax import files
+  from hamburger_jax.evaluation.plots import plot_all
+  results = json.loads(files.read_text(args.replot))
+  for path in plot_all(results, args.out or os.path.dirname(files.absolute(args.replot))):
+    print(path)
   return 0
 
 

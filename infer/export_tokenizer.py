@@ -1,6 +1,7 @@
-"""CLI: write a base model's tokenizer as an HF tokenizer directory (tokenizer.json,
-tokenizer_config.json, chat template), for clients that tokenize themselves, e.g.
-lm-evaluation-harness against `python -m infer.server`:
+"""Write a base model's tokenizer as an HF directory, for clients that tokenize themselves.
+
+The directory holds tokenizer.json, tokenizer_config.json and the chat template, what such a
+client reads: e.g. lm-evaluation-harness against `python -m infer.server`:
 
   python -m infer.export_tokenizer --out runs/tokenizer
   lm_eval run --model local-completions --tasks arc_easy --model_args \\

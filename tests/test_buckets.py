@@ -394,9 +394,9 @@ def test_eval_reads_its_checkpoint_from_and_writes_its_results_to_a_bucket(
     assert files.read_bytes(files.join(out, name))[:8] == b"\x89PNG\r\n\x1a\n", name
   # Redrawn from the bucket's results.json, into the bucket; compared from the bucket.
   from infer import compare_evals  # pylint: disable=import-outside-toplevel
-  from infer import plots as plots_cli  # pylint: disable=import-outside-toplevel
+  from infer import eval as eval_cli  # pylint: disable=import-outside-toplevel
   files.remove(files.join(out, plots.FILES[0]))
-  assert plots_cli.main([files.join(out, "results.json")]) == 0
+  assert eval_cli.main(["--replot", files.join(out, "results.json")]) == 0
   assert files.read_bytes(files.join(out, plots.FILES[0]))[:8] == b"\x89PNG\r\n\x1a\n"
   assert len(compare_evals.read_run(out)) == len(
       files.read_text(files.join(out, "generations.jsonl")).splitlines())

@@ -1,6 +1,7 @@
 """The decode benches' instruments on a tiny model: the w-row forward loop of `infer.bench --mode
-widths` (what it runs and what it counts) and `infer.ablate_step`'s variants (each part taken
-out only inside its block, and with every part out HAMburger mode is the base's step)."""
+widths` (what it runs and what it counts) and `infer.experiments.ablate_step`'s variants (each
+part taken out only inside its block, and with every part out HAMburger mode is the base's
+step)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.testing import DECODE_CFG, DECODE_STOP, tiny_decode_model
 from hamburger_jax.benchmarks import widths
 from hamburger_jax.decode import step_costs
-from infer import ablate_step
+from infer.experiments import ablate_step
 
 
 @pytest.fixture(scope="module")

@@ -163,7 +163,7 @@ def bench_hamburger(args) -> None:
       vocab = "full" if name == "full" else str(size)
       for rule in rules:
         t = out[f"{name} {rule}"]
-        k = t.tokens / sum(g.macro_steps for g in t.gens)
+        k = t.tokens_per_step
         ceiling = args.new_tokens / lockstep_cost(t.gens, r)
         ratio = t.tokens_per_s / base.tokens_per_s
         same = sum(g.token_ids == f for g, f in zip(t.gens, first))

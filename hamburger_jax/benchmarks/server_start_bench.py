@@ -1,8 +1,8 @@
-"""CLI: the server's time to /health and to a first answer, start after start, against one
-compilation cache.
+"""infer.bench --mode server-start: the server's time to /health and to a first answer, start
+after start, against one compilation cache.
 
-  python -m infer.server_start -- --slots 4
-  python -m infer.server_start --starts 3 -- --slots 8 --modes hamburger
+  python -m infer.bench --mode server-start -- --slots 4
+  python -m infer.bench --mode server-start --starts 3 -- --slots 8 --modes hamburger
 
 Everything after `--` goes to `python -m infer.server`. The first start compiles and writes
 every program; each later one, with the same layout, should read them all back: its row shows
@@ -13,29 +13,15 @@ cache.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
 
 
-def main(argv=None) -> int:
-  argv = list(sys.argv[1:] if argv is None else argv)
-  server_args = argv[argv.index("--") + 1:] if "--" in argv else []
-  p = argparse.ArgumentParser(prog="python -m infer.server_start", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--starts", type=int, default=2, help="server starts, one after the other")
-  p.add_argument("--timeout", type=float, default=1800, help="seconds a start may take")
-  p.add_argument("--cache-dir", default=None,
-                 help="the compilation cache the starts share, kept afterwards (default: a "
-                 "fresh temporary one)")
-  args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-  if args.starts < 1:
-    p.error("--starts must be >= 1")
-  if any(a == "--port" or a.startswith("--port=") for a in server_args):
-    p.error("leave out --port: each start listens on a free port of its own")
-  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.benchmarks.server_start import time_starts
+def bench_server_start(args, server_args: list[str]) -> int:
+  """Starts `python -m infer.server SERVER_ARGS` args.starts times and prints a row per start;
+  a start that fails is one line on stderr and exit status 1."""
+  from hamburger_jax.benchmarks.server_start import time_starts  # pylint: disable=C0415
   with tempfile.TemporaryDirectory() as tmp:
     try:
       rows = time_starts(server_args, args.cache_dir or os.path.join(tmp, "jax"), args.starts,
@@ -57,7 +43,3 @@ def main(argv=None) -> int:
           f"{r['cache_misses']} | {r['prepared_seconds']:.1f}, {r['prepared_cache_hits']}, "
           f"{r['prepared_cache_misses']} |")
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from hamburger_jax.costs import program_flops
 from hamburger_jax.decode.step_costs import step_costs  # noqa: F401  (the benches' API)
-from hamburger_jax.decode.requests import Generation
+from hamburger_jax.decode.requests import Generation, pooled_tokens_per_step
 from hamburger_jax.decode.step_program import decode_step_program
 
 
@@ -34,6 +34,11 @@ class BatchTiming:
   @property
   def tokens_per_s(self) -> float:
     return self.tokens / self.decode_s
+
+  @property
+  def tokens_per_step(self) -> float:
+    """Tokens a macro step, pooled over the rows (verify mode: tokens a base forward)."""
+    return pooled_tokens_per_step(self.gens)
 
 
 def batch_decode_s(gens: Sequence[Generation]) -> float:

@@ -151,6 +151,7 @@ class Request:
 
 
 def pooled_tokens_per_step(gens) -> float:
-  """Tokens per macro step over many generations (each weighted by its length, so it is also
-  their KV compression: tokens per decode entry)."""
+  """Tokens per macro step over many generations, each weighted by its length: in mode
+  hamburger their KV compression (tokens per decode entry), in verify mode the tokens a base
+  forward produced (its own and the drafts it kept)."""
   return sum(g.new_tokens for g in gens) / max(sum(g.macro_steps for g in gens), 1)

@@ -1,5 +1,5 @@
 """Plots of an evaluation (results.json of evaluation/run.py), in the layouts of the paper's
-figures (`python -m infer.plots results.json` redraws them):
+figures (`python -m infer.eval --replot results.json` redraws them):
 
 - quality_vs_compression.png (Figure 3): one panel per task, x = KV compression (tokens per KV
   entry), y = score with its 95% bootstrap interval as an error bar (when results.json has one);

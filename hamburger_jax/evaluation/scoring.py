@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator
 
+from hamburger_jax.decode.requests import pooled_tokens_per_step
 from hamburger_jax.evaluation.agreement import first_divergence, token_agreement
 from hamburger_jax.evaluation.generation import ModeRun, run_modes
 from hamburger_jax.evaluation.statistics import paired_bootstrap_ci
@@ -54,7 +55,7 @@ class Scored:
     if self.verify is not None:
       summary = self.verify.summary(self.verify_scores)
       summary.pop("kv_compression")  # one entry per token, as the base
-      summary["tokens_per_forward"] = self.verify.tokens / max(self.verify.macro_steps, 1)
+      summary["tokens_per_forward"] = pooled_tokens_per_step(self.verify.gens)
       summary["speed_ratio"] = summary["tokens_per_s"] / result["base"]["tokens_per_s"]
       summary.update(token_agreement(base_ids, [g.token_ids for g in self.verify.gens]))
       result["verify"] = summary

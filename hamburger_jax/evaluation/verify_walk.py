@@ -145,7 +145,7 @@ def drafts_task(model, engine, *, path: str | None = None, limit: int | None = N
   # pylint: disable=import-outside-toplevel
   import sys
   from tqdm import tqdm
-  from hamburger_jax.decode.requests import Request
+  from hamburger_jax.decode.requests import Request, pooled_tokens_per_step
   from hamburger_jax.evaluation import fidelity_set
   fset = fidelity_set.load(path)
   fidelity_set.check_fits(fset, model.base, model.max_group)
@@ -159,7 +159,7 @@ def drafts_task(model, engine, *, path: str | None = None, limit: int | None = N
   steps = [g.macro_steps for g in gens]
   return {"metric": "chained", "score": out["chained"], "n": len(records),
           "set": path or fidelity_set.DEFAULT_PATH, **out,
-          "engine_tokens_per_forward": sum(g.new_tokens for g in gens) / max(sum(steps), 1),
+          "engine_tokens_per_forward": pooled_tokens_per_step(gens),
           "engine_same_answers": sum(g.token_ids == list(r.response)
                                      for g, r in zip(gens, chosen)),
           "walk_equals_engine": sum(a == b for a, b in zip(out["walk_steps"], steps))}

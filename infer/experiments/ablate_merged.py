@@ -1,7 +1,9 @@
-"""What a merged entry carries: teacher-forced agreement with the base (infer.eval's nll task, on
-data with teacher signals) with every merged entry made three ways.
+"""What a merged entry carries: the base's agreement with every merged entry made three ways.
 
-  python -m infer.ablate_merged --data runs/data/smollm2-teacher3 --limit 48
+Teacher-forced agreement with the base, as infer.eval's nll task measures it on data with
+teacher signals:
+
+  python -m infer.experiments.ablate_merged --data runs/data/smollm2-teacher3 --limit 48
 
 - graft: as the graft makes it (compositional embedder, then the base with its merged-entry
   adapters on at that position);
@@ -45,7 +47,8 @@ def run(model, data_dir: str, split: str, limit: int | None, batch: int,
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m infer.ablate_merged", description=__doc__,
+  p = argparse.ArgumentParser(prog="python -m infer.experiments.ablate_merged",
+                              description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--data", required=True, help="a dataset with teacher signals (prepare_data "
                  "--teacher-top-k)")

@@ -1,6 +1,6 @@
 """What a HAMburger macro step costs over a base step when nothing merges, part by part.
 
-  python -m infer.ablate_step --batch 1 --rounds 6
+  python -m infer.experiments.ablate_step --batch 1 --rounds 6
 
 Decodes the bench prompts (hamburger_jax.benchmarks.prompts, EOS ignored) in base mode and in
 HAMburger mode with parts of the HAMburger step taken out (decode/step.py: StepVariant), each
@@ -36,7 +36,8 @@ def step_variant(name: str):
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m infer.ablate_step", description=__doc__,
+  p = argparse.ArgumentParser(prog="python -m infer.experiments.ablate_step",
+                              description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   cli.add_model_flags(p, checkpoint_help="graft checkpoint (default: the shipped one)")
   p.add_argument("--batch", type=int, default=1, help="prompts decoded together")
@@ -53,6 +54,7 @@ def main(argv=None) -> int:
   import numpy as np  # pylint: disable=import-outside-toplevel
   from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.requests import pooled_tokens_per_step  # pylint: disable=C0415
   from hamburger_jax.benchmarks.prompts import PROMPTS, chat_ids  # pylint: disable=C0415
 
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
@@ -74,7 +76,7 @@ def main(argv=None) -> int:
       g = engines[name].generate(ids, max_new_tokens=args.new_tokens, mode=mode,
                                  confidence=args.confidence)
       ms[name].append(1e3 * g[0].decode_s / args.new_tokens)
-  k = args.batch * args.new_tokens / sum(g.macro_steps for g in steps["hamburger"])
+  k = pooled_tokens_per_step(steps["hamburger"])
   base = float(np.median(ms["base"]))
   print(f"{pretrained.describe('hamburger', checkpoint, args.base)}; batch {args.batch}, "
         f"{args.new_tokens} tokens, confidence {args.confidence} (HAMburger k = {k:.2f}); "

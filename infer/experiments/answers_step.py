@@ -1,11 +1,12 @@
-"""The self-distilled answers' program (hamburger_jax/data/tokens/answers.py) by its decode step:
-"in_place" (its default: each layer writes its entry in place, then reads the cache in one
-pass) against "engine" (Llama.forward over a KVCache, as the serving engine steps), in the same
-run: answer tokens/s, compile time, the whole-array copies its decode loop makes each step, and
-whether both answer alike.
+"""The self-distilled answers' program by its decode step: in place against the engine's.
 
-  python -m infer.bench_answers --config configs/tiny.yaml --rows 64
-  python -m infer.bench_answers --config configs/smollm2_135m_window.yaml --rows 64 \\
+hamburger_jax/data/tokens/answers.py: "in_place" (its default: each layer writes its entry in
+place, then reads the cache in one pass) against "engine" (Llama.forward over a KVCache, as the
+serving engine steps), in the same run: answer tokens/s, compile time, the whole-array copies
+its decode loop makes each step, and whether both answer alike.
+
+  python -m infer.experiments.answers_step --config configs/tiny.yaml --rows 64
+  python -m infer.experiments.answers_step --config configs/smollm2_135m_window.yaml --rows 64 \\
       --dtype float32 --prompt-len 64 --max-new 32
 """
 
@@ -19,8 +20,8 @@ from hamburger_jax import cli
 
 
 def main(argv: list[str] | None = None) -> None:
-  p = argparse.ArgumentParser(prog="python -m infer.bench_answers",
-                              description=__doc__.split("\n\n")[0])
+  p = argparse.ArgumentParser(prog="python -m infer.experiments.answers_step",
+                              description="\n\n".join(__doc__.split("\n\n")[:2]))
   p.add_argument("--config", default="configs/tiny.yaml", help="a run config: its base model")
   p.add_argument("--dtype", default=None, help="override model.dtype (and param_dtype)")
   p.add_argument("--rows", type=int, default=64)

@@ -1,12 +1,14 @@
-"""How closely decoding in bfloat16 (the GPU and TPU default: hamburger_jax/precision.py)
-follows float32, on the shipped graft and the decode benches' chat prompts:
+"""How closely decoding in bfloat16 follows float32, on the shipped graft.
+
+bfloat16 is the GPU and TPU default (hamburger_jax/precision.py). On the decode benches' chat
+prompts:
 
 - how much of each merged-entry adapter the bfloat16 fold loses,
   ||round(W + BA) - round(W) - BA|| / ||BA|| (model/decode_layout.py: fold_errors);
 - teacher-forced agreement with float32, base and HAMburger, merge decisions forced equal
   (hamburger_jax/evaluation/dtype_agreement.py).
 
-  python -m infer.dtype_fidelity --tokens 64 --confidence 0.5,0
+  python -m infer.experiments.dtype_fidelity --tokens 64 --confidence 0.5,0
 
 Prints markdown tables (the figures in docs/results/fidelity.md); --kernels adds every
 adapted kernel's row.
@@ -55,7 +57,8 @@ def agreement_table(results: dict[str, dict]) -> list[str]:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m infer.dtype_fidelity", description=__doc__,
+  p = argparse.ArgumentParser(prog="python -m infer.experiments.dtype_fidelity",
+                              description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--dtype", choices=("bfloat16",), default="bfloat16",
                  help="the decoding dtype compared with float32")

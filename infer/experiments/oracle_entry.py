@@ -1,8 +1,11 @@
-"""The oracle entry (hamburger_jax/evaluation/oracle_entry.py): a free input vector per merged
-slot of the fidelity set's one-merge contexts, optimised against the frozen base and the graft's
-adapters; its agreement with the base bounds what any compositional embedder could reach.
+"""The oracle entry: how well any compositional embedder could do, on the fidelity set.
 
-  python -m infer.oracle_entry --checkpoint checkpoints/smollm2-135m-hamburger --slots 256
+hamburger_jax/evaluation/oracle_entry.py: a free input vector per merged slot of the fidelity
+set's one-merge contexts, optimised against the frozen base and the graft's adapters; its
+agreement with the base bounds what any compositional embedder could reach.
+
+  python -m infer.experiments.oracle_entry --checkpoint checkpoints/smollm2-135m-hamburger \\
+      --slots 256
 
 Prints the learning curve (agreement and KL by step; step 0 is the graft's own embedder) and
 writes it to --out as JSON.
@@ -21,7 +24,8 @@ from hamburger_jax import cli
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="python -m infer.oracle_entry", description=__doc__,
+  p = argparse.ArgumentParser(prog="python -m infer.experiments.oracle_entry",
+                              description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   cli.add_model_flags(p, checkpoint_help="the graft whose reading side is bounded (default: the "
                       "shipped one)")
@@ -65,8 +69,8 @@ def main(argv=None) -> int:
       for s in curve.by_size["agree_0"]))
   print(f"the optimised entries moved {curve.relative_change:.2f} of their norm")
   files.makedirs(os.path.dirname(args.out) or ".")
-  files.write_json_atomic(args.out, {"command": " ".join(["python", "-m", "infer.oracle_entry",
-                                                          *(argv or sys.argv[1:])]),
+  command = ["python", "-m", "infer.experiments.oracle_entry", *(argv or sys.argv[1:])]
+  files.write_json_atomic(args.out, {"command": " ".join(command),
                                      **dataclasses.asdict(curve)}, indent=2)
   return 0
 

@@ -34,7 +34,7 @@ from hamburger_jax.segmentation import confident_starts
 
 # How a decode step reads and writes the cache: "in_place" (_in_place_step) or "engine"
 # (Llama.forward with a KVCache, as the serving engine steps: the baseline that
-# infer/bench_answers.py times it against).
+# infer/experiments/answers_step.py times it against).
 STEPS = ("in_place", "engine")
 
 
@@ -68,7 +68,7 @@ def _in_place_step(model: Llama, tok_b: jax.Array, at_b1: jax.Array,
   into the cache before reading it: every read then follows the write before it, so XLA updates
   the loop's cache in place. (Llama.forward writes every layer after all have read: nothing
   orders the last layer's read before that write, and XLA copies the whole cache each step;
-  infer/bench_answers.py counts the copies in the compiled loop.)
+  infer/experiments/answers_step.py counts the copies in the compiled loop.)
   Returns the final-normed hidden state [B, D] and the cache."""
   rows = jnp.arange(tok_b.shape[0])[:, None]
   x = model.embed(tok_b[:, None])
