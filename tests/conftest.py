@@ -14,7 +14,8 @@ from hamburger_jax import precision
 
 # The suite an accelerator host runs (`pytest -m portable`, infer.accelerator_check): modules
 # whose every test holds on any backend (no fake CPU devices, no CPU-only timing).
-PORTABLE = ("test_engine", "test_decode_layout", "test_llama", "test_hamburger_model")
+PORTABLE = ("test_engine", "test_decode_layout", "test_llama", "test_hamburger_model",
+            "test_verify")
 
 # The tests compare greedy tokens exactly, against references computed in float32: on every
 # backend they decode in float32 with full-precision matmuls (hamburger_jax/precision.py).

@@ -264,12 +264,17 @@ def test_the_rest_is_prepared_between_requests(engine):
     loop.prepare_yield_s = 60.0
     preparer = threading.Thread(target=loop.prepare_rest)
     preparer.start()
-    time.sleep(1.0)
-    assert len(loop.pending()["base"]) == todo  # nothing prepared beside the request
+    deadline = time.monotonic() + 60
+    while loop.prepared.waits == 0:  # until it has found the request in flight
+      assert time.monotonic() < deadline and preparer.is_alive()
+      time.sleep(0.01)
+    # It waits for the request (60 s at most) before its first program: none prepared yet.
+    assert len(loop.pending()["base"]) == todo
     held.set()
     assert ticket.wait(60).token_ids == stream
     preparer.join(120)
     assert not preparer.is_alive() and loop.pending() == {"base": []}
+    assert loop.prepared.waits == 1  # the rest followed one another, nothing in flight
   finally:
     held.set()
     loop.close()
@@ -278,7 +283,8 @@ def test_the_rest_is_prepared_between_requests(engine):
   busy._idle.clear()  # pylint: disable=protected-access  # a request that never ends
   busy.prepare_yield_s = 0.05
   try:
+    todo = len(busy.pending()["base"])
     busy.prepare_rest()  # each program after its wait
-    assert busy.pending() == {"base": []}
+    assert busy.pending() == {"base": []} and busy.prepared.waits == todo
   finally:
     busy.close()

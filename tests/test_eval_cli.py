@@ -68,16 +68,20 @@ def test_writes_results_generations_and_pngs(tiny_eval: Path):
 
 
 def test_plots_redrawn_from_results_json(tiny_eval: Path, tmp_path: Path, capsys):
-  """`python -m infer.plots RESULTS` draws the evaluation's plots again, from its JSON alone."""
-  from infer import plots  # pylint: disable=import-outside-toplevel
-  assert plots.main([str(tiny_eval / "results.json"), "--out", str(tmp_path)]) == 0
+  """`python -m infer.eval --replot RESULTS` draws the evaluation's plots again, from its JSON
+  alone; an evaluation's flag beside it is refused, not ignored."""
+  from infer import eval as eval_cli  # pylint: disable=import-outside-toplevel
+  assert eval_cli.main(["--replot", str(tiny_eval / "results.json"), "--out", str(tmp_path)]) == 0
   written = capsys.readouterr().out.split()
   assert sorted(os.path.basename(p) for p in written) == sorted(PLOTS)
   for name in PLOTS:
     assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC, name
   with pytest.raises(SystemExit):
-    plots.main([str(tmp_path / "nowhere.json")])
+    eval_cli.main(["--replot", str(tmp_path / "nowhere.json")])
   assert "run python -m infer.eval first" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    eval_cli.main(["--replot", str(tiny_eval / "results.json"), "--tasks", "synthetic"])
+  assert "leave out --tasks" in capsys.readouterr().err
 
 
 def test_results_json_numbers(tiny_eval: Path):
@@ -547,9 +551,9 @@ def test_trainer_validation_reports_the_nll_tasks_teacher_numbers(teacher_nll: S
 # ----------------------------------------------------------------------------- merged-entry ablation
 
 def test_ablation_graft_variant_is_the_nll_tasks_agreement(teacher_nll: SimpleNamespace):
-  """infer.ablate_merged's "graft" row is the nll task's teacher agreement; with the adapters at
+  """infer.experiments.ablate_merged's "graft" row is the nll task's teacher agreement; with the adapters at
   zero (the fixture's fresh graft) "no_adapters" is the same model, and "last_token" is not."""
-  from infer import ablate_merged  # pylint: disable=import-outside-toplevel
+  from infer.experiments import ablate_merged  # pylint: disable=import-outside-toplevel
   out = ablate_merged.run(teacher_nll.model, teacher_nll.data, "validation", None, TEACHER_BATCH)
   assert teacher_nll.model.merged_entry == "graft"  # the variants are copies
   want = teacher_nll.result["teacher_agreement"]
@@ -597,13 +601,13 @@ def test_ablation_variants_make_the_merged_entry_they_name():
 
 
 def test_ablation_needs_teacher_signals(tiny_data_dir: str):
-  from infer import ablate_merged  # pylint: disable=import-outside-toplevel
+  from infer.experiments import ablate_merged  # pylint: disable=import-outside-toplevel
   cfg = load_run_config(TINY)
   model, _ = pretrained.build_run_model(cfg)
   with pytest.raises(ValueError, match="no usable teacher signals"):
     ablate_merged.run(model, tiny_data_dir, "validation", 4, 2, variants=("graft",))
-  proc = subprocess.run([sys.executable, "-m", "infer.ablate_merged", "--data", "/no/such/dir"],
-                        cwd=REPO, capture_output=True, text=True, timeout=120)
+  proc = subprocess.run([sys.executable, "-m", "infer.experiments.ablate_merged", "--data",
+                         "/no/such/dir"], cwd=REPO, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2 and "--data /no/such/dir does not exist" in proc.stderr
 
 
@@ -665,11 +669,17 @@ def test_fidelity_and_verify_through_the_cli(tmp_path: Path):
   assert fid["n"] == 4 and fid["score"] == fid["agree_merged"]
   assert {"agree_single", "agree_one_merge", "agree_s2", "kl_merged", "by_size"} <= set(fid)
   verify = results["tasks"]["synthetic"]["verify"]
-  assert verify["identical"] == 1.0 and verify["tokens_per_forward"] >= 1.0
   md = (out / "results.md").read_text()
   assert "Fidelity, teacher-forced on the fidelity set" in md and "Verify mode" in md
   rows = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
   assert {r["mode"] for r in rows} == {"base", "hamburger", "verify"}
+  # Tokens a base forward: the verify answers' tokens over their forwards (macro steps), pooled.
+  answers = [r for r in rows if r["mode"] == "verify" and r["task"] == "synthetic"]
+  assert len(answers) == 4
+  assert all(sum(r["groups"]) == len(r["token_ids"]) and len(r["groups"]) == r["macro_steps"]
+             for r in answers)
+  assert verify["identical"] == 1.0 and verify["tokens_per_forward"] == pytest.approx(
+      sum(len(r["token_ids"]) for r in answers) / sum(r["macro_steps"] for r in answers))
   proc = _eval("--config", TINY, "--tasks", "fidelity", "--limit", "2", "--out",
                str(tmp_path / "other"))
   assert proc.returncode == 1 and "another base" in proc.stderr  # the committed set: SmolLM2's

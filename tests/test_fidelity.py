@@ -227,10 +227,17 @@ def test_the_oracle_entry_fits_the_slots_better_than_the_embedder():
   from hamburger_jax.evaluation import oracle_entry
   model = tiny_distill_model()
   taught = fidelity.teacher_records(model, _records(4))
-  curve = oracle_entry.optimise(model, taught, slots=12, steps=40, lr=1.0, report_every=20)
-  assert curve.steps == [0, 20, 40] and curve.slots == 12
+  # 13 slots: the one-merge rows of the first two records (7 and 6), in order.
+  curve = oracle_entry.optimise(model, taught, slots=13, steps=40, lr=1.0, report_every=20)
+  assert curve.steps == [0, 20, 40] and curve.slots == 13
+  own = fidelity.one_merge(model, taught[:2])
+  assert own["items"]["agree_one_merge"] == 13
+  assert curve.agree[0] == pytest.approx(own["agree_one_merge"], abs=1e-6)
+  assert curve.kl[0] == pytest.approx(own["kl_one_merge"], rel=1e-4)
   assert curve.kl[-1] < 0.5 * curve.kl[0], curve.kl
   assert curve.agree[-1] >= curve.agree[0]
-  single = [dict(taught[0], groups=np.ones(sum(taught[0]["groups"]), np.int32))]
+  n = int(sum(taught[0]["groups"]))  # every token its own group, each with its features
+  single = [dict(taught[0], groups=np.ones(n, np.int32), teacher_features=np.repeat(
+      taught[0]["teacher_features"][:1], n, axis=0))]
   with pytest.raises(ValueError, match="no merged group"):
     oracle_entry.optimise(model, single, slots=4, steps=2)

@@ -230,3 +230,30 @@ def test_each_app_counts_in_a_registry_of_its_own():
   assert _get(counts[1], "hamburger_requests_active", state="queued") == 0
   # Nothing went to the process-wide default registry.
   assert not [m for m in prometheus_client.REGISTRY.collect() if m.name.startswith("hamburger")]
+
+
+def test_a_failing_on_done_is_logged_and_counted(caplog):
+  """An on_done callback that raises (its client's event loop gone, say) is logged with its
+  request's id and error, and counted in /metrics; serving goes on."""
+  engine = Engine(tiny_decode_model(), None, stop_ids=[DECODE_STOP])
+  loop = AdmissionLoop(engine, ("hamburger",), Limits(slots=2, max_prompt_tokens=16,
+                                                      max_tokens=8))
+  server = Server(loop, Defaults(model="tiny", mode="hamburger", max_tokens=8, confidence=0.5))
+  count = lambda: _get(_parse(server.metrics.render().decode()), "hamburger_on_done_errors_total",
+                       mode="hamburger")
+  assert count() == 0
+
+  def gone(gen):
+    raise RuntimeError("event loop is closed")
+  loop.start()
+  with caplog.at_level("WARNING", logger="hamburger_jax.decode.admission"):
+    try:
+      broken = loop.submit(Request([1, 2, 3], max_new_tokens=4, id="req-7"), on_done=gone)
+      fine = loop.submit(Request([4, 5], max_new_tokens=4, id="req-8"))
+      assert broken.wait(60).error is None and fine.wait(60).error is None
+    finally:
+      loop.close()  # joins the loop's thread: every on_done has run
+  assert count() == 1
+  failed = [r for r in caplog.records if r.name == "hamburger_jax.decode.admission"]
+  assert len(failed) == 1 and "req-7" in failed[0].getMessage()
+  assert "event loop is closed" in failed[0].getMessage()

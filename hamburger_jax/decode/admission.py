@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import sys
 import threading
 import time
@@ -32,6 +33,8 @@ from hamburger_jax import cache
 from hamburger_jax.decode.paged_kv import BlockAllocator
 from hamburger_jax.decode.requests import Generation, GenerationError, Request
 from hamburger_jax.decode.serving import Scheduler, ServeStats, pool_error, stream_sink
+
+log = logging.getLogger(__name__)
 
 # The most macro steps a round runs: with a graft's two modes, one mode's round waits for the
 # other's. Arrivals and cancellations end a round at the next step anyway (_deliver).
@@ -104,13 +107,13 @@ class Ticket:
   def done(self) -> bool:
     return self._done.is_set()
 
-  def finish(self, gen: Generation) -> None:
+  def finish(self, gen: Generation) -> Exception | None:
+    """Ends the ticket; what `on_done` raised, if it did."""
     if self._done.is_set():
-      return
+      return None
     self.result, self.ended = gen, time.perf_counter()
     self._done.set()
-    if self.on_done is not None:
-      _guarded(self.on_done, gen)
+    return _guarded(self.on_done, gen) if self.on_done is not None else None
 
   def deliver(self, ids: list[int], attempt: int) -> None:
     """This attempt's next tokens: only those past what was sent go out."""
@@ -121,27 +124,29 @@ class Ticket:
     if new and not self.cancelled and self.on_tokens is not None:
       self.sent, self.steps = self.sent + len(new), self.steps + 1
       self.first = self.first or time.perf_counter()
-      if not _guarded(self.on_tokens, new):
+      if _guarded(self.on_tokens, new) is not None:
         self.reader_gone()  # whoever read the stream is gone: free its slot
 
 
-def _guarded(callback: Callable, *args) -> bool:
+def _guarded(callback: Callable, *args) -> Exception | None:
   """Calls a caller's callback on the loop's thread: its failure must not end serving for
-  every other request (a client's event loop may be gone). False when it raised."""
+  every other request (a client's event loop may be gone). What it raised, or None."""
   try:
     callback(*args)
-    return True
-  except Exception:  # pylint: disable=broad-except
-    return False
+    return None
+  except Exception as e:  # pylint: disable=broad-except
+    return e
 
 
 @dataclasses.dataclass
 class Prepared:
   """What an AdmissionLoop's background compile has done: its seconds, the programs the
-  compilation cache gave and those it compiled, and the error that stopped it (if one did)."""
+  compilation cache gave and those it compiled, the times it found requests in flight and
+  waited for them before a program, and the error that stopped it (if one did)."""
   seconds: float = 0.0
   cache_hits: int = 0
   cache_misses: int = 0
+  waits: int = 0
   error: str | None = None
 
 
@@ -151,8 +156,10 @@ class AdmissionLoop:
   `modes`: the modes served (each its own layout and KV pool). `start()` compiles and starts
   the thread; `close()` stops taking requests, lets the ones in flight finish (or fails them
   when `drain` is False) and joins. `observers` (a server's metrics) hear of every request
-  that ends, `ended(ticket, generation)` on the loop's thread, and of every one refused,
-  `refused(mode)` on the submitter's; their failures are ignored."""
+  that ends, `ended(ticket, generation)` on the loop's thread, of every one refused,
+  `refused(mode)` on the submitter's, and (those that have the method) of every `on_done`
+  that raised, `on_done_failed(ticket, error)` on the loop's thread; their failures are
+  ignored."""
 
   def __init__(self, engine, modes: tuple[str, ...], limits: Limits = Limits(), *,
                round_steps: int = DEFAULT_ROUND_STEPS):
@@ -224,9 +231,13 @@ class AdmissionLoop:
     flight or `prepare_yield_s` has passed (stops when the loop closes); `prepared` counts its
     seconds and what the compilation cache gave."""
     while True:
-      self._idle.wait(self.prepare_yield_s)
       with self._cond:
         if self._closing or not self._pending:
+          return
+        self.prepared.waits += not self._idle.is_set()
+      self._idle.wait(self.prepare_yield_s)
+      with self._cond:
+        if self._closing or not self._pending:  # closed while it waited
           return
         key = self._pending[0]
       t = time.perf_counter()
@@ -408,9 +419,16 @@ class AdmissionLoop:
   def _end(self, ticket: Ticket, gen: Generation) -> None:
     if ticket.done:
       return
-    ticket.finish(gen)
+    error = ticket.finish(gen)
+    if error is not None:
+      # Its client may never hear that the request ended: said for each request, unlike an
+      # observer's failure, since each is a client left waiting.
+      log.warning("request %r: its on_done callback failed (%s: %s); serving goes on",
+                  ticket.request.id, type(error).__name__, error, exc_info=error)
     for observer in self.observers:
       self._observe(observer.ended, ticket, gen)
+      if error is not None and hasattr(observer, "on_done_failed"):
+        self._observe(observer.on_done_failed, ticket, error)
 
   def _observe(self, callback: Callable, *args) -> None:
     """An observer's callback, guarded: its failure never ends serving, and is said once per

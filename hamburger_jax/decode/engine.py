@@ -35,6 +35,19 @@ from hamburger_jax.decode.step import FEATURE_MODES, MODES, DecodeState, StepVar
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import Llama
 
+
+def unbuilt_options(model: Llama | Hamburger) -> list[str]:
+  """The graft's options (as `name=value`) that the engine's HAMburger step does not run: a
+  contextual merged entry, adapters acting past the merged entries. Both act only once an
+  entry is merged, so verify and base modes, which never merge, decode such a graft as any."""
+  if not isinstance(model, Hamburger):
+    return []
+  g = model.cfg.graft
+  return [f"{name}={value!r}" for name, value, built in (
+      ("adapter_scope", g.adapter_scope, "merged"),
+      ("contextual_entry", g.contextual_entry, False)) if value != built]
+
+
 StreamCallback = Callable[[np.ndarray, np.ndarray], None]  # (group [B, K], count [B])
 
 
@@ -208,6 +221,12 @@ class Engine(EnginePrograms):
     if mode in FEATURE_MODES and not isinstance(self.model, Hamburger):
       raise GenerationError(f"mode {mode!r} needs a HAMburger model (its micro decoder "
                             "proposes the tokens): load a graft checkpoint")
+    unbuilt = unbuilt_options(self.model)
+    if mode == "hamburger" and unbuilt:
+      raise GenerationError(f"this graft has {', '.join(unbuilt)}, which the engine does not "
+                            "decode in HAMburger mode: verify and base modes (which never "
+                            "merge) decode it; judge its merged entries teacher-forced "
+                            "(infer.eval --tasks fidelity)")
     return mode
 
   def serve(self, requests: Iterable, *, slots: int = 8, kv_blocks: int | None = None,
@@ -314,15 +333,6 @@ class Engine(EnginePrograms):
     is a merged entry, so mode "base" (which never marks an input merged) is the base model,
     exactly. An abstract model (nnx.eval_shape) gives an engine whose programs can be lowered
     and compiled (for a mesh of devices that are not attached) but not run."""
-    if isinstance(model, Hamburger):
-      g = model.cfg.graft
-      unbuilt = [f"{name}={value!r}" for name, value, built in (
-          ("adapter_scope", g.adapter_scope, "merged"),
-          ("contextual_entry", g.contextual_entry, False)) if value != built]
-      if unbuilt:
-        raise GenerationError(f"this graft has {', '.join(unbuilt)}, which the decode engine "
-                              "does not run yet: judge it teacher-forced (infer.eval --tasks "
-                              "fidelity), or train it without")
     runner, abstract = decode_runner(model, fused=self.fused, dtype=self.dtype,
                                      mixed=self.mixed)
     graphdef, params = nnx.split(runner)

@@ -77,7 +77,7 @@ def unit_args(model: Hamburger, name: str, batch: int, kv_len: int):
   inputs = model.num_features + 1 if name == "first micro" else 1
   x = jnp.zeros((batch, inputs, cfg.hidden_size), jnp.dtype(cfg.dtype))
   if name in ("micro", "first micro"):
-    return x, model.micro_cache(batch)
+    return x, model.micro_cache(batch, drafting=False)  # `_micro_step` runs the micro decoder
   cache = KVCache.init(cfg.num_layers, batch, kv_len, cfg.num_kv_heads, cfg.head_dim,
                        jnp.dtype(cfg.dtype))
   return x, cache.replace(length=jnp.full((batch,), kv_len - 1, jnp.int32))

@@ -27,6 +27,7 @@ import numpy as np
 
 from hamburger_jax.decode.paged_kv import TRASH_BLOCK, BlockAllocator, blocks_for, row_table
 from hamburger_jax.decode.requests import Generation, GenerationError, Request
+from hamburger_jax.decode.shapes import step_room
 
 
 @dataclasses.dataclass
@@ -208,9 +209,9 @@ def _fitting(queue, layout, usable: int, mode: str, arrival: float
 
 def pool_error(r: Request, layout, usable: int) -> str | None:
   """Why a pool of `usable` blocks can never hold checked request `r` alone (one entry per
-  token, the worst case, and the entries a last step writes past them), or None when it
-  can."""
-  need = blocks_for(len(r.ids) + r.max_new_tokens + layout.step_entries - 1, layout.block_size)
+  token, the worst case: a step's room, step_room, never reaches past its last token's entry),
+  or None when it can."""
+  need = blocks_for(len(r.ids) + r.max_new_tokens, layout.block_size)
   if need <= usable:
     return None
   return (f"needs up to {need} KV blocks of {layout.block_size} entries (prompt {len(r.ids)} + "
@@ -243,6 +244,7 @@ class Scheduler:
     self.live: dict[int, _Live] = {}
     self.free_slots = list(range(layout.slots))
     self.lengths = np.zeros((layout.slots,), np.int64)
+    self.generated = np.zeros((layout.slots,), np.int64)  # tokens each live slot emitted
     self.preempted: dict[int, int] = collections.Counter()
     self.state = engine.init_state(layout)
 
@@ -275,7 +277,9 @@ class Scheduler:
     engine, stats = self.engine, self.stats
     while self.queue and self.free_slots:
       r = self.queue[0]
-      need = blocks_for(len(r.ids) + self.layout.step_entries, self.layout.block_size)
+      need = blocks_for(len(r.ids) + int(step_room(self.layout.step_entries,
+                                                   r.max_new_tokens, 0)),
+                        self.layout.block_size)
       if need > self.pool.free:
         if not self.live:
           raise RuntimeError("KV pool accounting error: nothing is live and blocks are missing")
@@ -294,16 +298,18 @@ class Scheduler:
       now = time.perf_counter()
       self.live[slot] = _Live(r, blocks, now, now - t, self.preempted[id(r)])
       self.lengths[slot] = len(r.ids)
+      self.generated[slot] = 0
 
   def make_room(self) -> None:
-    """Every live slot gets room for the entries its next macro step writes
-    (Layout.step_entries); the youngest gives way when blocks run out (back to the queue's
-    head, recomputed later)."""
+    """Every live slot gets room for the entries its next macro step may keep (step_room);
+    the youngest gives way when blocks run out (back to the queue's head, recomputed
+    later)."""
     live, size = self.live, self.layout.block_size
-    room = self.layout.step_entries
     for slot in sorted(live, key=lambda s: live[s].admitted):
       if slot not in live:
         continue
+      room = int(step_room(self.layout.step_entries, live[slot].request.max_new_tokens,
+                           self.generated[slot]))
       while self.lengths[slot] + room > len(live[slot].blocks) * size:
         if self.pool.free == 0:
           victim = max(live, key=lambda s: live[s].admitted)
@@ -341,7 +347,14 @@ class Scheduler:
     done, n_tokens, length = jax.device_get((self.state.done, self.state.n_tokens,
                                              self.state.cache.length))
     stats.round_s.append(time.perf_counter() - t_round)
+    slots = list(live)
+    if np.array_equal(n_tokens[slots], self.generated[slots]):
+      # Every live row emits a token a step: the loop stopped before its first, and would again
+      # on every call (an endless serve) rather than fail.
+      raise RuntimeError("a decode round ran no macro step: the decode loop and make_room "
+                         "disagree on the room a row needs (keep both on shapes.step_room)")
     self.lengths[:] = length
+    self.generated[:] = n_tokens
     finished = [s for s in sorted(live) if done[s]]
     if not finished:
       return []

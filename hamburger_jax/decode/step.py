@@ -165,7 +165,7 @@ def _micro_steps(model: Hamburger, rs: DecodeState, tokens, count, cont, *, stop
 
   # Micro step 1 reads the F features and e(t0) in one pass (one read of the weights).
   x = jnp.concatenate([rs.features, base.embed(tokens[:, :1])], axis=1)
-  return step(1, x, model.micro_cache(tokens.shape[0]), tokens, count, cont)
+  return step(1, x, model.micro_cache(tokens.shape[0], drafting), tokens, count, cont)
 
 
 def propose(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids: jax.Array,

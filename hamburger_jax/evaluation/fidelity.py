@@ -32,11 +32,12 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from hamburger_jax.data.tfds_builder import bfloat16_bits, from_bfloat16_bits
+from hamburger_jax.data.tfds_builder import bfloat16_bits
 from hamburger_jax.model import layer_merge
 from hamburger_jax.model.kv_cache import KVCache
 from hamburger_jax.model.llama import ALL_MERGED
-from hamburger_jax.objectives.distillation import predicting_features, window_stats
+from hamburger_jax.objectives.distillation import (predicting_features, teacher_context,
+                                                   window_stats)
 from hamburger_jax.objectives.losses import topk_kl
 from hamburger_jax.run_config import DEFAULT_TEACHER_TOP_K
 
@@ -144,25 +145,27 @@ def one_merge_rows(record: Mapping[str, Any], max_group: int, position_offset: i
   [R], its first token's index in the plain sequence (the entries it reads come before it:
   `slot`), its RoPE position (its last token's, docs/SPEC.md 1.2), the teacher's top-k for
   the token after it, and what a contextual entry reads: the K tokens from the group's first
-  (`window`) and the teacher's features that predicted it [R, F, D]."""
-  ids = np.asarray(record["input_ids"])
+  (`window`) and the teacher's features that predicted it [R, F, D]: each as the packed
+  batches that train the entry lay it out (pipeline.record_layout)."""
+  from hamburger_jax.data.pipeline import record_layout  # pylint: disable=C0415
+  lay = record_layout(record, max_group, position_offset)
   p = int(record["prompt_len"])
-  groups = np.asarray(record["groups"])
-  ends = np.cumsum(groups)  # response index one past each group
-  rows = [g for g in range(len(groups) - 1) if groups[g] >= 2]
-  out = {"ids": np.zeros((len(rows), max_group), np.int32), "size": groups[rows].astype(np.int32),
-         "slot": (p + ends[rows] - groups[rows]).astype(np.int32),
-         "position": (p - 1 + ends[rows] + position_offset).astype(np.int32),
-         "topk_ids": np.asarray(record["teacher_topk_ids"])[ends[rows]],
-         "topk_logp": np.asarray(record["teacher_topk_logp"], np.float32)[ends[rows]],
-         "window": np.zeros((len(rows), max_group), np.int32),
-         "features": from_bfloat16_bits(record["teacher_features"])[rows]}
-  for j, g in enumerate(rows):
-    start = p + ends[g] - groups[g]
-    out["ids"][j, :groups[g]] = ids[start:start + groups[g]]
-    window = ids[start:start + max_group]
-    out["window"][j, :len(window)] = window
-  return out
+  groups = lay.target_size
+  rows = np.flatnonzero(groups[:-1] >= 2)
+  nxt = rows + 1  # the group after: its window's first token is the one each row predicts
+  return {"ids": lay.target_ids[rows], "size": groups[rows],
+          "slot": (p + np.cumsum(groups) - groups)[rows].astype(np.int32),
+          "position": lay.positions[p + rows],
+          "topk_ids": lay.teacher_topk_ids[nxt, 0], "topk_logp": lay.teacher_topk_logp[nxt, 0],
+          "window": lay.window_ids[rows], "features": lay.teacher_features[rows]}
+
+
+def one_merge_entries(model, rows: Mapping[str, jax.Array]) -> jax.Array:
+  """The embedder's entry [R, D] of each one-merge row: its group smashed, reading (a contextual
+  embedder) the teacher_context of its window."""
+  context = (teacher_context(model, rows["features"], rows["window"])
+             if model.embedder.contextual else None)
+  return model.smash(rows["ids"], rows["size"], context)
 
 
 def plain_cache(model, ids_1t: jax.Array, collect: tuple[int, ...] = ()
@@ -212,9 +215,7 @@ def one_merge_logits(model, ids_1t, rows: Mapping[str, jax.Array],
     lower = {i: layer_merge.last_of_group(at(h), rows["size"])
              for i, h in zip(below + (l - 1,), states)}
   elif x_rd is None:
-    context = (model.group_context(rows["features"].astype(jnp.dtype(model.cfg.base.dtype)),
-                                   rows["window"]) if model.embedder.contextual else None)
-    x_rd = model.smash(rows["ids"], rows["size"], context)
+    x_rd = one_merge_entries(model, rows)
   return model.logits(slot_features(model, cache, x_rd, rows["position"], rows["slot"],
                                     lower)[:, -1])
 

@@ -8,7 +8,7 @@ loss). No embedder can do better at that slot with these weights: if the optimis
 with the base far more often than the embedder's, the embedder is what limits the merged entry;
 if not, the single slot or the weights that read it are.
 
-  python -m infer.oracle_entry --checkpoint C --slots 256 --steps 150
+  python -m infer.experiments.oracle_entry --checkpoint C --slots 256 --steps 150
 """
 
 from __future__ import annotations
@@ -73,9 +73,7 @@ def optimise(model, records: Sequence[Mapping[str, Any]], *, slots: int = 256, s
   def run(state, ids, rows, mask):
     m = nnx.merge(graphdef, state)
     cache = jax.lax.stop_gradient(fidelity.plain_cache(m, ids)[0])
-    context = (m.group_context(rows["features"].astype(jnp.dtype(m.cfg.base.dtype)),
-                               rows["window"]) if m.embedder.contextual else None)
-    x0 = jax.lax.stop_gradient(m.smash(rows["ids"], rows["size"], context))
+    x0 = jax.lax.stop_gradient(fidelity.one_merge_entries(m, rows))
 
     def figures(x):
       logits = m.logits(fidelity.slot_features(m, cache, x, rows["position"], rows["slot"])[:, -1])

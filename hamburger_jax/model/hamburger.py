@@ -169,12 +169,14 @@ class Hamburger(nnx.Module):
                                          causal_segment_mask(jnp.ones((n, t), jnp.int32)))
     return jnp.concatenate([features_nfd[:, -1:], h[:, f:]], axis=1)
 
-  def micro_cache(self, batch: int) -> KVCache:
-    """The micro decoder's own cache for one macro step (F + K - 1 entries, reset every step)."""
+  def micro_cache(self, batch: int, drafting: bool) -> KVCache:
+    """The cache of one macro step's micro steps (F + K - 1 entries, reset every step), one
+    layer per layer of the decoder that runs them (`micro_decoder(drafting)`: a drafter's
+    depth is its own)."""
     b = self.cfg.base
     slots = self.num_features + self.max_group - 1
-    return KVCache.init(len(self.micro.decoder.layers), batch, slots, b.num_kv_heads, b.head_dim,
-                        dtype_of(b.dtype))
+    depth = len(self.micro_decoder(drafting).decoder.layers)
+    return KVCache.init(depth, batch, slots, b.num_kv_heads, b.head_dim, dtype_of(b.dtype))
 
   def micro_step(self, i: int | jax.Array, x_btd: jax.Array, cache: KVCache,
                  drafting: bool = False) -> tuple[jax.Array, KVCache]:
@@ -234,7 +236,8 @@ def sharing_weights(model: Hamburger, micro_vocab=None) -> Hamburger:
 # How a merged entry is made: "graft" (the compositional embedder, read by the base with its
 # merged-entry adapters), "no_adapters" (the embedder's output read by the exact base),
 # "last_token" (the group's last token alone, through the exact base: what one KV entry per
-# group keeps with no learned merging). The last two are ablations (infer.ablate_merged).
+# group keeps with no learned merging). The last two are ablations
+# (infer.experiments.ablate_merged).
 MERGED_ENTRIES = ("graft", "no_adapters", "last_token")
 
 
@@ -263,16 +266,19 @@ def with_merge_layer(model: Hamburger, merge_layer: int) -> Hamburger:
   return out
 
 
-def copy_top_layers_into_micro(model: Hamburger) -> None:
-  """Initialises the micro decoder from the base's top layers (an alternative to fresh init)."""
+def copy_top_layers_into_micro(model: Hamburger, decoder: MicroStepDecoder | None = None
+                               ) -> None:
+  """Initialises the micro decoder (or `decoder`: the drafter) from the base's top layers (an
+  alternative to fresh init)."""
   base_layers = model.base.decoder.layers
-  micro_layers = model.micro.decoder.layers
+  micro_layers = (decoder or model.micro).decoder.layers
   top = base_layers[len(base_layers) - len(micro_layers):]
   for src, dst in zip(top, micro_layers):
     src_params = nnx.to_flat_state(nnx.state(src, nnx.Param))
     dst_params = dict(nnx.to_flat_state(nnx.state(dst, nnx.Param)))
     for path, var in src_params:
-      dst_params[path].set_value(jnp.array(var[...], dtype=dst_params[path].dtype))
+      if path in dst_params:  # a base layer's merged-entry adapters stay behind: plain W
+        dst_params[path].set_value(jnp.array(var[...], dtype=dst_params[path].dtype))
 
 
 def without_adapters(model: Hamburger, merge: bool) -> Hamburger:

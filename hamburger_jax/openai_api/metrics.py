@@ -11,6 +11,7 @@ from the loop when scraped.
   hamburger_time_to_first_token_seconds{mode}, hamburger_time_per_output_token_seconds{mode}
   hamburger_kv_blocks{mode, state="used"|"free"}             gauge
   hamburger_macro_steps_total{mode}, hamburger_tokens_per_macro_step{mode}  (histogram)
+  hamburger_on_done_errors_total{mode}
 """
 
 from __future__ import annotations
@@ -81,11 +82,15 @@ class ServerMetrics:
         "hamburger_tokens_per_macro_step", "Tokens each macro step of a finished request "
         "emitted (sum / count: tokens per base forward)", ["mode"], registry=r,
         buckets=tuple(float(k) for k in range(1, max(max_group, 1) + 1)))
+    self.on_done_errors = Counter("hamburger_on_done_errors", "Requests whose on_done "
+                                  "callback raised, so that their client may not have heard "
+                                  "of their end (each is logged with its request id)",
+                                  ["mode"], registry=r)
     for mode in self.modes:  # every series there from the start, at 0
       for state in ("finished", "cancelled", "failed", "refused"):
         self.requests.labels(mode, state)
       for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot,
-                     self.macro_steps, self.tokens_per_step):
+                     self.macro_steps, self.tokens_per_step, self.on_done_errors):
         metric.labels(mode)
     r.register(_LoopState(loop))
     loop.observers.append(self)
@@ -111,6 +116,9 @@ class ServerMetrics:
         per_step.observe(n)
       if gen.new_tokens > 1 and ticket.first is not None:
         self.tpot.labels(mode).observe((ticket.ended - ticket.first) / (gen.new_tokens - 1))
+
+  def on_done_failed(self, ticket: Ticket, _error: Exception) -> None:
+    self.on_done_errors.labels(ticket.mode).inc()
 
   def render(self) -> bytes:
     return generate_latest(self.registry)

@@ -1,5 +1,6 @@
 """A training run around the train step: data, orbax checkpoints with exact resume, metrics
-(metrics.jsonl, TensorBoard), free-generation checks, time budgets, the params-only export.
+(metrics.jsonl, TensorBoard), the checks it logs (training/checks.py), time budgets, the
+params-only export.
 
 State that is saved: the trainable params (graft only, or graft + base), the optimiser state and
 the step, together with the grain iterator state and the run config. A frozen base is not saved:
@@ -15,16 +16,14 @@ from typing import Any, Callable
 
 import grain
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from hamburger_jax import files, graft_checkpoint, micro_vocab, pretrained
 from hamburger_jax.config import ConfigError
 from hamburger_jax.data import pipeline
-from hamburger_jax.decode.requests import pooled_tokens_per_step
-from hamburger_jax.evaluation.agreement import token_agreement
 from hamburger_jax.model.hamburger import Hamburger
-from hamburger_jax.run_config import RunConfig, TrainConfig, checkpoints_dir
+from hamburger_jax.run_config import RunConfig, checkpoints_dir
+from hamburger_jax.training.checks import RunChecks
 from hamburger_jax.training.metrics_log import MetricsLog, read_metrics  # noqa: F401  (loop's API)
 from hamburger_jax.training.trainer import Trainer
 
@@ -112,75 +111,6 @@ class RunResult:
   metrics: dict[str, float]
   export_dir: str | None
   interrupted: bool = False  # stopped by SIGTERM (saved where it stood)
-
-
-def held_out_prompts(data_dir: str, n: int) -> list[list[int]]:
-  """Prompt ids of the first validation samples (held out from training)."""
-  source = pipeline.open_split(data_dir, "validation")
-  prompts = []
-  for i in range(min(n, len(source))):
-    rec = source[i]
-    prompts.append([int(t) for t in np.asarray(rec["input_ids"])[:int(rec["prompt_len"])]])
-  return prompts
-
-
-class GenerationCheck:
-  """Free generation on held-out prompts at train.generate_confidence: tokens per macro step
-  and, with the base frozen, agreement with the base's greedy answers. The engine is built (and
-  the base's answers generated) at the first call; later calls only swap in the current params."""
-
-  def __init__(self, trainer: Trainer, data_dir: str, t: TrainConfig):
-    self.trainer, self.data_dir, self.t = trainer, data_dir, t
-    self.engine = self.prompts = self.reference = None
-
-  def __call__(self) -> dict[str, float]:
-    t, model = self.t, self.trainer.current_model()
-    if self.engine is None:
-      from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
-      tok = self.trainer.tokenizer
-      self.prompts = held_out_prompts(self.data_dir, t.generate_prompts)
-      self.engine = Engine(model, tok, stop_ids=tok.stop_ids if tok else ())
-      # With the base frozen, base mode is the original base whatever the graft: its greedy
-      # answers, generated once, are what free generation should reproduce.
-      if not self.trainer.trains_base:
-        self.reference = [g.token_ids for g in self.engine.generate(
-            self.prompts, max_new_tokens=t.generate_tokens, mode="base")]
-    else:
-      self.engine.set_model(model)
-    gens = self.engine.generate(self.prompts, max_new_tokens=t.generate_tokens,
-                                mode="hamburger", confidence=t.generate_confidence)
-    out = {"gen_tokens_per_step": pooled_tokens_per_step(gens)}
-    if self.reference is not None:
-      agree = token_agreement(self.reference, [g.token_ids for g in gens])
-      out.update(gen_identical=agree["identical"], gen_prefix_agreement=agree["prefix_agreement"])
-    return out
-
-
-class FidelityCheck:
-  """The fidelity figures of the current graft on a fidelity set (train.fidelity_every): the
-  teacher's signals are computed once, at the first call; each call then runs the graft's
-  teacher-forced forwards (evaluation/fidelity.py). Metrics fid_<figure>."""
-
-  FIGURES = ("agree_merged", "agree_single", "agree_one_merge", "agree_s2", "agree_s3",
-             "agree_s4", "kl_merged", "kl_single", "kl_one_merge")
-
-  def __init__(self, trainer: Trainer, t: TrainConfig):
-    self.trainer, self.path = trainer, t.fidelity_set or None
-    self.records = None
-
-  def __call__(self) -> dict[str, float]:
-    # pylint: disable=import-outside-toplevel
-    from hamburger_jax.evaluation import fidelity, fidelity_set
-    model = self.trainer.current_model()
-    if self.records is None:
-      fset = fidelity_set.load(self.path)
-      try:
-        fidelity_set.check_fits(fset, model.base, model.max_group)
-      except fidelity_set.FidelitySetError as e:
-        raise ConfigError(f"train.fidelity_every: {e}") from None
-      self.records = fidelity.teacher_records(model, fset.records)
-    out = fidelity.fidelity_figures(model, self.records, progress=False)
-    return {f"fid_{name}": out[name] for name in self.FIGURES if out.get(name) is not None}
 
 
 def _close(iterator) -> None:
@@ -355,31 +285,6 @@ def _timed_step(trainer: Trainer, iterator, cfg: RunConfig, budget: _Budget) -> 
   return m
 
 
-def _validation(trainer: Trainer, cfg: RunConfig) -> dict[str, float]:
-  """The validation split's metrics (val_*) of the current graft."""
-  d = cfg.data
-  return trainer.evaluate(pipeline.validation_batches(
-      d.dir, batch_rows=trainer.local_rows, entries=d.entries, groups=d.groups,
-      max_group=cfg.graft.max_group, shard_index=trainer.process_index,
-      shard_count=trainer.process_count, position_offset=cfg.graft.position_offset),
-      max(d.validation_rows // d.rows, 1))
-
-
-def _checks_due(trainer: Trainer, cfg: RunConfig, done: int, last_step: bool,
-                generation_check: GenerationCheck,
-                fidelity_check: FidelityCheck) -> dict[str, float]:
-  """The validation, the generation check and the fidelity check that fall after step
-  `done`."""
-  t, out = cfg.train, {}
-  if t.eval_every and (done % t.eval_every == 0 or last_step):
-    out.update(_validation(trainer, cfg))
-  if t.generate_every and (done % t.generate_every == 0 or last_step):
-    out.update(generation_check())
-  if t.fidelity_every and (done % t.fidelity_every == 0 or last_step):
-    out.update(fidelity_check())
-  return out
-
-
 def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | None = None,
         max_cpu_minutes: float | None = None, progress: bool = True,
         log: Callable[[str], None] = print) -> RunResult:
@@ -402,16 +307,13 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
   save = _Saver(mngr, trainer, iterator, cfg, metrics_log)
   interrupted = []
   previous = signal.signal(signal.SIGTERM, lambda *_: interrupted.append("SIGTERM"))
-  generation_check = GenerationCheck(trainer, cfg.data.dir, t)
-  fidelity_check = FidelityCheck(trainer, t)
+  checks = RunChecks(trainer, cfg)
   last: dict[str, float] = {}
   bar = tqdm(total=end, initial=start, unit="step", disable=not progress or trainer.process_index)
   budget = _Budget(max_minutes, max_cpu_minutes)
   try:
     if start == 0 < end:  # where the curves start: the initial graft
-      first = {**(_validation(trainer, cfg) if t.eval_every else {}),
-               **(generation_check() if t.generate_every else {}),
-               **(fidelity_check() if t.fidelity_every else {})}
+      first = checks.due(0)
       if first:
         metrics_log.write(0, first)
     for step in range(start, end):
@@ -419,7 +321,7 @@ def run(cfg: RunConfig, *, max_steps: int | None = None, max_minutes: float | No
       done = step + 1
       timed_out = done < end and budget.spent()
       last_step = done == end or timed_out  # a time-boxed stop evaluates and logs like an end
-      m.update(_checks_due(trainer, cfg, done, last_step, generation_check, fidelity_check))
+      m.update(checks.due(done, last_step))
       last = m
       if (done % t.log_every == 0 or last_step
           or any(k.startswith(("val_", "fid_")) for k in m)):
