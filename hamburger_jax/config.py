@@ -164,6 +164,7 @@ KNOWN_ARCHITECTURES = {"Llama-3.2-1B-Instruct": LLAMA_3_2_1B, "Llama-3.2-1B": LL
 # Where a graft's merged-entry adapters act (GraftConfig.adapter_scope).
 ADAPTER_SCOPES = ("merged", "after_merge")
 MERGE_POOLINGS = ("last", "attention")
+DRAFTER_INITS = ("micro", "base_top")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +192,10 @@ class GraftConfig:
   # none, verify drafts with the micro decoder): trained on plain contexts, where verify drafts
   # (train.trainable "drafter"); HAMburger mode keeps the first. EAGLE drafts with one layer.
   drafter_layers: int = 0
+  # How a drafter grown onto a graft starts (DRAFTER_INITS): "micro", as the micro decoder's
+  # first layers and its stop head; "base_top", as the base's top layers (the stop head still
+  # the micro decoder's).
+  drafter_init: str = "micro"
   # Merge at layer L (model/layer_merge.py): a group's tokens run the base's first L layers one
   # entry each (exact keys and values there), and ONE entry, the last token's layer-L state (or
   # merge_pooling's pooling of the group's), goes on through layers L..N-1. 0: the paper's
@@ -213,6 +218,9 @@ class GraftConfig:
     if self.adapter_scope not in ADAPTER_SCOPES:
       raise ConfigError(f"adapter_scope={self.adapter_scope!r}: use one of "
                         f"{', '.join(ADAPTER_SCOPES)}")
+    if self.drafter_init not in DRAFTER_INITS:
+      raise ConfigError(f"drafter_init={self.drafter_init!r}: use one of "
+                        f"{', '.join(DRAFTER_INITS)}")
     if self.merge_layer < 0:
       raise ConfigError(f"merge_layer={self.merge_layer} must be >= 0 (0: merge at the input)")
     if self.merge_pooling not in MERGE_POOLINGS:

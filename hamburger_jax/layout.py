@@ -11,7 +11,7 @@ Plain NumPy (used by the data pipeline's packing, tests and reference implementa
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -182,3 +182,22 @@ def pack_rows(rows: list[list[SampleLayout]], entries: int, groups: int,
       m += s.num_entries
       g += s.num_groups
   return out
+
+
+def unmerged_rows(batch: Mapping[str, jax.Array], tokens: int
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A packed batch's rows unmerged, in `tokens` slots: token ids and segment ids [B, tokens]
+  (each entry's group laid out token by token, in order), and the unmerged index of each
+  group's predicting entry's last token [B, G] (`tokens` where the row is too short for it)."""
+  ids, size, seg = batch["input_ids"], batch["input_size"], batch["segment_ids"]
+  b, m, k = ids.shape
+  valid = (jnp.arange(k)[None, None, :] < size[..., None]).reshape(b, m * k)
+  dest = jnp.where(valid, jnp.cumsum(valid, axis=1) - 1, tokens)
+  rows = jnp.arange(b)[:, None]
+  flat = lambda a: a.reshape(b, m * k)
+  out_ids = jnp.zeros((b, tokens), ids.dtype).at[rows, dest].set(flat(ids), mode="drop")
+  out_seg = jnp.zeros((b, tokens), seg.dtype).at[rows, dest].set(
+      flat(jnp.broadcast_to(seg[..., None], (b, m, k))), mode="drop")
+  last = jnp.cumsum(size, axis=1) - 1  # [B, M]
+  pred = last[rows, batch["pred_index"]]
+  return out_ids, out_seg, jnp.where(pred < tokens, pred, tokens)

@@ -250,7 +250,7 @@ def _graft_config(meta: Mapping[str, Any], checkpoint: str) -> GraftConfig:
 # and stop head, and its merged-entry adapters start again at zero: they were fitted to entries
 # of another kind, so the moved graft starts as the untrained merge at its layer.
 GROWABLE = ("adapter_scope", "contextual_entry", "base_lora_rank", "base_lora_alpha",
-            "drafter_layers", "merge_layer", "merge_pooling")
+            "drafter_layers", "drafter_init", "merge_layer", "merge_pooling")
 
 
 def warm_start(model: Hamburger, checkpoint: str) -> list[str]:
@@ -313,6 +313,8 @@ def warm_start(model: Hamburger, checkpoint: str) -> list[str]:
     elif rule.target[-1] == "b" and ratio != 1.0:
       value = value * ratio
     var.set_value(jnp.asarray(value, dtype=var.dtype))
+  if new.drafter_layers and not old.drafter_layers and new.drafter_init == "base_top":
+    copy_top_layers_into_micro(model, model.drafter)
   return grown
 
 
@@ -336,6 +338,9 @@ def build_run_model(cfg) -> tuple[Hamburger, Tokenizer | None]:
     copy_top_layers_into_micro(model)
   if cfg.train.init_from:
     warm_start(model, cfg.train.init_from)
+  if cfg.train.micro_vocab:
+    model.set_micro_vocab(micro_vocab_ids(cfg.train.init_from, cfg.train.micro_vocab,
+                                          model.cfg.base.vocab_size))
   return model, tok
 
 

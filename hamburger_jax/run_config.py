@@ -97,6 +97,10 @@ class TrainConfig:
   # the learning curve of agreement after merged entries, logged as fid_* metrics
   fidelity_every: int = 0
   fidelity_set: str = ""
+  # > 0 (train.trainable drafter): the drafter learns to draft among the first N ids of
+  # train.init_from's micro vocabulary (hamburger_jax/micro_vocab.py), as it drafts at decode:
+  # its loss reads that reduced head, not the whole one
+  micro_vocab: int = 0
   seed: int = 0
   # How the base's and the micro decoder's layers run in the train and evaluation steps:
   # scan_layers runs them as one loop over stacked weights (a compiler sees one layer: minutes
@@ -119,8 +123,12 @@ class TrainConfig:
                         "features: it needs train.recipe=distill")
     _at_least("train", self, 1, "steps", hint="an untrained run has nothing to export")
     _at_least("train", self, 1, "log_every", "ce_chunk", "generate_prompts", "generate_tokens")
-    _at_least("train", self, 0, "eval_every", "generate_every", "fidelity_every",
+    _at_least("train", self, 0, "eval_every", "generate_every", "fidelity_every", "micro_vocab",
               hint="0 turns it off")
+    if self.micro_vocab and (self.trainable != "drafter" or not self.init_from):
+      raise ConfigError(f"train.micro_vocab={self.micro_vocab} restricts a drafter to the micro "
+                        "vocabulary of the graft it grows from: it needs train.trainable=drafter "
+                        "and train.init_from")
     _at_least("train", self, 0, "warmup_steps", "lr_base", "lr_graft", "lr_final",
               "weight_decay", "clip_norm")
     if self.warmup_steps > self.steps:
@@ -158,6 +166,7 @@ class DistillConfig:
   feature_weight: float = 1.0
   stop_weight: float = 0.5
   ce_weight: float = 0.0
+  greedy_weight: float = 0.0  # CE on the teacher's greedy token (a drafter's ranking term)
   stop_target: str = "teacher"  # teacher | segments | harm (hamburger_jax.objectives.distillation)
   # Dense alignment at merged entries: every base layer's residual, keys and values against the
   # exact base's at the group's last token (distillation.dense_alignment; the teacher runs in
@@ -173,7 +182,8 @@ class DistillConfig:
     if self.stop_target not in STOP_TARGETS:
       raise ConfigError(f"distill.stop_target={self.stop_target!r}: use one of "
                         f"{', '.join(STOP_TARGETS)}")
-    for name in ("kl_weight", "feature_weight", "stop_weight", "ce_weight", "dense_weight"):
+    for name in ("kl_weight", "feature_weight", "stop_weight", "ce_weight", "dense_weight",
+                 "greedy_weight"):
       if getattr(self, name) < 0:
         raise ConfigError(f"distill.{name}={getattr(self, name)} must be >= 0")
 

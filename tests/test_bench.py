@@ -66,7 +66,7 @@ def test_serve_prefix_cache_compares_off_and_on(capsys):
   import types  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   from hamburger_jax.testing import DECODE_STOP, tiny_decode_model  # pylint: disable=C0415
-  from infer.bench_serve import serve_prefix_cache  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.benchmarks.serve_bench import serve_prefix_cache  # pylint: disable=C0415
   engine = Engine(tiny_decode_model(), None, stop_ids=(), turn_end_ids=[DECODE_STOP])
   system = list(range(20, 36)) + [DECODE_STOP]
   workload = [(system + [i, i + 1, DECODE_STOP, 1], 6) for i in range(1, 5)]
@@ -85,7 +85,7 @@ def test_serve_fixed_pool_prints_the_streams_ceiling(capsys):
   import types  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   from hamburger_jax.testing import tiny_decode_model  # pylint: disable=import-outside-toplevel
-  from infer.bench_serve import serve_fixed_pool  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.benchmarks.serve_bench import serve_fixed_pool  # pylint: disable=C0415
   engine = Engine(tiny_decode_model(), None, stop_ids=(), block_size=4)
   workload = [([1, 2, 3], 24), ([4, 5], 20), ([6, 7, 8, 9], 16), ([10], 24), ([11, 12], 20)]
   variants = [("base", "base", 1.0, None), ("forced", "hamburger", 0.0, None)]
@@ -172,13 +172,49 @@ def test_server_load_summary_counts_lost_duplicated_and_failed():
 
 
 def test_verify_bench_parts():
-  """What the verify bench tables: the share of forwards keeping 1, 2, .. tokens, and the cost
-  of a k-token forward of each batch size (every (batch, k) timed)."""
+  """What the verify bench tables: the share of forwards keeping 1, 2, .. tokens, the interval
+  of tokens a forward (prompts resampled), and every part of a verify step timed in the
+  decoding layout, with the whole step's row."""
   import types  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.benchmarks import widths  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.runner import decode_runner  # pylint: disable=C0415
   from hamburger_jax.testing import tiny_decode_model  # pylint: disable=import-outside-toplevel
-  from infer.bench_verify import kept_shares  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.benchmarks import verify_bench  # pylint: disable=C0415
   gens = [types.SimpleNamespace(groups=[1, 2, 1, 4]), types.SimpleNamespace(groups=[1, 1])]
-  assert kept_shares(gens) == "0.67 / 0.17 / 0.00 / 0.17"
-  costs = widths.token_costs(tiny_decode_model().base, [1, 3], [1, 2], kv_len=32, repeats=1)
-  assert set(costs) == {(1, 1), (1, 3), (2, 1), (2, 3)} and min(costs.values()) > 0
+  assert verify_bench.kept_shares(gens) == "0.67 / 0.17 / 0.00 / 0.17"
+  lo, hi = verify_bench.ratio_ci(np.array([8.0, 2.0, 6.0]), np.array([4.0, 2.0, 2.0]))
+  assert 1.0 <= lo <= 16 / 8 <= hi <= 3.0
+  runner, _ = decode_runner(tiny_decode_model())
+  lines = verify_bench.step_profile_lines(runner, {0.0: (0.002, 0.001)}, repeats=1)
+  rows = {line.split(" | ")[0].lstrip("| "): line for line in lines if line.startswith("| ")}
+  for part in ("base step", "K-entry forward", "LM head, K rows", "first draft", "later draft",
+               "parts of a step with 3 drafts"):
+    assert part in rows, part
+  assert rows["base step"].endswith("| 1.000 |")
+  assert "2.000 of its base's" in lines[-1]
+
+
+def test_server_start_mode_takes_the_servers_flags_after_the_separator(monkeypatch, capsys):
+  """`infer.bench --mode server-start`: its own flags before `--`, the server's after it; a
+  server flag before `--` (a bench flag of the same name) is refused, not silently unused."""
+  from hamburger_jax.benchmarks import server_start  # pylint: disable=import-outside-toplevel
+  from infer import bench  # pylint: disable=import-outside-toplevel
+  calls = []
+  row = {"start": 1, "health_s": 2.0, "answer_s": 3.0, "prepared_s": 4.0, "seconds": 1.5,
+         "cache_hits": 0, "cache_misses": 7, "prepared_seconds": 0.5,
+         "prepared_cache_hits": 0, "prepared_cache_misses": 3}
+  monkeypatch.setattr(server_start, "time_starts",
+                      lambda *a, **kw: calls.append((a, kw)) or [row])
+  assert bench.main(["--mode", "server-start", "--starts", "1", "--", "--slots", "4"]) == 0
+  (server_args, _, starts, _), kw = calls[0]
+  assert server_args == ["--slots", "4"] and starts == 1 and kw == {"timeout_s": 1800}
+  out = capsys.readouterr().out
+  assert out.startswith("python -m infer.server --slots 4: 1 starts against one fresh")
+  assert "| 1 | 2.0 | 3.0 | 4.0 | 1.5, 0, 7 | 0.5, 0, 3 |" in out
+  for argv, message in ((["--mode", "server-start", "--slots", "4"], "go after `--`"),
+                        (["--", "--slots", "4"], "add --mode server-start"),
+                        (["--mode", "server-start", "--", "--port", "1"], "leave out --port"),
+                        (["--mode", "server-start", "--starts", "0"], "--starts must be >= 1")):
+    with pytest.raises(SystemExit):
+      bench.main(argv)
+    assert message in capsys.readouterr().err, argv

@@ -234,7 +234,7 @@ def test_acceptance_follows_decoding_at_a_confidence():
 
 
 def test_unmerged_rows_lay_each_group_out_and_find_the_predicting_token(batch):
-  from hamburger_jax.objectives.distillation import unmerged_rows
+  from hamburger_jax.layout import unmerged_rows
   b = {k: np.asarray(v) for k, v in batch.items()}
   ids, seg, at = (np.asarray(a) for a in unmerged_rows({k: jnp.asarray(v) for k, v in b.items()},
                                                        40))

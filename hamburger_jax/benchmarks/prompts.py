@@ -37,3 +37,34 @@ def serve_workload(tok, n: int, new_range: tuple[int, int], seed: int = 0,
   mixed = [ex for pair in zip(sharegpt, gsm) for ex in pair] + sharegpt[len(gsm):]
   return [(tok.apply_chat_template(ex.messages, add_generation_prompt=True, tokenize=True),
            int(rng.integers(new_range[0], new_range[1] + 1))) for ex in mixed[:n]]
+
+
+# Held-out prompts of the verify bench, taken in turn: chat (MT-Bench first turns, held-out
+# ShareGPT) and the reasoning tasks at their evaluation seeds (data/heldout.py).
+HELDOUT_SOURCES = ("mt_bench", "sharegpt_heldout", "gsm_symbolic", "letter_counting", "gcd",
+                   "basic_arithmetic")
+
+
+def heldout_prompts(tok, n: int, max_prompt_tokens: int = 192) -> list[tuple[str, list[int]]]:
+  """(source, templated prompt ids) of `n` held-out prompts, the sources taken in turn: what no
+  graft nor drafter trained on, as a user sends them."""
+  # pylint: disable=import-outside-toplevel
+  import dataclasses
+  from hamburger_jax.data import heldout
+  from hamburger_jax.evaluation import tasks
+  per = -(-n // len(HELDOUT_SOURCES))
+  count = lambda s: len(tok.encode(s))
+  by_source = []
+  for name in HELDOUT_SOURCES:
+    task = tasks.get_task(name)
+    if isinstance(task, tasks.ReasoningGymTask):
+      exs = task.examples(per, seed=heldout.EVAL_SEED)
+    elif name == "sharegpt_heldout":
+      exs = dataclasses.replace(task, max_prompt_tokens=max_prompt_tokens).examples(
+          per, count_tokens=count)
+    else:
+      exs = task.examples(per)
+    by_source.append([(name, tok.apply_chat_template(ex.messages, add_generation_prompt=True,
+                                                     tokenize=True)) for ex in exs])
+  mixed = [p for row in zip(*by_source) for p in row]
+  return mixed[:n]

@@ -1,16 +1,26 @@
-"""infer.bench --mode verify: verify mode against the base in one engine (the same tokens,
-several a forward where the micro decoder's drafts are kept), at each --draft-confidence, and
-what a forward of k new tokens costs against one of 1 (the verify step's price)."""
+"""infer.bench --mode verify: verify mode against the base in one engine, on held-out prompts
+with end of turn honoured (the same tokens, several a forward where the drafts are kept), at
+each --draft-confidence; then where one verify step's time goes at batch 1 (its parts timed
+alone, in the decoding layout, against the whole step as the engine ran it)."""
 
 from __future__ import annotations
 
 import collections
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
 from hamburger_jax import cli
-from hamburger_jax.benchmarks import widths
-from hamburger_jax.benchmarks.prompts import PROMPTS, chat_ids
-from hamburger_jax.benchmarks.report import launch_lines
-from hamburger_jax.benchmarks.timing import time_batches
+from hamburger_jax.benchmarks.prompts import heldout_prompts
+from hamburger_jax.benchmarks.timing import batch_decode_s
+from hamburger_jax.decode import step as decode_step
+from hamburger_jax.decode.requests import Request, pooled_tokens_per_step
+from hamburger_jax.decode.step_costs import KV_ENTRIES, STEPS, step_loop
+from hamburger_jax.evaluation.statistics import BOOTSTRAP_RESAMPLES
+from hamburger_jax.model.kv_cache import KVCache
 
 
 def kept_shares(gens) -> str:
@@ -20,52 +30,165 @@ def kept_shares(gens) -> str:
   return " / ".join(f"{counts[n] / total:.2f}" for n in range(1, max(counts, default=1) + 1))
 
 
+def ratio_ci(tokens: np.ndarray, steps: np.ndarray, seed: int = 0) -> tuple[float, float]:
+  """95% percentile-bootstrap interval of sum(tokens) / sum(steps), the prompts resampled."""
+  rng = np.random.default_rng(seed)
+  idx = rng.integers(0, len(tokens), (BOOTSTRAP_RESAMPLES, len(tokens)))
+  r = tokens[idx].sum(1) / np.maximum(steps[idx].sum(1), 1)
+  return float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))
+
+
+def decode_rounds(engine, prompts, batch: int, max_new: int, repeats: int, runs: dict):
+  """Every prompt under each setting (`runs`: name -> generate's keyword arguments), `batch`
+  prompts at a time, the settings interleaved over `repeats` rounds after one untimed round
+  (compiling). name -> (decode seconds of its fastest round, that round's generations)."""
+  chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+  best: dict[str, tuple[float, list]] = {}
+  for round_ in range(repeats + 1):
+    for name, kw in runs.items():
+      gens, seconds = [], 0.0
+      settings = {k: v for k, v in kw.items() if k != "mode"}
+      for chunk in chunks:
+        reqs = [Request(ids, max_new_tokens=max_new, id=j, **settings)
+                for j, ids in enumerate(chunk)]
+        out = engine.generate(reqs, mode=kw["mode"])
+        seconds += batch_decode_s(out)
+        gens += out
+      if round_ and (name not in best or seconds < best[name][0]):
+        best[name] = (seconds, gens)
+  return best
+
+
 def bench_verify(args) -> None:
-  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.costs import peaks  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import pretrained
+  from hamburger_jax.costs import peaks
+  from hamburger_jax.decode.engine import Engine
 
   checkpoint = pretrained.resolve_checkpoint(args.checkpoint)
   size = cli.micro_vocab_size(args.micro_vocab, checkpoint, "verify")
   model, tok = cli.load_model("both", checkpoint, args.base, untrained_ok=True,
                               micro_vocab=args.micro_vocab)
-  engine = Engine(model, tok, stop_ids=(), matmul_precision=args.precision)
-  k = model.max_group
-  drafter = model.drafts_with
+  engine = Engine(model, tok, matmul_precision=args.precision)
+  prompts = heldout_prompts(tok, args.requests)
+  kinds = collections.Counter(name for name, _ in prompts)
+  ids = [p for _, p in prompts]
   print(f"verify mode on {pretrained.describe('base', None, args.base)}: drafts from "
-        f"{checkpoint or 'an UNTRAINED graft'}'s {drafter} ({size or 'full'} micro vocab); "
-        f"{peaks.cpu_model()}; greedy, {args.new_tokens} new tokens/row (EOS ignored); tok/s = "
-        "tokens all rows generated / the time the batch decoded (the prefills apart), each "
-        "setting timed in the same rounds as its base; kept = tokens a forward kept (the base's "
-        "own and the drafts it agreed with), shares of forwards keeping 1 / 2 / ..")
-  print("\n| batch | draft confidence | base tok/s | verify tok/s | ratio | tokens/forward | "
-        "kept 1 / 2 / .. | same tokens | compile s (base, verify) |")
-  print("|---|---|---|---|---|---|---|---|---|")
+        f"{checkpoint or 'an UNTRAINED graft'}'s {model.drafts_with} ({size or 'full'} micro "
+        f"vocab); {peaks.cpu_model()}; greedy; {len(ids)} held-out prompts "
+        f"({', '.join(f'{n} {k}' for k, n in kinds.items())}), end of turn honoured, at most "
+        f"{args.new_tokens} new tokens; base and verify interleaved over {args.repeats} rounds "
+        "(the fastest kept); tok/s = the tokens all prompts generated / the time their batches "
+        "decoded (prefills apart); tokens/forward pooled over the prompts, with its 95% "
+        "bootstrap interval; kept = shares of forwards keeping 1 / 2 / .. tokens")
+  print("\n| batch | draft confidence | base tok/s | verify tok/s | ratio | tokens/forward "
+        "[95%] | kept 1 / 2 / .. | same answers |")
+  print("|---|---|---|---|---|---|---|---|")
+  whole = {}
   for b in args.batches:
-    ids = chat_ids(tok, (PROMPTS * (b // len(PROMPTS) + 1))[:b])
     runs = {"base": {"mode": "base"},
             **{f"verify {c:g}": {"mode": "verify", "draft_confidence": c}
                for c in args.draft_confidences}}
-    out = time_batches(engine, ids, args.new_tokens, args.repeats, runs)
-    base = out["base"]
+    out = decode_rounds(engine, ids, b, args.new_tokens, args.repeats, runs)
+    base_s, base = out["base"]
+    tokens = sum(g.new_tokens for g in base)
     for c in args.draft_confidences:
-      t = out[f"verify {c:g}"]
-      same = sum(g.token_ids == h.token_ids for g, h in zip(t.gens, base.gens))
-      per = t.tokens / sum(g.macro_steps for g in t.gens)
-      print(f"| {b} | {c:g} | {base.tokens_per_s:.1f} | {t.tokens_per_s:.1f} | "
-            f"{t.tokens_per_s / base.tokens_per_s:.2f}x | {per:.2f} | {kept_shares(t.gens)} | "
-            f"{same}/{b} | {base.compile_s:.0f}, {t.compile_s:.0f} |")
-  costs = cli.phase("k-token forwards", lambda: widths.token_costs(
-      engine.runner.base, list(range(1, k + 1)), args.batches, widths.KV_ENTRIES, args.repeats))
-  print(f"\na forward of k new tokens in each of a batch's sequences (KV cache of "
-        f"{widths.KV_ENTRIES} entries, the decoding layout, {widths.STEPS} steps per jitted "
-        "call, best of the rounds) against one of 1 token: what a verify step costs in base "
-        "steps\n")
-  print("| batch | " + " | ".join(f"k = {i}" for i in range(1, k + 1)) + " |")
-  print("|---|" + "---|" * k)
-  for b in args.batches:
-    one = costs[(b, 1)]
-    print(f"| {b} | {1e3 * one:.1f} ms | " + " | ".join(
-        f"{costs[(b, i)] / one:.2f}x" for i in range(2, k + 1)) + " |")
-  print("\n".join(launch_lines(engine.runner, 1, widths.KV_ENTRIES, model,
-                               tpu_fusions=not args.no_tpu_fusions)))
+      seconds, gens = out[f"verify {c:g}"]
+      same = sum(g.token_ids == h.token_ids for g, h in zip(gens, base))
+      per = pooled_tokens_per_step(gens)
+      lo, hi = ratio_ci(np.array([g.new_tokens for g in gens], float),
+                        np.array([g.macro_steps for g in gens], float))
+      print(f"| {b} | {c:g} | {tokens / base_s:.1f} | {tokens / seconds:.1f} | "
+            f"{base_s / seconds:.2f}x | {per:.2f} [{lo:.2f}, {hi:.2f}] | {kept_shares(gens)} | "
+            f"{same}/{len(ids)} |")
+      if b == 1:
+        steps = sum(g.macro_steps for g in gens)
+        whole[c] = (seconds / steps, base_s / sum(g.macro_steps for g in base))
+  if 1 in args.batches:
+    print()
+    print("\n".join(step_profile_lines(engine.runner, whole, args.repeats)))
+
+
+def _timed_loop(runner, step, x, cache, repeats: int) -> float:
+  """Seconds of one `step` (model, x, cache) -> (token, cache), run STEPS at a time in a jitted
+  loop (decode/step_costs.py: step_loop), the fastest of the rounds."""
+  graphdef, params = nnx.split(runner)
+  loop = step_loop(graphdef, step)
+  box = {"cache": jax.tree.map(jnp.copy, cache)}
+
+  def call():
+    t = time.perf_counter()
+    token, box["cache"] = loop(params, box["cache"], x)
+    jax.block_until_ready(token)
+    return time.perf_counter() - t
+
+  call()
+  return min(call() for _ in range(max(3, repeats))) / STEPS
+
+
+def verify_parts(runner, repeats: int) -> dict[str, float]:
+  """Seconds of each part of a verify step at batch 1, in the decoding layout (`runner`): the
+  base's step (one entry and its LM head: the unit), the K-entry forward without its head, the
+  LM head over K rows, the first draft (the drafting decoder on the F features and e(t0)) and
+  a later draft (one input), each with its micro head and stop head."""
+  k, f = runner.max_group, runner.num_features
+  cfg = runner.cfg.base
+  dt = jnp.dtype(cfg.dtype)
+
+  def base_cache(entries):
+    cache = KVCache.init(cfg.num_layers, 1, KV_ENTRIES, cfg.num_kv_heads, cfg.head_dim, dt)
+    return cache.replace(length=jnp.full((1,), KV_ENTRIES - entries, jnp.int32))
+
+  def forward(with_head):
+    def run(m, x, cache):
+      pos = cache.length[:, None] + jnp.arange(x.shape[1])[None]
+      out = m.base.forward(x, pos, None, cache, pos, collect=m.feature_layers[:-1])
+      hidden = out.hidden if with_head else out.hidden[:, -1:]
+      token = jnp.argmax(m.logits(hidden)[:, -1], axis=-1) if with_head else \
+          jnp.argmax(hidden[:, -1, :8], axis=-1)
+      return token.astype(jnp.int32), out.cache
+    return run
+
+  def head(m, x, cache):
+    return jnp.argmax(m.logits(x)[:, -1], axis=-1).astype(jnp.int32), cache
+
+  def draft(i):
+    def run(m, x, cache):
+      h, cache = m.micro_step(i, x, cache, drafting=True)
+      token = m.micro_token(jnp.argmax(m.micro_logits(h), axis=-1)).astype(jnp.int32)
+      return token + (m.stop_logits(h, drafting=True) > 1e9).astype(jnp.int32), cache
+    return run
+
+  x = lambda n: jnp.zeros((1, n, cfg.hidden_size), dt)
+  micro = lambda: runner.micro_cache(1, drafting=True)
+  return {"base step": _timed_loop(runner, forward(True), x(1), base_cache(1), repeats),
+          "K-entry forward": _timed_loop(runner, forward(False), x(k), base_cache(k), repeats),
+          "LM head, K rows": _timed_loop(runner, head, x(k), base_cache(1), repeats),
+          "first draft": _timed_loop(runner, draft(1), x(f + 1), micro(), repeats),
+          "later draft": _timed_loop(runner, draft(2), x(1), micro(), repeats)}
+
+
+def step_profile_lines(runner, whole: dict[float, tuple[float, float]],
+                       repeats: int) -> list[str]:
+  """Where one verify step's time goes at batch 1: each part (verify_parts) in ms and in base
+  steps, their sum for a step with K - 1 drafts, and the whole step as the engine ran it (the
+  decode time over its forwards, at each draft confidence; the base's step likewise); the
+  difference is the loop's own work (control flow, the pool's view, sampling, bookkeeping)."""
+  parts = verify_parts(runner, repeats)
+  unit = parts["base step"]
+  k = runner.max_group
+  drafts = parts["first draft"] + (k - 2) * parts["later draft"]
+  total = parts["K-entry forward"] + parts["LM head, K rows"] + drafts
+  lines = [f"One verify step at batch 1, its parts timed alone ({STEPS} in a jitted loop, a "
+           f"{KV_ENTRIES}-entry cache, the decoding layout, fastest of the rounds), in base "
+           "steps (the base's step timed the same way):", "",
+           "| part | ms | base steps |", "|---|---|---|"]
+  for name, s in parts.items():
+    lines.append(f"| {name} | {1e3 * s:.2f} | {s / unit:.3f} |")
+  lines.append(f"| parts of a step with {k - 1} drafts | {1e3 * total:.2f} | "
+               f"{total / unit:.3f} |")
+  for c, (step_s, base_s) in whole.items():
+    lines.append(f"| the engine's verify step, draft confidence {c:g} (its base's step "
+                 f"{1e3 * base_s:.2f} ms) | {1e3 * step_s:.2f} | {step_s / base_s:.3f} of its "
+                 "base's |")
+  return lines

@@ -181,21 +181,3 @@ def report_variants(cfg, best: dict[tuple[str, int], float], copy_gb_s: float) -
              for w in widths]
     lines.append(f"| {v} | " + " | ".join(cells) + f" | {gb_s:.1f} ({gb_s / copy_gb_s:.0%}) |")
   return lines
-
-
-def token_costs(base: Llama, widths: list[int], batches: list[int], kv_len: int,
-                repeats: int) -> dict[tuple[int, int], float]:
-  """{(batch, k): seconds} of a forward of k new tokens in each of `batch` sequences (verify
-  mode's step: the kept token and k - 1 drafts), interleaved over `repeats` rounds as
-  `measure`."""
-  runs = {(b, k): forward_loop(base, "tokens", k, kv_len, b) for b in batches for k in widths}
-  compiled = {key: fn.lower(*args).compile() for key, (fn, args) in runs.items()}
-  state = {key: args[1] for key, (_, args) in runs.items()}
-  best = {key: float("inf") for key in runs}
-  for _ in range(repeats + 1):  # the first round warms up
-    for key, (_, (params, _, x)) in runs.items():
-      t = time.perf_counter()
-      token, state[key] = compiled[key](params, state[key], x)
-      jax.block_until_ready(token)
-      best[key] = min(best[key], (time.perf_counter() - t) / STEPS)
-  return best

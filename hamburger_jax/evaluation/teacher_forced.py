@@ -15,7 +15,7 @@ The items of each metric:
     acc_s{i}                           the groups with an i-th token
   distill recipe (distillation.distill_loss / micro_distill_loss; each group's window, the up
   to K tokens from its first, as the teacher saw them)
-    loss, kl, lm_loss                  the windows' tokens
+    loss, kl, lm_loss, greedy_ce       the windows' tokens
     stop_bce, stop_acc, continue_rate  the window tokens with a stop label (all of them; for
                                        distill.stop_target "segments" those inside the group)
     acc_s{i}, agree_s{i}               the windows with an i-th token
@@ -89,7 +89,7 @@ def item_counts(batch: Mapping[str, Any], max_group: int, recipe: str = "paper",
   else:
     tokens = jnp.sum(window)
     stop = jnp.sum(jnp.minimum(window, target)) if stop_target == "segments" else tokens
-    counts.update({name: tokens for name in ("loss", "kl", "lm_loss")})
+    counts.update({name: tokens for name in ("loss", "kl", "lm_loss", "greedy_ce")})
     counts.update({name: stop for name in ("stop_bce", "stop_acc", "continue_rate")})
     counts.update({f"acc_s{i}": n for i, n in window_steps.items()})
   return counts
@@ -166,7 +166,7 @@ def evaluate(model, batches: Iterable[Mapping[str, np.ndarray]], *, recipe: str 
   graphdef, state = nnx.split(model)
 
   # Jitted per call, not once: a caller may change how the model traces between calls
-  # (infer.ablate_merged swaps the merged-entry forward).
+  # (infer.experiments.ablate_merged swaps the merged-entry forward).
   @jax.jit
   def totals(state, batch):
     return batch_totals(nnx.merge(graphdef, state), batch, recipe=recipe, loss_fn=loss_fn,

@@ -22,8 +22,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hamburger_jax import layout
 from hamburger_jax.model.attention import PackedMask
 from hamburger_jax.model.llama import GraftParam, Linear, RMSNorm, torch_linear_init
+from hamburger_jax.segmentation import segment_positions
 
 
 def kv_compression(tokens: float, groups: float, merge_layer: int, num_layers: int) -> float:
@@ -82,7 +84,7 @@ def last_of_group(x_nkd: jax.Array, size_n: jax.Array) -> jax.Array:
 
 def group_token_index(size_bm: jax.Array, k: int, tokens: int) -> tuple[jax.Array, jax.Array]:
   """Where each entry's tokens sit in its row unmerged (the entries' groups laid out in order,
-  as distillation.unmerged_rows lays them): [B, M, K] indices (`tokens` past a group's end or
+  as layout.unmerged_rows lays them): [B, M, K] indices (`tokens` past a group's end or
   the row's room), and whether the entry's whole group fits the row's `tokens` slots [B, M]."""
   end = jnp.cumsum(size_bm, axis=1)  # one past each entry's last token
   first = end - size_bm
@@ -107,11 +109,8 @@ def entry_states(model, batch: Mapping[str, jax.Array], tokens: int
   layers below L at each entry's last token {layer: [B, M, D]}, and whether the entry's group
   fits the row unmerged in `tokens` slots [B, M] (an entry that does not reads zeros: mask what
   it predicts). The lower layers are the exact base, frozen (no gradient reaches them)."""
-  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.objectives.distillation import unmerged_rows
-  from hamburger_jax.segmentation import segment_positions
   base, l = model.base, model.merge_layer
-  ids, seg, _ = unmerged_rows(batch, tokens)
+  ids, seg, _ = layout.unmerged_rows(batch, tokens)
   size = batch["input_size"]
   k = batch["input_ids"].shape[-1]
   below = tuple(i for i in model.feature_layers if i < l - 1)

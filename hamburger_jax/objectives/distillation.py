@@ -19,6 +19,8 @@ Losses, each weighted by DistillConfig:
   HAMburger's next token 0 is not the teacher's (the merge cost the base its reading), so the stop
   head learns where merging is safe, not only where the micro tokens are right.
 - ce: optional cross-entropy on the data's tokens (0 by default: the KL carries that signal).
+- greedy: optional cross-entropy on the teacher's greedy token (its top-1), which a drafter
+  must rank first for verify to keep it (0 by default).
 
 `micro_distill_loss` is stage 1: the micro-step decoder and stop head on the stored features
 alone, no base forward. `distill_loss` runs the HAMburger forward (stages 2 and 3).
@@ -99,13 +101,49 @@ def window_stats(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str, jax
   topk_logp = batch["teacher_topk_logp"].reshape(topk_ids.shape)
   n, _, d = feats_nfd.shape
   h = model.micro_hidden(feats_nfd, window, drafting)  # [N, K, D]
+  if drafting and model.micro_head is not None:
+    return {"h": h, "window": window, "size": size,
+            "valid": jnp.arange(k)[None, :] < size[:, None],
+            **micro_vocab_stats(model, h, window, topk_ids, topk_logp)}
   stats = chunked_token_stats(h.reshape(-1, d), model.base.head_dv(), window.reshape(-1),
                               ce_chunk, h.dtype, topk_ids.reshape(n * k, -1),
                               topk_logp.reshape(n * k, -1), rows=batch["window_size"].shape[0])
-  ce, kl, argmax = (stats[name].reshape(n, k) for name in ("ce", "kl", "argmax"))
+  ce, kl, argmax, greedy_ce = (stats[name].reshape(n, k)
+                               for name in ("ce", "kl", "argmax", "greedy_ce"))
   return {"h": h, "ce": ce, "kl": kl, "argmax": argmax, "window": window, "size": size,
+          "greedy_ce": greedy_ce,
           "agree": argmax == topk_ids[..., 0],  # the student's token is the teacher's greedy one
           "valid": jnp.arange(k)[None, :] < size[:, None]}
+
+
+def micro_vocab_stats(model: Hamburger, h_nkd: jax.Array, window_nk: jax.Array,
+                      topk_ids: jax.Array, topk_logp: jax.Array) -> dict[str, jax.Array]:
+  """window_stats' per-step figures [N, K] for a drafter with a reduced micro vocabulary
+  (Hamburger.set_micro_vocab): what it drafts among, so what it is taught on. Steps 1.. read the
+  reduced head (a small fraction of the full one's cost); the teacher's top-k is restricted to
+  the vocabulary and renormalised there, and a step whose teacher tokens all fall outside it
+  (or whose greedy / data token does) adds nothing to that term. Step 0 is the base's own token
+  (the skip connection: nothing of it trains): agree, and 0 in every loss."""
+  vocab = model.cfg.base.vocab_size
+  ids = model.micro_ids[...]
+  index = jnp.full((vocab,), -1, jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
+  logits = model.micro_logits(h_nkd)  # [N, K, M] fp32
+  logq = jax.nn.log_softmax(logits, axis=-1)
+  at = lambda idx: jnp.take_along_axis(logq, jnp.maximum(idx, 0), axis=-1)
+  tk = index[topk_ids]  # [N, K, k]
+  inside = tk >= 0
+  logp = jax.nn.log_softmax(jnp.where(inside, topk_logp.astype(jnp.float32), -1e30), axis=-1)
+  kl = jnp.sum(jnp.where(inside, jnp.exp(logp) * (logp - at(tk)), 0.0), axis=-1)
+  greedy = index[topk_ids[..., 0]]
+  target = index[window_nk]
+  later = jnp.arange(h_nkd.shape[1])[None, :] > 0
+  keep = lambda ok, x: jnp.where(later & ok, x, 0.0)
+  argmax = model.micro_token(jnp.argmax(logits, axis=-1))
+  return {"kl": keep(jnp.any(inside, axis=-1), kl),
+          "greedy_ce": keep(greedy >= 0, -at(greedy[..., None])[..., 0]),
+          "ce": keep(target >= 0, -at(target[..., None])[..., 0]),
+          "argmax": jnp.where(later, argmax, topk_ids[..., 0]),
+          "agree": ~later | (argmax == topk_ids[..., 0])}
 
 
 def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str, jax.Array],
@@ -142,8 +180,11 @@ def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str
   n_stop = jnp.maximum(stop_valid.sum(), 1)
   stop_mean = lambda x: jnp.sum(jnp.where(stop_valid, x, 0)) / n_stop
   kl_loss, ce_loss, stop_loss = mean(kl), mean(ce), stop_mean(bce)
-  loss = cfg.kl_weight * kl_loss + cfg.ce_weight * ce_loss + cfg.stop_weight * stop_loss
-  metrics = {"kl": kl_loss, "lm_loss": ce_loss, "stop_bce": stop_loss, "tokens": valid.sum(),
+  greedy_loss = mean(w["greedy_ce"])
+  loss = (cfg.kl_weight * kl_loss + cfg.ce_weight * ce_loss + cfg.stop_weight * stop_loss
+          + cfg.greedy_weight * greedy_loss)
+  metrics = {"kl": kl_loss, "lm_loss": ce_loss, "stop_bce": stop_loss, "greedy_ce": greedy_loss,
+             "tokens": valid.sum(),
              "groups": (size > 0).sum(),
              "stop_acc": stop_mean((stop > 0) == stop_target),
              "continue_rate": stop_mean(stop < 0)}  # steps where P(continue) > 0.5
@@ -214,25 +255,6 @@ def predicting_features(model: Hamburger, batch: Mapping[str, jax.Array], *,
   return feats, at(size), jnp.stack([at(x)] + outs[:-1], axis=-2), outs[-1]
 
 
-def unmerged_rows(batch: Mapping[str, jax.Array], tokens: int
-                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """A packed batch's rows unmerged, in `tokens` slots: token ids and segment ids [B, tokens]
-  (each entry's group laid out token by token, in order), and the unmerged index of each
-  group's predicting entry's last token [B, G] (`tokens` where the row is too short for it)."""
-  ids, size, seg = batch["input_ids"], batch["input_size"], batch["segment_ids"]
-  b, m, k = ids.shape
-  valid = (jnp.arange(k)[None, None, :] < size[..., None]).reshape(b, m * k)
-  dest = jnp.where(valid, jnp.cumsum(valid, axis=1) - 1, tokens)
-  rows = jnp.arange(b)[:, None]
-  flat = lambda a: a.reshape(b, m * k)
-  out_ids = jnp.zeros((b, tokens), ids.dtype).at[rows, dest].set(flat(ids), mode="drop")
-  out_seg = jnp.zeros((b, tokens), seg.dtype).at[rows, dest].set(
-      flat(jnp.broadcast_to(seg[..., None], (b, m, k))), mode="drop")
-  last = jnp.cumsum(size, axis=1) - 1  # [B, M]
-  pred = last[rows, batch["pred_index"]]
-  return out_ids, out_seg, jnp.where(pred < tokens, pred, tokens)
-
-
 def _relative_error(student: jax.Array, teacher: jax.Array) -> jax.Array:
   """feature_error over every axis after the leading [B, G] (a head's keys: heads x dims)."""
   s, t = (a.reshape(*a.shape[:2], -1) for a in (student, teacher))
@@ -246,7 +268,7 @@ def dense_alignment(model: Hamburger, batch: Mapping[str, jax.Array], inputs: ja
   the entry's group), averaged over the layers and the three; and whether the entry fits the
   unmerged rows (`tokens` slots). The teacher runs here, under stop_gradient."""
   base, n = model.base, model.cfg.base.num_layers
-  ids, seg, at = unmerged_rows(batch, tokens)
+  ids, seg, at = layout.unmerged_rows(batch, tokens)
   b = ids.shape[0]
   rows = jnp.arange(b)[:, None]
   t_out = base.forward(base.embed(ids), segment_positions(seg), PackedMask(seg),
@@ -264,16 +286,26 @@ def dense_alignment(model: Hamburger, batch: Mapping[str, jax.Array], inputs: ja
   return jnp.mean(jnp.stack(err, axis=-1), axis=-1), at < tokens
 
 
+def teacher_context(model: Hamburger, features_nfd: jax.Array, window_nk: jax.Array
+                    ) -> jax.Array:
+  """What a contextual embedder reads of N groups [N, K, D]: the micro decoder's hidden states
+  over each group's window (layout.py: its K tokens from its first), teacher-forced from the
+  teacher's features that predicted it (stored in float32: run in the base's dtype, as decoding
+  runs its own). The one construction that training (entry_context) and the one-merge
+  evaluations (evaluation/fidelity.py: one_merge_entries) read."""
+  return model.group_context(features_nfd.astype(jnp.dtype(model.cfg.base.dtype)), window_nk)
+
+
 def entry_context(model: Hamburger, batch: Mapping[str, jax.Array]) -> jax.Array:
   """A contextual embedder's input at every entry [B, M, K, D] (zero at prompt entries): each
-  group's hidden states from the teacher's features at its predicting position, as the micro
-  decoder produced its tokens. Teacher-forced: decoding reads the states of its own features."""
+  group's teacher_context, at the entry of the packed row that holds the group. Teacher-forced:
+  decoding reads the states of its own features."""
   ids = batch["input_ids"]
   b, m, k = ids.shape
   feats = batch["teacher_features"]  # [B, G, F, D]
   g, f, d = feats.shape[1:]
-  h = model.group_context(feats.reshape(b * g, f, d).astype(jnp.dtype(model.cfg.base.dtype)),
-                          batch["window_ids"].reshape(b * g, k)).reshape(b, g, k, d)
+  h = teacher_context(model, feats.reshape(b * g, f, d),
+                      batch["window_ids"].reshape(b * g, k)).reshape(b, g, k, d)
   # Group g's own entry follows the entry that predicts it (padded groups go nowhere).
   entry = jnp.where(batch["window_size"] > 0, batch["pred_index"] + 1, m)
   rows = jnp.arange(b)[:, None]

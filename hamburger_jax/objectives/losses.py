@@ -28,6 +28,8 @@ def _chunk_stats(h_cd: jax.Array, head_dv: jax.Array, targets_c: jax.Array,
   out = {"ce": lse - gold, "argmax": jnp.argmax(logits, axis=-1).astype(jnp.int32)}
   if topk_ids_ck is not None:
     out["kl"] = topk_kl(logits - lse[:, None], topk_ids_ck, topk_logp_ck)
+    # CE on the teacher's greedy token (its top-1): what a drafter must rank first.
+    out["greedy_ce"] = lse - jnp.take_along_axis(logits, topk_ids_ck[:, :1], axis=-1)[:, 0]
   return out
 
 
