@@ -1005,6 +1005,31 @@ def test_fidelity_check_logs_the_learning_curve(staged, tmp_path: Path, no_gguf_
     training.run(other, progress=False, log=lambda *_: None)
 
 
+def test_a_drafter_run_logs_its_drafts_curve(staged, tmp_path: Path, no_gguf_tokenizer):
+  """train.fidelity_every in a drafter's run: what its drafts are worth on the set's answers read
+  as single tokens (fid_d1.., fid_chained, fid_walk) at the start, every N steps and at the
+  end, the drafter learning between; train.curves --fidelity draws its panels."""
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  from train import curves as curves_cli  # pylint: disable=import-outside-toplevel
+  start = f"train.init_from={staged.run / 'micro' / 'export'}"
+  sets = [f"checkpoint.dir={tmp_path / 'd'}", start, "graft.drafter_layers=1",
+          "train.trainable=drafter", "distill.greedy_weight=0.5"]
+  cfg = load_run_config(staged.config, sets, stage="merger")
+  fset = _tiny_fidelity_set(pretrained.build_run_model(cfg)[0], tmp_path / "set.json")
+  cfg = load_run_config(staged.config, sets + [
+      "train.steps=4", "train.fidelity_every=2", f"train.fidelity_set={fset}"], stage="merger")
+  training.run(cfg, progress=False, log=lambda *_: None)
+  rows = [r for r in _metrics(tmp_path / "d" / "merger") if "fid_chained" in r]
+  assert [r["step"] for r in rows] == [0, 2, 4]
+  for r in rows:
+    assert 0 <= r["fid_d1"] <= 1 and 1 <= r["fid_chained"] <= 4 and 1 <= r["fid_walk"] <= 4
+    assert "fid_agree_merged" not in r
+  assert any(r["greedy_ce"] > 0 for r in _metrics(tmp_path / "d" / "merger") if "greedy_ce" in r)
+  out = tmp_path / "drafts.png"
+  assert curves_cli.main(["--fidelity", f"d={tmp_path / 'd' / 'merger'}", "--out",
+                          str(out)]) == 0
+
+
 def test_a_run_grows_the_graft_it_starts_from(staged, teacher_data_dir: str, tmp_path: Path,
                                               no_gguf_tokenizer):
   """train.init_from a graft without the options this run adds (a contextual entry, a larger

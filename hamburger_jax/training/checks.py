@@ -1,6 +1,6 @@
 """The checks a training run logs beside its steps (training/loop.py runs them): the validation
 split's metrics (val_*), free generation on held-out prompts (gen_*) and the fidelity set's
-teacher-forced figures (fid_*), each every train.eval_every, generate_every and fidelity_every
+teacher-forced figures (fid_*; a drafter's: its drafts'), each every train.eval_every, generate_every and fidelity_every
 steps, before the first step (where the curves start: the initial graft) and at the last.
 """
 
@@ -61,18 +61,22 @@ class GenerationCheck:
 class FidelityCheck:
   """The fidelity figures of the current graft on a fidelity set (train.fidelity_every): the
   teacher's signals are computed once, at the first call; each call then runs the graft's
-  teacher-forced forwards (evaluation/fidelity.py). Metrics fid_<figure>."""
+  teacher-forced forwards (evaluation/fidelity.py). Metrics fid_<figure>. A drafter's run
+  (train.trainable drafter) logs what its drafts are worth instead, on the set's answers read
+  as single tokens (evaluation/verify_walk.py): fid_d1.. (each draft the base's), fid_chained
+  and fid_walk (greedy verify's tokens a forward, draft confidence 0)."""
 
   FIGURES = ("agree_merged", "agree_single", "agree_one_merge", "agree_s2", "agree_s3",
              "agree_s4", "kl_merged", "kl_single", "kl_one_merge")
 
   def __init__(self, trainer: Trainer, t: TrainConfig):
     self.trainer, self.path = trainer, t.fidelity_set or None
+    self.drafts = t.trainable == "drafter"
     self.records = None
 
   def __call__(self) -> dict[str, float]:
     # pylint: disable=import-outside-toplevel
-    from hamburger_jax.evaluation import fidelity, fidelity_set
+    from hamburger_jax.evaluation import fidelity, fidelity_set, verify_walk
     model = self.trainer.current_model()
     if self.records is None:
       fset = fidelity_set.load(self.path)
@@ -80,7 +84,13 @@ class FidelityCheck:
         fidelity_set.check_fits(fset, model.base, model.max_group)
       except fidelity_set.FidelitySetError as e:
         raise ConfigError(f"train.fidelity_every: {e}") from None
-      self.records = fidelity.teacher_records(model, fset.records)
+      self.records = (verify_walk.single_token_records(model, fset.records) if self.drafts
+                      else fidelity.teacher_records(model, fset.records))
+    if self.drafts:
+      tok = self.trainer.tokenizer
+      out = verify_walk.draft_figures(model, self.records, 0.0, tok.stop_ids if tok else ())
+      return {**{f"fid_{n}": v for n, v in out["marginal"].items() if v is not None},
+              "fid_chained": out["chained"], "fid_walk": out["walk_tokens_per_forward"]}
     out = fidelity.fidelity_figures(model, self.records, progress=False)
     return {f"fid_{name}": out[name] for name in self.FIGURES if out.get(name) is not None}
 

@@ -208,16 +208,26 @@ FIDELITY_PANELS = (("fid_agree_merged", "agreement after a merged entry"),
                    ("fid_kl_merged", "KL after a merged entry"))
 
 
+# A drafter's runs log its drafts' figures on the set read as single tokens instead.
+DRAFT_PANELS = (("fid_d1", "draft 1 the base's token"),
+                ("fid_chained", "chained tokens a forward (teacher-forced)"),
+                ("fid_walk", "greedy verify's tokens a forward (walked)"))
+
+
 def plot_fidelity(runs: dict[str, Sequence[dict[str, Any]]], path: str) -> str:
-  """Learning curves of several runs (the fidelity arms) on the fidelity set: each panel one
-  figure (FIDELITY_PANELS) against the step, one line a run."""
+  """Learning curves of several runs (the fidelity arms, or drafter arms) on the fidelity set:
+  each panel one figure (FIDELITY_PANELS, or DRAFT_PANELS where the runs logged those) against
+  the step, one line a run."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  if not any(any(k in r for r in rows for k, _ in FIDELITY_PANELS) for rows in runs.values()):
+  logged = lambda panels: any(any(k in r for r in rows for k, _ in panels)
+                              for rows in runs.values())
+  panels = DRAFT_PANELS if logged(DRAFT_PANELS) else FIDELITY_PANELS
+  if not logged(panels):
     raise ValueError("no fid_* metrics in these runs: train them with train.fidelity_every")
-  fig, axes = plt.subplots(1, len(FIDELITY_PANELS), figsize=(5 * len(FIDELITY_PANELS), 4))
-  for ax, (key, title) in zip(axes, FIDELITY_PANELS):
+  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+  for ax, (key, title) in zip(axes, panels):
     for name, rows in runs.items():
       x, y = _series(rows, key)
       if x:
