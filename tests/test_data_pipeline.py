@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import json
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ import pytest
 import tensorflow_datasets as tfds
 from flax import nnx
 
-from hamburger_jax.config import LlamaConfig
+from hamburger_jax.config import ConfigError, LlamaConfig
 from hamburger_jax.data import heldout, pipeline, prepare, source_specs, sources, teacher_pass, tfds_builder
 from hamburger_jax.data.tfds_builder import DatasetExistsError, build_dataset
 from hamburger_jax.layout import LayoutError
@@ -743,3 +744,43 @@ def test_keep_split_goes_by_prompt(tmp_path):
   assert all(len(v) == 1 for v in by_prompt.values())  # a prompt never in both splits
   assert {k: v.pop() for k, v in by_prompt.items() if k in split} == split
   assert len(by_prompt) == 30
+
+
+def test_a_feature_corpus_built_twice_is_identical_and_names_its_tokenizer(tmp_path):
+  """A drafter's corpus (every position a group, the teacher's features and top-k at each)
+  built twice from the same inputs is the same to the byte; it records its base's and
+  tokenizer's fingerprints, and a run with another tokenizer is refused in one line."""
+  from hamburger_jax.segmentation import TeacherSpec  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.training.loop import check_data  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.run_config import load_run_config  # pylint: disable=import-outside-toplevel
+  cfg = LlamaConfig(vocab_size=260, hidden_size=16, intermediate_size=32, num_layers=3,
+                    num_heads=2, num_kv_heads=1)
+  model = Llama(cfg, rngs=nnx.Rngs(0))
+  convs = [sources.Conversation([{"role": "user", "content": f"q{i}" * (i % 3 + 1)}],
+                                "answer " * (i % 4 + 1), "test", str(i)) for i in range(8)]
+  teacher = TeacherSpec(top_k=5, feature_layers=(0, 2))
+  for name in ("a", "b"):
+    prepare.prepare_dataset(convs, model, _FakeTokenizer(), str(tmp_path / name),
+                            strategy="fixed:1", max_len=80, val_fraction=0.25, teacher=teacher)
+  read = lambda name: tfds.builder_from_directory(str(tmp_path / name)).as_data_source()
+  a, b = read("a"), read("b")
+  assert set(a) == set(b) == {"train", "validation"}
+  for split in a:
+    assert len(a[split]) == len(b[split]) > 0
+    for i in range(len(a[split])):
+      for key, value in a[split][i].items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(b[split][i][key]), key)
+  meta = pipeline.dataset_metadata(str(tmp_path / "a"))
+  assert meta["tokenizer_fingerprint"] == teacher_pass.tokenizer_fingerprint(_FakeTokenizer())
+  assert meta["base_fingerprint"] == teacher_pass.base_fingerprint(model)
+
+  class Shifted(_FakeTokenizer):
+    def encode(self, text, parse_special=True):
+      return [t + 1 for t in super().encode(text, parse_special)]
+
+  run = load_run_config(None, [f"data.dir={tmp_path / 'a'}", "checkpoint.dir=x"])
+  hamburger = types.SimpleNamespace(base=model, feature_layers=(0, 2))
+  check_data(run, meta, hamburger, _FakeTokenizer())  # the corpus's own tokenizer passes
+  with pytest.raises(ConfigError, match="another tokenizer") as err:
+    check_data(run, meta, hamburger, Shifted())
+  assert "\n" not in str(err.value)

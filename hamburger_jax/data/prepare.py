@@ -29,7 +29,7 @@ from hamburger_jax.data.sources import Conversation, SourceError
 from hamburger_jax.data.teacher_pass import (DEFAULT_BATCH_TOKENS, DEFAULT_MAX_LEN, Forward,
                                              PrepareStats, TokenizedSample, add_markers,
                                              row_length, rows_per_device, teacher_metadata,
-                                             write_shard)
+                                             tokenizer_fingerprint, write_shard)
 from hamburger_jax.data.tfds_builder import check_output_dir, join_datasets
 from hamburger_jax.tokenizer import load_default_tokenizer
 
@@ -278,6 +278,8 @@ def _plan(samples: Sequence[TokenizedSample], val: set[int], stats: PrepareStats
   eot = end_of_turn_id(tokenizer)
   meta = {"strategy": strategy, "max_len": max_len, "val_fraction": val_fraction, "seed": seed,
           "end_of_turn_id": eot, **base_meta, **dict(metadata or {})}
+  if hasattr(tokenizer, "encode"):  # an IdsTokenizer (records carrying their ids) has none
+    meta["tokenizer_fingerprint"] = tokenizer_fingerprint(tokenizer)
   return shardlib.canonical({
       "format": shardlib.PLAN_FORMAT, "num_processes": stats.num_processes,
       "shard_size": chunk_size, "num_shards": -(-len(samples) // chunk_size),

@@ -192,6 +192,20 @@ def teacher_metadata(model: nnx.Module, teacher: segmentation.TeacherSpec | None
   return meta, shapes
 
 
+# What a tokenizer fingerprint encodes: words, digits, code, accents, other scripts and the chat
+# markers, so that another vocabulary or another split of any of them shows.
+_PROBE = ("The quick brown fox, 1234567890 and 3.14; def f(x): return x ** 2 # café naïve "
+          "Москва 東京 🙂 <|im_start|>user\n<|im_end|>")
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+  """Identifies the tokenizer whose ids a dataset holds: its vocabulary size and its ids for a
+  probe text (another tokenizer reads the stored ids as other text)."""
+  h = hashlib.sha256(str(tokenizer.vocab_size).encode())
+  h.update(np.asarray(tokenizer.encode(_PROBE), np.int64).tobytes())
+  return h.hexdigest()[:16]
+
+
 def base_fingerprint(model: nnx.Module) -> str:
   """Identifies the base whose forward made a dataset's groups and teacher signals: its
   architecture and a hash of some of its weights (the same architecture with other weights

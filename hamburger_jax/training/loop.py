@@ -48,10 +48,11 @@ class IteratorSnapshot(grain.DatasetIterator):
     self._state = state
 
 
-def check_data(cfg: RunConfig, meta: dict[str, Any], model: Hamburger | None = None) -> None:
+def check_data(cfg: RunConfig, meta: dict[str, Any], model: Hamburger | None = None,
+               tokenizer=None) -> None:
   """The dataset (its `meta`data) fits the recipe and was made by this run's base (its groups and
-  teacher signals come from the base's forward). Without `model`: the checks that need no model,
-  run before loading one."""
+  teacher signals come from the base's forward) and tokenizer (its ids). Without `model`: the
+  checks that need no model, run before loading one."""
   teacher = meta.get("teacher")
   if cfg.train.recipe == "distill" and not teacher:
     raise ConfigError(
@@ -65,13 +66,19 @@ def check_data(cfg: RunConfig, meta: dict[str, Any], model: Hamburger | None = N
           f"{cfg.data.dir} stores the teacher's features of layers {teacher['feature_layers']} "
           f"but the graft reads layers {list(model.feature_layers)}: prepare the data with this "
           "run's config")
-  from hamburger_jax.data.teacher_pass import base_fingerprint  # pylint: disable=C0415
+  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.data.teacher_pass import base_fingerprint, tokenizer_fingerprint
   stored = meta.get("base_fingerprint")
   if stored and stored != base_fingerprint(model.base):
     raise ConfigError(
         f"{cfg.data.dir} was segmented with another base model ({meta.get('base', '?')}, "
         f"fingerprint {stored}) than this run's {cfg.model.base!r}: prepare the data with this "
         "run's base")
+  stored = meta.get("tokenizer_fingerprint")
+  if stored and tokenizer is not None and stored != tokenizer_fingerprint(tokenizer):
+    raise ConfigError(
+        f"{cfg.data.dir} holds the ids of another tokenizer (fingerprint {stored}) than this "
+        f"run's {cfg.model.base!r}: prepare the data with this run's base")
 
 
 def checkpoint_manager(directory: str, cfg: RunConfig) -> ocp.CheckpointManager:
@@ -232,7 +239,7 @@ def _open(cfg: RunConfig, log: Callable[[str], None]) -> tuple[Trainer, ocp.Chec
   check_data(cfg, meta)
   pretrained.check_init_from(cfg)
   trainer = Trainer(cfg)
-  check_data(cfg, meta, trainer.model)
+  check_data(cfg, meta, trainer.model, trainer.tokenizer)
   d = cfg.data
   ckpt_dir = checkpoints_dir(cfg.checkpoint.dir)
   mngr = checkpoint_manager(ckpt_dir, cfg)
