@@ -177,6 +177,26 @@ def test_the_engine_compiles_for_v5e_at_each_slot_count(capsys):
   assert all(float(r["total GiB"]) < 1 and r["of HBM"] == "0%" for r in rows)
 
 
+def test_a_graft_that_merges_at_a_layer_compiles_for_v5e(capsys, tmp_path):
+  """A graft merging at layer 2 of 4 (model/layer_merge.py): its decode and serving loops and
+  its forced macro step (the K-wide lower layers and the one-wide upper ones) compile for a
+  TPU, with more fusions than the same graft merging at the input (the K-wide lower span)."""
+  import yaml  # pylint: disable=import-outside-toplevel
+  raw = yaml.safe_load(open(TINY, encoding="utf-8"))
+  raw["graft"]["merge_layer"] = 2
+  raw["data"]["tokens"] = 256
+  config = tmp_path / "tiny_l2.yaml"
+  config.write_text(yaml.safe_dump(raw))
+  code, out, rows = _engine_rows(capsys, "--batches", "1", "--config", str(config))
+  assert code == 0, out
+  at_layer = {r["program"]: int(r["fusions"]) for r in rows}
+  code, out, rows = _engine_rows(capsys, "--batches", "1")
+  at_input = {r["program"]: int(r["fusions"]) for r in rows}
+  step = "one macro step, hamburger, forced K"
+  assert at_layer[step] > at_input[step]
+  assert at_layer["decode loop, hamburger"] > at_layer["decode loop, base"]
+
+
 def test_the_engine_compiles_sharded_over_the_tensor_axis(capsys):
   code, out, rows = _engine_rows(capsys, "--batches", "1", "--tensor", "2")
   assert code == 0, out
@@ -268,8 +288,8 @@ def test_every_other_config_lowers_for_a_tpu(name, capsys):
   """The configs made for a CPU or a GPU machine lower for TPU chips too (`--lower-only`), on as
   many v5p chips as their mesh fixes (llama3_2_1b.yaml: fsdp 8)."""
   assert OTHER_CONFIGS == ["llama3_2_1b.yaml", "smollm2_135m.yaml", "smollm2_135m_drafter.yaml",
-                           "smollm2_135m_fidelity.yaml", "smollm2_135m_paper.yaml",
-                           "smollm2_135m_window.yaml", "tiny.yaml"]
+                           "smollm2_135m_fidelity.yaml", "smollm2_135m_layer_merge.yaml",
+                           "smollm2_135m_paper.yaml", "smollm2_135m_window.yaml", "tiny.yaml"]
   path = str(REPO / "configs" / name)
   mesh = load_run_config(path, shared_only=True).mesh
   chips = max(mesh.data, 1) * mesh.fsdp * mesh.tensor
