@@ -357,3 +357,16 @@ def test_served_preempted_and_refilled_rows_equal_a_batch_of_one(decode_model):
     assert got[i].error is None, got[i].error
     assert (got[i].token_ids, got[i].groups) == (want.token_ids, want.groups), f"request {i}"
   assert run.stats.preemptions > 0 and run.stats.free_blocks_at_end == 11
+
+
+def test_kv_compression_of_generations_counts_layer_entries():
+  """The judge's and the eval's KV compression: tokens over macro steps at L = 0; at L > 0 the
+  layer entries kept unmerged over those kept (a base run, one token a step, is 1 at any L)."""
+  import types  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.requests import kv_compression  # pylint: disable=C0415
+  gens = [types.SimpleNamespace(new_tokens=30, macro_steps=12),
+          types.SimpleNamespace(new_tokens=12, macro_steps=8)]
+  assert kv_compression(gens) == pytest.approx(42 / 20)
+  assert kv_compression(gens, 15, 30) == pytest.approx(30 * 42 / (15 * 42 + 15 * 20))
+  base = [types.SimpleNamespace(new_tokens=9, macro_steps=9)]
+  assert kv_compression(base, 8, 30) == pytest.approx(1.0)

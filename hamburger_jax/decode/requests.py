@@ -150,6 +150,16 @@ class Request:
     return jax.random.fold_in(jax.random.key(self.seed), salt)
 
 
+def kv_compression(gens, merge_layer: int = 0, num_layers: int = 1) -> float:
+  """HAMburger mode's KV compression over many generations: their tokens over their macro steps
+  where groups merge at the input (docs/SPEC.md 3); where they merge at layer L > 0, the layer
+  entries the tokens would keep unmerged over those they keep (layer_merge.kv_compression)."""
+  from hamburger_jax.model.layer_merge import kv_compression as at_layer  # pylint: disable=C0415
+  tokens = sum(g.new_tokens for g in gens)
+  steps = max(sum(g.macro_steps for g in gens), 1)
+  return at_layer(tokens, steps, merge_layer, num_layers) if merge_layer else tokens / steps
+
+
 def pooled_tokens_per_step(gens) -> float:
   """Tokens per macro step over many generations, each weighted by its length: in mode
   hamburger their KV compression (tokens per decode entry), in verify mode the tokens a base

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from hamburger_jax.decode.requests import pooled_tokens_per_step
+from hamburger_jax.decode.requests import kv_compression
 from hamburger_jax.evaluation.statistics import bootstrap_ci
 
 
@@ -21,6 +21,8 @@ class ModeRun:
   gens: list  # hamburger_jax.decode.engine.Generation, one per example
   decode_s: float  # summed over batches; compilation excluded
   compile_s: float
+  merge_layer: int = 0  # where the graft's groups become one entry (its KV compression's layer)
+  num_layers: int = 1  # the base's
 
   @property
   def tokens(self) -> int:
@@ -35,7 +37,7 @@ class ModeRun:
     return {"score": float(np.mean(scores)) if scores else float("nan"),
             "ci95": list(bootstrap_ci(scores)),
             "tokens": self.tokens, "macro_steps": self.macro_steps,
-            "kv_compression": pooled_tokens_per_step(self.gens),
+            "kv_compression": kv_compression(self.gens, self.merge_layer, self.num_layers),
             "decode_s": self.decode_s, "compile_s": self.compile_s,
             "tokens_per_s": self.tokens / self.decode_s if self.decode_s > 0 else float("nan"),
             "group_sizes": dict(sorted(collections.Counter(
@@ -66,7 +68,7 @@ def generate_batched(engine, prompts: list, *, mode: str, confidence: float, max
     decode_s += out[0].decode_s
     if bar is not None:
       bar.update(1)
-  return ModeRun(gens, decode_s, compile_s)
+  return ModeRun(gens, decode_s, compile_s, engine.merge_layer, engine.base_cfg.num_layers)
 
 
 def run_modes(engine, examples, confidences: Sequence[float], max_new: int, batch: int,

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hamburger_jax.decode.requests import pooled_tokens_per_step
+from hamburger_jax.decode.requests import kv_compression
 from hamburger_jax.evaluation.statistics import bootstrap_ci, paired_bootstrap_ci
 from hamburger_jax.evaluation.suite import (Suite, SuiteError, SuiteItem, compile_items,
                                             decode_items, progress_log, score)
@@ -143,7 +143,7 @@ def judge(engine, suite: Suite, base: BaseRun, name: str,
     s = [score(it, g.token_ids, b.token_ids, decode)
          for it, g, b in zip(items, gens, base.gens)]
     scores[c] = s
-    by_c[c] = _summary(suite, gens, s, base)
+    by_c[c] = _summary(suite, gens, s, base, engine.merge_layer, engine.base_cfg.num_layers)
     if micro_share:
       same, total = micro_base_share(engine.model.base, items, gens)
       by_c[c].update(micro_tokens=total, micro_base_share=same / total if total else float("nan"))
@@ -155,8 +155,11 @@ def judge(engine, suite: Suite, base: BaseRun, name: str,
   return Judgement(name, by_c, scores, suite.tasks, len(seconds) * sum(warm) / len(warm))
 
 
-def _summary(suite: Suite, gens: Sequence, s: Sequence[float], base: BaseRun) -> dict[str, Any]:
-  out: dict[str, Any] = {"tasks": {}, "kv_compression": pooled_tokens_per_step(gens)}
+def _summary(suite: Suite, gens: Sequence, s: Sequence[float], base: BaseRun,
+             merge_layer: int = 0, num_layers: int = 1) -> dict[str, Any]:
+  """One confidence's figures; KV compression at the graft's merge layer."""
+  kv = lambda g: kv_compression(g, merge_layer, num_layers)
+  out: dict[str, Any] = {"tasks": {}, "kv_compression": kv(gens)}
   number = [i for i, it in enumerate(suite.items) if it.checker != "rouge"]
   chat = suite.of_checker("rouge")
   for task in suite.tasks:
@@ -167,7 +170,7 @@ def _summary(suite: Suite, gens: Sequence, s: Sequence[float], base: BaseRun) ->
         "ci95": list(bootstrap_ci(ham)), "base": float(np.mean(ref)),
         "delta": float(np.mean(ham) - np.mean(ref)),
         "delta_ci95": list(paired_bootstrap_ci(ham, ref)),
-        "kv_compression": pooled_tokens_per_step([gens[i] for i in idx])}
+        "kv_compression": kv([gens[i] for i in idx])}
   quality = []
   if number:
     ham, ref = [s[i] for i in number], [base.scores[i] for i in number]
