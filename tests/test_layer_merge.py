@@ -370,3 +370,42 @@ def test_kv_compression_of_generations_counts_layer_entries():
   assert kv_compression(gens, 15, 30) == pytest.approx(30 * 42 / (15 * 42 + 15 * 20))
   base = [types.SimpleNamespace(new_tokens=9, macro_steps=9)]
   assert kv_compression(base, 8, 30) == pytest.approx(1.0)
+
+
+def test_shared_turns_at_layer_l_come_from_the_prefix_cache_unchanged(decode_model):
+  """Prompts sharing a system turn: its entries (every layer's: a prompt token is an entry
+  above L too) are copied from the prefix cache and every request emits what it emits alone."""
+  from hamburger_jax.decode.engine import Engine
+  from hamburger_jax.decode.requests import Request
+  from hamburger_jax.testing import DECODE_STOP
+  system = list(range(20, 35)) + [DECODE_STOP]
+  chats = [system + [5, 6, 7, DECODE_STOP, 1], system + [8, 9, DECODE_STOP, 1],
+           system + list(range(40, 52)) + [DECODE_STOP, 1]]
+  engine = Engine(decode_model, None, stop_ids=[DECODE_STOP])
+  reqs = lambda: [Request(c, max_new_tokens=12, confidence=0.3, id=i)
+                  for i, c in enumerate(chats)]
+  alone = []
+  for r in reqs():
+    engine.prefix_cache.clear()
+    alone.append(next(iter(engine.serve([r], slots=1, mode="hamburger"))))
+  engine.prefix_cache.clear()
+  run = engine.serve(reqs(), slots=2, mode="hamburger")
+  got = {g.id: g for g in run}
+  for i, want in enumerate(alone):
+    assert (got[i].token_ids, got[i].groups) == (want.token_ids, want.groups), f"request {i}"
+  assert run.stats.prefix_hits == 2 and max(max(g.groups) for g in got.values()) >= 2
+
+
+def test_a_graft_merging_at_layer_l_launches_no_embedder():
+  """The forced macro step at L = 2 runs the same decoder layers as at L = 0 (L of them K wide,
+  the rest one wide) and no compositional embedder: fewer, wider kernels."""
+  from hamburger_jax.decode import launches
+  from hamburger_jax.decode.runner import decode_runner
+  step = "macro step, HAMburger forced K"
+  dots = {}
+  for layer in (0, 2):
+    model = _model(layer)
+    runner, _ = decode_runner(model)
+    dots[layer] = launches.figures(runner, 1, 64, model, tpu=False)[step]["dots"]
+  # The embedder's q, k, v and output projections and its attention's two contractions.
+  assert dots[2] == dots[0] - 6
