@@ -285,7 +285,8 @@ def settings(args, argv: Sequence[str]) -> EvalSettings:
       confidences=tuple(args.confidence), tasks=tuple(args.tasks) if args.tasks else None,
       limit=args.limit, batch=args.batch, max_new_tokens=args.max_new_tokens,
       max_group=args.max_group, micro_rule=args.micro_rule, data=args.data, split=args.split,
-      fidelity_set=args.fidelity_set, merge_layers=args.merge_layer or (), verify=args.verify,
+      fidelity_set=args.fidelity_set, merge_layers=args.merge_layer or (),
+      verify_draft_confidence=args.verify,
       train_data=args.train_data, out=args.out, plots=not args.no_plots,
       unsafe_exec=args.unsafe_exec,
       command=" ".join(shlex.quote(a) for a in ["python", "-m", "infer.eval", *argv]))

@@ -197,7 +197,7 @@ class EnginePrograms:
     state = self._abstract_state(layout)
     i32 = self._spec((), jnp.int32)
     request = {k: self._spec((), getattr(state, k).dtype)
-               for k in ("max_new", "confidence", "max_group", "temperature", "top_k", "top_p")}
+               for k in ("max_new", "continue_at", "max_group", "temperature", "top_k", "top_p")}
     key = jax.eval_shape(lambda: jax.random.key(0))
     request["key"] = self._spec(key.shape, key.dtype)
     fn = self._jit(self._prefill_impl, static_argnames=("mode",))
@@ -268,9 +268,9 @@ class EnginePrograms:
     state's table), chunk by chunk; the slot then decodes with the request's settings.
     `compiled_only`: the prefix cache is left aside while its programs are not compiled (the
     chunks, so the output, are the same)."""
-    confidence = r.draft_confidence if layout.mode == "verify" else r.confidence
+    continue_at = r.draft_confidence if layout.mode == "verify" else r.confidence
     request = self.put({
-        "max_new": np.int32(r.max_new_tokens), "confidence": np.float32(confidence),
+        "max_new": np.int32(r.max_new_tokens), "continue_at": np.float32(continue_at),
         "max_group": np.int32(r.max_group or self.max_group or 1),
         "temperature": np.float32(r.sampling.temperature), "top_k": np.int32(r.sampling.top_k),
         "top_p": np.float32(r.sampling.top_p), "key": r.key()})

@@ -164,7 +164,7 @@ def decode_state(cache, cfg: LlamaConfig, *, slots: int, max_new: int, max_group
       cache=cache, features=zeros(b, num_features, cfg.hidden_size, dt=jnp.dtype(cfg.dtype)),
       prompt_len=zeros(b), tokens=zeros(b, n + k), n_tokens=zeros(b), groups=zeros(b, n),
       n_steps=zeros(b), done=jnp.ones((b,), bool), max_new=zeros(b),
-      confidence=jnp.ones((b,), jnp.float32), max_group=jnp.full((b,), k, jnp.int32),
+      continue_at=jnp.ones((b,), jnp.float32), max_group=jnp.full((b,), k, jnp.int32),
       temperature=zeros(b, dt=jnp.float32),
       top_k=zeros(b), top_p=jnp.ones((b,), jnp.float32),
       key=jax.random.split(jax.random.key(0), b), next_token=jnp.full((b,), -1, jnp.int32),

@@ -54,7 +54,9 @@ class DecodeState:
   n_steps: jax.Array  # [B]
   done: jax.Array  # [B] bool; empty slots are done
   max_new: jax.Array  # [B] the slot's own max_new_tokens (<= N)
-  confidence: jax.Array  # [B] continue a group while P(continue) >= confidence
+  # [B] a row goes on to its next micro step while P(continue) >= this: HAMburger mode's
+  # confidence c (its groups), verify mode's draft confidence (its drafts)
+  continue_at: jax.Array
   max_group: jax.Array  # [B] the most tokens one macro step of the slot may emit (<= K)
   temperature: jax.Array  # [B] 0 = greedy
   top_k: jax.Array  # [B] 0 = off
@@ -152,7 +154,7 @@ def _micro_steps(model: Hamburger, rs: DecodeState, tokens, count, cont, *, stop
     count = count + cont
     if i == k - 1:  # the group is full: no decision left to take
       return tokens, count
-    go_on = (cont & continues(model.stop_logits(h, drafting), rs.confidence)
+    go_on = (cont & continues(model.stop_logits(h, drafting), rs.continue_at)
              & ~jnp.isin(ti, stop_ids)
              & (left > i + 1) & (rs.max_group > i + 1))
     x = base.embed(ti[:, None])
@@ -190,7 +192,7 @@ def propose(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids
     return tokens, count
   remaining = state.max_new - state.n_tokens
   drafting = mode == "verify"
-  cont = (~state.done & continues(model.stop_logits(h0, drafting), state.confidence)
+  cont = (~state.done & continues(model.stop_logits(h0, drafting), state.continue_at)
           & ~jnp.isin(t0, stop_ids) & (remaining > 1) & (state.max_group > 1))
   if variant.proposal == "stop_only":  # the decision computed and kept, never acted on
     return tokens, count + (cont & (count > 9)).astype(count.dtype)

@@ -53,7 +53,7 @@ def decode_step_program(model, mode: str, batch: int, kv_len: int, dtype: str | 
     return state.replace(
         features=jax.random.normal(jax.random.key(0), (batch, f, cfg.hidden_size)).astype(dt),
         prompt_len=jnp.full((batch,), kv_len, jnp.int32), done=jnp.zeros((batch,), bool),
-        max_new=jnp.full((batch,), 2**30, jnp.int32), confidence=jnp.zeros((batch,), jnp.float32))
+        max_new=jnp.full((batch,), 2**30, jnp.int32), continue_at=jnp.zeros((batch,), jnp.float32))
 
   state = jax.eval_shape(init) if abstract else init()
   return jax.jit(step, donate_argnums=(1,)), (params, state)

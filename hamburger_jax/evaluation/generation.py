@@ -44,13 +44,14 @@ class ModeRun:
                 s for g in self.gens for s in g.groups).items()))}
 
 
-def generate_batched(engine, prompts: list, *, mode: str, confidence: float, max_new: int,
+def generate_batched(engine, prompts: list, *, mode: str, continue_at: float, max_new: int,
                      batch: int, bar=None, max_group: int | None = None) -> ModeRun:
   """Greedy generations of `prompts`, `batch` at a time; `bar` (a tqdm bar) counts batches.
-  In verify mode `confidence` is the draft confidence."""
+  `continue_at`: the stop head's threshold, the confidence in HAMburger mode and the draft
+  confidence in verify mode (DecodeState.continue_at)."""
   gens, decode_s, compile_s = [], 0.0, 0.0
   batch = min(batch, len(prompts))
-  setting = {"draft_confidence" if mode == "verify" else "confidence": confidence}
+  setting = {"draft_confidence" if mode == "verify" else "confidence": continue_at}
   run = lambda rows: engine.generate(rows, max_new_tokens=max_new, mode=mode,
                                      max_group=max_group, **setting)
   for i in range(0, len(prompts), batch):
@@ -72,20 +73,22 @@ def generate_batched(engine, prompts: list, *, mode: str, confidence: float, max
 
 
 def run_modes(engine, examples, confidences: Sequence[float], max_new: int, batch: int,
-              name: str, max_group: int | None = None, verify: float | None = None
+              name: str, max_group: int | None = None,
+              verify_draft_confidence: float | None = None
               ) -> tuple[ModeRun, dict[float, ModeRun], ModeRun | None]:
   """The base run, one HAMburger run per confidence (groups capped at `max_group` tokens) and,
-  with `verify` (a draft confidence), a verify run, over the examples' prompts, with a progress
-  bar on stderr."""
+  with `verify_draft_confidence`, a verify run at that draft confidence, over the examples'
+  prompts, with a progress bar on stderr."""
   prompts = [ex.messages for ex in examples]
   n_batches = -(-len(prompts) // min(batch, len(prompts)))
-  runs = 1 + len(confidences) + (verify is not None)
+  runs = 1 + len(confidences) + (verify_draft_confidence is not None)
   with tqdm(total=n_batches * runs, desc=name, unit="batch", file=sys.stderr) as bar:
     kw = dict(max_new=max_new, batch=batch, bar=bar)
-    base = generate_batched(engine, prompts, mode="base", confidence=1.0, **kw)
-    ham = {c: generate_batched(engine, prompts, mode="hamburger", confidence=c,
+    base = generate_batched(engine, prompts, mode="base", continue_at=1.0, **kw)
+    ham = {c: generate_batched(engine, prompts, mode="hamburger", continue_at=c,
                                max_group=max_group, **kw)
            for c in confidences}
-    checked = (None if verify is None else
-               generate_batched(engine, prompts, mode="verify", confidence=verify, **kw))
+    checked = (None if verify_draft_confidence is None else
+               generate_batched(engine, prompts, mode="verify",
+                                continue_at=verify_draft_confidence, **kw))
   return base, ham, checked

@@ -50,9 +50,9 @@ class EvalSettings:
   max_new_tokens: int | None = None  # None: MAX_NEW_TOKENS per task
   max_group: int | None = None
   micro_rule: str | float = "off"  # when a batch's next micro step runs (decode/micro_rule.py)
-  # A draft confidence: each task is decoded in verify mode too (the base's tokens, drafted by
-  # the micro decoder: tokens a forward and speed against the base); None: not
-  verify: float | None = None
+  # Each task is also decoded in verify mode at this draft confidence (the base's tokens,
+  # drafted by the micro decoder: tokens a forward and speed against the base); None: not
+  verify_draft_confidence: float | None = None
   data: str | None = None  # a tfds dataset, for nll (and fidelity: its split instead of the set)
   fidelity_set: str | None = None  # the fidelity task's set (None: the committed one)
   # The fidelity task also measures the untrained merge at each of these layers (model/
@@ -194,7 +194,8 @@ def _run_tasks(model, tok, engine, s: EvalSettings, names, tasks, examples, resu
       try:
         results["tasks"][name] = r = verify_walk.drafts_task(
             model, engine, path=s.fidelity_set, limit=s.limit,
-            draft_confidence=s.verify if s.verify is not None else 0.0)
+            draft_confidence=(s.verify_draft_confidence
+                              if s.verify_draft_confidence is not None else 0.0))
       except fidelity_set.FidelitySetError as e:
         raise EvalError(str(e)) from None
       log(f"drafts: chained {r['chained']:.3f}, walk {r['walk_tokens_per_forward']:.3f}, "
@@ -213,7 +214,7 @@ def _run_tasks(model, tok, engine, s: EvalSettings, names, tasks, examples, resu
       continue
     max_new = s.max_new_tokens or MAX_NEW_TOKENS[name]
     scored = run_task(engine, tasks[name], examples[name], list(s.confidences), max_new,
-                      s.batch, s.max_group, s.verify)
+                      s.batch, s.max_group, s.verify_draft_confidence)
     results["tasks"][name] = result = scored.result(max_new)
     for rec in scored.records(name):
       gen_file.write(json.dumps(rec) + "\n")

@@ -80,19 +80,20 @@ def _scored(metric, examples, base, ham, verify, score) -> Scored:
 
 
 def score_by_task(engine, task, examples, confidences, max_new, batch, max_group=None,
-                  verify=None) -> Scored:
+                  verify_draft_confidence=None) -> Scored:
   """reasoning-gym exact match and HumanEval pass@1: task.score(text, example) per generation."""
-  runs = run_modes(engine, examples, confidences, max_new, batch, task.name, max_group, verify)
+  runs = run_modes(engine, examples, confidences, max_new, batch, task.name, max_group,
+                   verify_draft_confidence)
   score = lambda run: [task.score(g.text, ex) for g, ex in zip(run.gens, examples)]
   return _scored("pass@1" if task.name == "humaneval" else "exact_match", examples, *runs, score)
 
 
 def score_vs_base(engine, task, examples, confidences, max_new, batch, max_group=None,
-                  verify=None) -> Scored:
+                  verify_draft_confidence=None) -> Scored:
   """ROUGE-L of HAMburger's answers against the base's own answers (attached as references):
   mt_bench and sharegpt_heldout (tasks.VsReferenceTask), which have no judge offline."""
   base, ham, checked = run_modes(engine, examples, confidences, max_new, batch, task.name,
-                                 max_group, verify)
+                                 max_group, verify_draft_confidence)
   examples = [task.with_reference(ex, g.text) for ex, g in zip(examples, base.gens)]
   scored = _scored("rouge_l_vs_base", examples, base, ham, checked,
                    lambda run: [task.score(g.text, ex) for g, ex in zip(run.gens, examples)])
@@ -124,16 +125,18 @@ class SyntheticTask:
 
 
 def score_synthetic(engine, task: SyntheticTask, examples, confidences, max_new, batch,
-                    max_group=None, verify=None) -> Scored:
+                    max_group=None, verify_draft_confidence=None) -> Scored:
   """Token match of the synthetic task (scored on ids: the model may have no tokenizer)."""
-  runs = run_modes(engine, examples, confidences, max_new, batch, task.name, max_group, verify)
+  runs = run_modes(engine, examples, confidences, max_new, batch, task.name, max_group,
+                   verify_draft_confidence)
   score = lambda run: [task.score(g.token_ids, ex, max_new) for g, ex in zip(run.gens, examples)]
   return _scored("token_match", examples, *runs, score)
 
 
 def run_task(engine, task, examples, confidences, max_new, batch, max_group=None,
-             verify=None) -> Scored:
+             verify_draft_confidence=None) -> Scored:
   """Generates and scores one task by its family's rule (the three functions above)."""
   family = (score_vs_base if task.name in VS_BASE_TASKS else
             score_synthetic if task.name == "synthetic" else score_by_task)
-  return family(engine, task, examples, confidences, max_new, batch, max_group, verify)
+  return family(engine, task, examples, confidences, max_new, batch, max_group,
+                verify_draft_confidence)
