@@ -187,8 +187,8 @@ def test_verify_bench_parts():
   runner, _ = decode_runner(tiny_decode_model())
   lines = verify_bench.step_profile_lines(runner, {0.0: (0.002, 0.001)}, repeats=1)
   rows = {line.split(" | ")[0].lstrip("| "): line for line in lines if line.startswith("| ")}
-  for part in ("base step", "K-entry forward", "LM head, K rows", "first draft", "later draft",
-               "parts of a step with 3 drafts"):
+  for part in ("base step", "forward of 1 entry, no head", "forward of 4 entries, no head",
+               "LM head, K rows", "first draft", "later draft", "parts of a step with 3 drafts"):
     assert part in rows, part
   assert rows["base step"].endswith("| 1.000 |")
   assert "2.000 of its base's" in lines[-1]

@@ -128,8 +128,8 @@ def _timed_loop(runner, step, x, cache, repeats: int) -> float:
 
 def verify_parts(runner, repeats: int) -> dict[str, float]:
   """Seconds of each part of a verify step at batch 1, in the decoding layout (`runner`): the
-  base's step (one entry and its LM head: the unit), the K-entry forward without its head, the
-  LM head over K rows, the first draft (the drafting decoder on the F features and e(t0)) and
+  base's step (one entry and its LM head: the unit), a forward of 1..K entries without its head
+  (a verify step's forward is K wide where any row drafts), the LM head over K rows, the first draft (the drafting decoder on the F features and e(t0)) and
   a later draft (one input), each with its micro head and stop head."""
   k, f = runner.max_group, runner.num_features
   cfg = runner.cfg.base
@@ -161,11 +161,17 @@ def verify_parts(runner, repeats: int) -> dict[str, float]:
 
   x = lambda n: jnp.zeros((1, n, cfg.hidden_size), dt)
   micro = lambda: runner.micro_cache(1, drafting=True)
-  return {"base step": _timed_loop(runner, forward(True), x(1), base_cache(1), repeats),
-          "K-entry forward": _timed_loop(runner, forward(False), x(k), base_cache(k), repeats),
-          "LM head, K rows": _timed_loop(runner, head, x(k), base_cache(1), repeats),
-          "first draft": _timed_loop(runner, draft(1), x(f + 1), micro(), repeats),
-          "later draft": _timed_loop(runner, draft(2), x(1), micro(), repeats)}
+  out = {"base step": _timed_loop(runner, forward(True), x(1), base_cache(1), repeats)}
+  for w in range(1, k + 1):  # what a forward's width costs without its head
+    out[forward_name(w)] = _timed_loop(runner, forward(False), x(w), base_cache(w), repeats)
+  out.update({"LM head, K rows": _timed_loop(runner, head, x(k), base_cache(1), repeats),
+              "first draft": _timed_loop(runner, draft(1), x(f + 1), micro(), repeats),
+              "later draft": _timed_loop(runner, draft(2), x(1), micro(), repeats)})
+  return out
+
+
+def forward_name(width: int) -> str:
+  return f"forward of {width} entr{'y' if width == 1 else 'ies'}, no head"
 
 
 def step_profile_lines(runner, whole: dict[float, tuple[float, float]],
@@ -178,7 +184,7 @@ def step_profile_lines(runner, whole: dict[float, tuple[float, float]],
   unit = parts["base step"]
   k = runner.max_group
   drafts = parts["first draft"] + (k - 2) * parts["later draft"]
-  total = parts["K-entry forward"] + parts["LM head, K rows"] + drafts
+  total = parts[forward_name(k)] + parts["LM head, K rows"] + drafts
   lines = [f"One verify step at batch 1, its parts timed alone ({STEPS} in a jitted loop, a "
            f"{KV_ENTRIES}-entry cache, the decoding layout, fastest of the rounds), in base "
            "steps (the base's step timed the same way):", "",
