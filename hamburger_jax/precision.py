@@ -36,16 +36,20 @@ DECODE_MIXED = {"gpu": "kernels"}  # else "factors"
 # transposed into each layer (SmolLM2, 16 rows on 2 CPU cores: a base step ~4% faster). A GPU
 # pays a host round trip for a branch's predicate, so the forward stays inline there.
 DECODE_PLAIN_BRANCH = {"cpu": True}  # else False
+# The widths a verify step's forward is compiled in (decode/step.py: VERIFY_WIDTHS): two (1 and
+# K) unless the forward's cost grows with its width enough to pay for K compiled copies.
+DECODE_VERIFY_WIDTHS: dict[str, str] = {}  # else "two"
 _pinned: dict[str, str | None] = {"decode_dtype": None}
 
 
 def decode_defaults(platform: str) -> dict:
-  """{"dtype", "fused", "mixed", "plain_branch"}: how an engine on `platform` (a jax device's
-  `platform`: "cpu", "gpu", "tpu") decodes unless told otherwise (or `pin` fixed the dtype for
-  every backend); float32 on a platform the table does not name."""
+  """{"dtype", "fused", "mixed", "plain_branch", "verify_widths"}: how an engine on `platform`
+  (a jax device's `platform`: "cpu", "gpu", "tpu") decodes unless told otherwise (or `pin`
+  fixed the dtype for every backend); float32 on a platform the table does not name."""
   dtype = _pinned["decode_dtype"] or DECODE_DTYPES.get(platform, "float32")
   return {"dtype": dtype, "fused": True, "mixed": DECODE_MIXED.get(platform, "factors"),
-          "plain_branch": DECODE_PLAIN_BRANCH.get(platform, False)}
+          "plain_branch": DECODE_PLAIN_BRANCH.get(platform, False),
+          "verify_widths": DECODE_VERIFY_WIDTHS.get(platform, "two")}
 
 
 def pin(decode_dtype: str = "float32", matmuls: str = "highest") -> None:

@@ -41,21 +41,50 @@ def test_the_lm_head_runs_once_a_verify_step(monkeypatch):
   assert len(passes) == g.macro_steps + 1, (len(passes), g.macro_steps)
 
 
-def _plant_base_drafts(monkeypatch, answer: list[int]) -> None:
-  """Verify's drafts taken from the base's own answer, wrong at every third token: drafts the
-  base keeps, and some it refuses."""
+def _plant_base_drafts(monkeypatch, answers, vary: bool = False) -> None:
+  """Verify's drafts taken from the base's own answer (one, or one a row: `answers` a list of
+  lists), wrong at every third token: drafts the base keeps, and some it refuses. `vary`: a
+  row drafts 0..K-1 drafts, by its step and row."""
   original = step_lib.propose
-  reference = jnp.asarray(answer + [DECODE_STOP] * 8)
+  rows = answers if answers and isinstance(answers[0], list) else [answers]
+  width = max(len(a) for a in rows) + 8
+  reference = jnp.asarray([a + [DECODE_STOP] * (width - len(a)) for a in rows])
 
   def planted(model, mode, state, **kw):
     group, count = original(model, mode, state, **kw)
     if mode != "verify":
       return group, count
-    k = group.shape[1]
+    b, k = group.shape
     idx = state.n_tokens[:, None] + jnp.arange(k)[None, :]
-    drafts = jnp.take(reference, idx)
+    ref = reference[jnp.arange(b) % reference.shape[0]]
+    drafts = jnp.take_along_axis(ref, jnp.minimum(idx, width - 1), axis=1)
     drafts = jnp.where(idx % 3 == 2, (drafts + 1) % 90, drafts)
-    count = jnp.where(state.done, 0, jnp.minimum(k, state.max_new - state.n_tokens))
+    most = (1 + (state.n_steps + jnp.arange(b)) % k) if vary else k
+    count = jnp.where(state.done, 0, jnp.minimum(most, state.max_new - state.n_tokens))
     return group.at[:, 1:].set(drafts[:, 1:]), count
 
   monkeypatch.setattr(step_lib, "propose", planted)
+
+
+@pytest.mark.parametrize("widths", ["two", "each"])
+def test_a_verify_forward_of_each_width_keeps_the_base_tokens(monkeypatch, widths):
+  """Rows drafting 0..K-1 drafts a step (planted, from the base's own answers, every third one
+  wrong): with the forward compiled at widths 1 and K, or at each width 1..K (the narrowest
+  that holds the step's drafts), every row's tokens are the base's; "each" compiles the
+  forward's K widths (more matmuls in the program)."""
+  prompts = [[5, 6, 7, 8], [11, 3], [40, 41, 42, 43, 44, 45]]
+  engine = Engine(tiny_decode_model(), None, stop_ids=[DECODE_STOP], verify_widths=widths)
+  base = engine.generate(prompts, max_new_tokens=20, mode="base")
+  _plant_base_drafts(monkeypatch, [g.token_ids for g in base], vary=True)
+  got = engine.generate(prompts, max_new_tokens=20, mode="verify")
+  for g, b in zip(got, base):
+    assert g.token_ids == b.token_ids
+  assert any(max(g.groups) > 1 for g in got)
+  layout = engine.layout("verify", 4, 20, 6)
+  dots = engine.lower_decode(layout, False, False, engine.views(layout)[0]).as_text().count(
+      "stablehlo.dot_general")
+  other = Engine(engine.model, None, stop_ids=[DECODE_STOP],
+                 verify_widths="two" if widths == "each" else "each")
+  other_dots = other.lower_decode(layout, False, False, other.views(layout)[0]).as_text().count(
+      "stablehlo.dot_general")
+  assert (dots > other_dots) == (widths == "each")

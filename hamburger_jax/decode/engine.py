@@ -31,7 +31,8 @@ from hamburger_jax.decode.requests import Generation, GenerationError, Request
 from hamburger_jax.decode.runner import decode_runner
 from hamburger_jax.decode.sampling import SamplingParams
 from hamburger_jax.decode.shapes import DEFAULT_BLOCK_SIZE, Layout, generate_slots
-from hamburger_jax.decode.step import FEATURE_MODES, MODES, DecodeState, StepVariant, base_of
+from hamburger_jax.decode.step import (FEATURE_MODES, MODES, VERIFY_WIDTHS, DecodeState,
+                                      StepVariant, base_of)
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import Llama
 
@@ -87,12 +88,15 @@ class Engine(EnginePrograms):
                prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
                turn_end_ids: Sequence[int] | None = None, fused: bool | None = None,
                dtype: str | None = None, mixed: str | None = None,
-               plain_branch: bool | None = None, variant: StepVariant = StepVariant(),
+               plain_branch: bool | None = None, verify_widths: str | None = None,
+               variant: StepVariant = StepVariant(),
                matmul_precision: str = precision.DEFAULT_PRECISION,
                micro_rule: str | float = rule_lib.DEFAULT_MICRO_RULE):
     """`fused`, `dtype`, `mixed`: the decoding layout (model/decode_layout.py; None: the
     backend's default, precision.decode_defaults); `plain_branch`: a base step's forward in a
-    branch of its own (decode/step.py: advance; None: the backend's default). `variant`: what
+    branch of its own (decode/step.py: advance; None: the backend's default);
+    `verify_widths`: the widths a verify step's forward is compiled in (decode/step.py:
+    VERIFY_WIDTHS; None: the backend's default). `variant`: what
     each macro step computes (decode/step.py; the default is HAMburger as specified).
     `matmul_precision`: of float32 matmuls (hamburger_jax/precision.py: "highest" for the same
     greedy tokens on any backend). `micro_rule`: when a batch's next micro step runs
@@ -104,6 +108,10 @@ class Engine(EnginePrograms):
     self.dtype = defaults["dtype"] if dtype is None else dtype
     self.mixed = defaults["mixed"] if mixed is None else mixed
     plain_branch = defaults["plain_branch"] if plain_branch is None else bool(plain_branch)
+    verify_widths = defaults["verify_widths"] if verify_widths is None else verify_widths
+    if verify_widths not in VERIFY_WIDTHS:
+      raise GenerationError(f"verify_widths={verify_widths!r}: use one of "
+                            f"{', '.join(VERIFY_WIDTHS)}")
     matmul_precision = precision.check(matmul_precision)
     self.micro_rule = rule_lib.parse(micro_rule)
     # Cost vectors (DecodeState.micro_cost) by (rule, slots): "auto" measures once per slot count.
@@ -121,7 +129,7 @@ class Engine(EnginePrograms):
     super().__init__(ProgramSettings(
         block_size=block_size, mesh=mesh, precision=matmul_precision, stop_ids=stop_ids,
         turn_end_ids=tuple(int(i) for i in turn_end_ids), variant=variant,
-        plain_branch=plain_branch))
+        plain_branch=plain_branch, verify_widths=verify_widths))
     try:
       self.prefix_cache = PrefixCache(prefix_cache_tokens)
     except ValueError as e:
@@ -136,6 +144,7 @@ class Engine(EnginePrograms):
   turn_end_ids = property(lambda self: self.settings.turn_end_ids)
   variant = property(lambda self: self.settings.variant)
   plain_branch = property(lambda self: self.settings.plain_branch)
+  verify_widths = property(lambda self: self.settings.verify_widths)
 
   # ------------------------------------------------------------------ traced pieces
 

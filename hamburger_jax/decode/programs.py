@@ -46,6 +46,7 @@ class ProgramSettings:
   turn_end_ids: tuple[int, ...]  # tokens that end a prompt's turn (prefix caching)
   variant: StepVariant  # what each macro step computes (decode/step.py)
   plain_branch: bool  # a base step's forward in a branch of its own (decode/step.py: advance)
+  verify_widths: str  # the widths a verify step's forward is compiled in (step.VERIFY_WIDTHS)
 
 
 class EnginePrograms:
@@ -161,7 +162,7 @@ class EnginePrograms:
       state = decode_step.macro_step(
           model, mode, state, stop_ids=stop_ids, stochastic=stochastic, offset=offset,
           variant=self.settings.variant, report=report,
-          plain_branch=self.settings.plain_branch)
+          plain_branch=self.settings.plain_branch, verify_widths=self.settings.verify_widths)
       return step + 1, state, asked[0] if asked else jnp.bool_(False)
 
     def cond(carry):

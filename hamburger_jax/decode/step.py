@@ -327,13 +327,14 @@ def advance_at_layer(model: Hamburger, state: DecodeState, group: jax.Array, cou
 def macro_step(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids: jax.Array,
                stochastic: bool, offset: int = 0, variant: StepVariant = StepVariant(),
                report: Callable[[jax.Array, jax.Array], None] | None = None,
-               plain_branch: bool = False) -> DecodeState:
+               plain_branch: bool = False, verify_widths: str = "two") -> DecodeState:
   """One macro step of every slot: the group proposed, emitted into the state's buffers
   (`report(group, count)` sees it), then the base step that reads it (`plain_branch`: see
   advance). Done slots emit nothing and write only where nothing is read (their own unused
-  entries, or a pool's trash block). Verify mode: `verify_step`."""
+  entries, or a pool's trash block). Verify mode: `verify_step` (`verify_widths`)."""
   if mode == "verify":
-    return verify_step(model, state, stop_ids=stop_ids, stochastic=stochastic, report=report)
+    return verify_step(model, state, stop_ids=stop_ids, stochastic=stochastic, report=report,
+                       widths=verify_widths)
   group, count = propose(model, mode, state, stop_ids=stop_ids, stochastic=stochastic,
                          variant=variant)
   state = emit(state, group, count, stop_ids, report)
@@ -407,8 +408,16 @@ def verify_token0(model: Hamburger, state: DecodeState, stochastic: bool) -> jax
   return jnp.where(pending >= 0, pending, drawn)
 
 
+# The widths a verify step's forward is compiled in (VERIFY_WIDTHS): "two", 1 (no live row
+# drafted) and K; "each", every width 1..K, the step running the narrowest that holds its rows'
+# drafts (K copies of the base's forward in the program, for a forward whose cost grows with
+# its width: precision.DECODE_VERIFY_WIDTHS).
+VERIFY_WIDTHS = ("two", "each")
+
+
 def verify_step(model: Hamburger, state: DecodeState, *, stop_ids: jax.Array, stochastic: bool,
-                report: Callable[[jax.Array, jax.Array], None] | None = None) -> DecodeState:
+                report: Callable[[jax.Array, jax.Array], None] | None = None,
+                widths: str = "two") -> DecodeState:
   """One macro step of verify mode: the base's exact output, several tokens a forward where
   the micro decoder guesses them.
 
@@ -444,19 +453,22 @@ def verify_step(model: Hamburger, state: DecodeState, *, stop_ids: jax.Array, st
       if width == 1:
         kept, refused = jnp.zeros((b,), jnp.int32), jnp.full((b,), -1, jnp.int32)
       else:
-        kept, refused = accepted_drafts(logits[:, :-1], group[:, 1:], n_drafts, state,
-                                        stochastic)
+        # A step of this width has no row with more drafts than it checks.
+        kept, refused = accepted_drafts(logits[:, :-1], group[:, 1:width],
+                                        jnp.minimum(n_drafts, width - 1), state, stochastic)
       after = jnp.take_along_axis(logits, kept[:, None, None], axis=1)[:, 0]
       pad = lambda a, axis: jnp.pad(a, [(0, k - width if i == axis else 0)
                                         for i in range(a.ndim)])
       return pad(feats, 1), tuple(pad(a, 2) for a in kv), kept, refused, after
     return run
 
-  # A step where no row drafted reads one input a row, as the base's step does (on 2 CPU cores
-  # a forward of K = 4 new tokens a row costs 1.1x one of 1 at 1 row, 1.6x at 16:
-  # docs/results/decode_speed.md); else every row's K.
-  feats, kv, kept, refused, after = jax.lax.cond(jnp.any(live & (n_drafts > 0)), checked(k),
-                                                 checked(1))
+  # A step where no row drafted reads one input a row, as the base's step does; else every
+  # row's K inputs, or (widths "each") as many as the most drafts of a live row need.
+  most = jnp.max(jnp.where(live, n_drafts, 0))
+  if widths == "each":
+    feats, kv, kept, refused, after = jax.lax.switch(most, [checked(w) for w in range(1, k + 1)])
+  else:
+    feats, kv, kept, refused, after = jax.lax.cond(most > 0, checked(k), checked(1))
   count = jnp.where(live, 1 + kept, 0)
   cache = state.cache.write_layers(slots, *kv)
   cache = cache.replace(length=cache.length + count)
