@@ -13,13 +13,16 @@ Runs its parts in priority order, each in its own process with its share of the 
                 hamburger_jax/precision.py, pinned here too)
   precision     the backend's decoding dtype (or --dtype) against float32: tokens equal, first
                 divergence
-  decode        base against HAMburger in one engine per batch size: the shipped graft (the
-                entry points' default micro vocabulary) at confidence 0.5 and 0.8, and forced
-                groups (confidence 0), batches 32 and 1
-                (tok/s over the time the batch decoded, prefills apart); batch 1 again with
-                XLA's GPU command buffers on for while loops and conditionals (each row names
-                its XLA flags); then r (micro step / base step) and the adapters' cost at
-                batch 1, beside r where bytes bound a step
+  decode        base against HAMburger and verify mode in one engine per batch size: the
+                shipped graft (the entry points' default micro vocabulary) at confidence 0.5
+                and 0.8, and forced groups (confidence 0), batches 32 and 1 (tok/s over the
+                time the batch decoded, prefills apart; each run's rows whose tokens are the
+                base's; compile s); verify's tokens against the base's in the decoding dtype
+                and in float32 at "highest"; the base against transformers' generate at batch
+                1; one verify step's parts timed alone; batch 1 again with XLA's GPU command
+                buffers on for while loops and conditionals (each row names its XLA flags);
+                then r (micro step / base step) and the adapters' cost at batch 1, beside r
+                where bytes bound a step (hamburger_jax/benchmarks/accelerator_decode.py)
   decode_1b     Llama-3.2-1B on random weights: a macro step's MFU and roofline, engine tok/s;
                 batch 1, then 32 (a command each, its lines kept as they come)
   train_1b      its train step (the paper's setting, trainable all): MFU
@@ -40,7 +43,8 @@ import sys
 import time
 from typing import Iterator
 
-from hamburger_jax import cli
+from hamburger_jax.benchmarks.accelerator_decode import (TINY_CONFIG, models, part_decode,
+                                                        part_decode_command_buffers)
 from hamburger_jax.pipeline.budget import share_of_left
 from hamburger_jax.subprocess_run import Capped, run_capped
 
@@ -49,28 +53,16 @@ PARTS = ("environment", "tests", "reference", "precision", "decode", "decode_1b"
 # parts still to run (a quick part hands its minutes on).
 SHARES = {"environment": 0.03, "tests": 0.3, "reference": 0.11, "precision": 0.09,
           "decode": 0.2, "decode_1b": 0.14, "train_1b": 0.13}
-TINY_CONFIG = "configs/tiny.yaml"
+DEFAULT_OUT = "accelerator_check.md"
 REFERENCE_FILE = "greedy_reference.json"  # in the shipped checkpoint's directory
 REFERENCE_TOKENS = 32
 REFERENCE_CONFIDENCES = (0.5, 0.8)
-DECODE_CONFIDENCES = {"c=0.5": 0.5, "c=0.8": 0.8, "forced": 0.0}
-# The confidences also decoded with the batch-aware micro loop measured (decode/micro_rule.py),
-# and the one whose decode is profiled beside the base's.
-MICRO_RULE_CONFIDENCES = ("c=0.5", "c=0.8")
-PROFILED = "c=0.5"
-DECODE_HEADER = ("batch", "run", "XLA flags", "tok/s", "vs base", "tokens/step",
-                 "micro steps/step", "last row's steps", "macro step / base step", "prefill s",
-                 "compile s")
-DECODE_COLUMNS = len(DECODE_HEADER)
-# XLA's GPU command buffers (CUDA graphs) for while loops and conditionals too, added to its
-# default command types: the decode loop is a lax.while_loop, and a step launches many small
-# kernels at batch 1. A GPU flag that XLA parses on every backend (an unknown flag would abort).
-COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
 # Modules a part imports beyond the library: the wheel list of docs/accelerators.md must cover
 # what they (and the library) import there (tests/test_repo.py checks it).
 PART_MODULES = ("hamburger_jax.decode.engine", "hamburger_jax.training", "hamburger_jax.data",
-                "hamburger_jax.evaluation.tasks", "hamburger_jax.benchmarks.timing", "infer.bench",
-                "train.bench", "pytest")
+                "hamburger_jax.evaluation.tasks", "hamburger_jax.benchmarks.timing",
+                "hamburger_jax.benchmarks.decode_bench", "hamburger_jax.benchmarks.verify_bench",
+                "hamburger_jax.convert.hf", "infer.bench", "train.bench", "pytest")
 
 
 # ----------------------------------------------------------------------------- the parts
@@ -127,24 +119,6 @@ def part_tests(args) -> list[str]:
           f"{marks.count('F') + marks.count('E')} failed or errored so far", *tail[-12:]]
 
 
-def _models(args, default_micro_vocab: bool = False):
-  """(model, tokenizer, prompts as token ids) the decoding parts use: the full micro-step head,
-  or with `default_micro_vocab` the entry points' default (cli.micro_vocab_size), which the
-  speed parts measure. The stored reference is the full head's."""
-  if args.tiny:  # configs/tiny.yaml's model: random weights, token-id prompts
-    from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
-    model, _ = pretrained.load_run(TINY_CONFIG)
-    prompts = [[3 + (7 * i + j) % 250 for j in range(5 + 3 * i)] for i in range(8)]
-    return model, None, prompts
-  from hamburger_jax.benchmarks.prompts import PROMPTS, chat_ids  # pylint: disable=C0415
-  try:
-    model, tok = cli.load_model("both", None, None, **(
-        {"micro_vocab": None} if default_micro_vocab else {}))
-  except cli.ModelLoadError as e:
-    raise SystemExit(f"error: {e}") from None
-  return model, tok, chat_ids(tok, PROMPTS)
-
-
 def greedy_tokens(model, tok, prompts, **engine_kw) -> dict[str, list[list[int]]]:
   """Greedy tokens of every prompt: base mode and HAMburger at REFERENCE_CONFIDENCES."""
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
@@ -176,7 +150,7 @@ def reference_path() -> str:
 def part_reference(args) -> list[str]:
   import jax  # pylint: disable=import-outside-toplevel
   from hamburger_jax import precision  # pylint: disable=import-outside-toplevel
-  model, tok, prompts = _models(args)
+  model, tok, prompts = models(args)
   precision.pin(decode_dtype="float32", matmuls="highest")
   if args.tiny:  # computed here on the CPU device, as the stored one was
     with jax.default_device(jax.devices("cpu")[0]):
@@ -192,7 +166,7 @@ def part_reference(args) -> list[str]:
 def part_precision(args) -> list[str]:
   import jax  # pylint: disable=import-outside-toplevel
   from hamburger_jax import precision  # pylint: disable=import-outside-toplevel
-  model, tok, prompts = _models(args)
+  model, tok, prompts = models(args)
   dtype = (getattr(args, "dtype", None)
            or precision.decode_defaults(jax.devices()[0].platform)["dtype"])
   f32 = greedy_tokens(model, tok, prompts, dtype="float32", matmul_precision="highest")
@@ -200,157 +174,6 @@ def part_precision(args) -> list[str]:
   return [f"- decoding in {dtype} (precision \"default\") against float32 "
           f"at \"highest\", {len(prompts)} prompts, {REFERENCE_TOKENS} tokens", "",
           *compare(got, f32)]
-
-
-def decode_rows(engine, ids: list, n_new: int, flags: str,
-                tps: dict[str, float] | None = None) -> Iterator[str]:
-  """The decode table's rows of one batch: base and HAMburger at DECODE_CONFIDENCES (those of
-  MICRO_RULE_CONFIDENCES also with the micro rule auto) and verify mode (the base's tokens; k:
-  tokens a base forward), each run's tok/s over the time the batch decoded (its prefills
-  apart), best of 2 interleaved rounds, and the lockstep's waste: micro steps a macro step ran
-  against tokens a row emitted in it; `tps` gets each run's tok/s."""
-  from hamburger_jax.benchmarks import timing  # pylint: disable=import-outside-toplevel
-  runs = {"base": {"mode": "base"}, **{name: {"mode": "hamburger", "confidence": c}
-                                       for name, c in DECODE_CONFIDENCES.items()}}
-  runs.update({f"{name} auto": runs[name] for name in MICRO_RULE_CONFIDENCES})
-  runs["verify"] = {"mode": "verify"}
-  auto = engine.with_micro_rule("auto")
-  res = timing.time_batches(engine, ids, n_new, 2, runs,
-                            {f"{name} auto": auto for name in MICRO_RULE_CONFIDENCES})
-  for name, t in res.items():
-    if tps is not None:
-      tps[name] = t.tokens_per_s
-    k = t.tokens_per_step
-    yield (f"| {len(ids)} | {name} | {flags} | {t.tokens_per_s:.1f} | "
-           f"{t.tokens_per_s / res['base'].tokens_per_s:.2f}x | {k:.2f} | "
-           f"{timing.micro_steps_per_step(t.gens):.2f} | {timing.last_row_steps(t.gens)} | "
-           f"{timing.macro_step_cost(t, res['base']):.2f} | {t.prefill_s:.3f} | "
-           f"{t.compile_s:.0f} |")
-
-
-def profile_lines(engine, ids: list, n_new: int, flags: str) -> Iterator[str]:
-  """Where the device's time goes in one decode of the batch, base and HAMburger at PROFILED
-  (the micro rule off and auto): device time by kind of operation, a macro step's share."""
-  from hamburger_jax.benchmarks import report  # pylint: disable=import-outside-toplevel
-  ham = {"mode": "hamburger", "confidence": DECODE_CONFIDENCES[PROFILED]}
-  runs = (("base", engine, {"mode": "base"}), (PROFILED, engine, ham),
-          (f"{PROFILED} auto", engine.with_micro_rule("auto"), ham))
-  yield from report.profiled_lines(runs, ids, n_new, f", XLA flags {flags}")
-
-
-def xla_flags() -> str:
-  """The XLA flags this process runs with, as a table cell."""
-  return f"`{os.environ['XLA_FLAGS']}`" if os.environ.get("XLA_FLAGS") else "none (defaults)"
-
-
-def command_buffer_rows(args, defaults: dict[str, float], versus: dict[str, float],
-                        later: list[str]) -> Iterator[str]:
-  """Batch 1 again in a child process whose XLA_FLAGS add COMMAND_BUFFERS (read once, when the
-  backend starts: this process's backend is running already), its rows as they come; `versus`
-  gets each run's tok/s over its tok/s in `defaults`, `later` the child's other lines (its
-  profiles, for after the table). A failed or stopped child leaves a row saying so, and the
-  part goes on."""
-  flags = f"{os.environ.get('XLA_FLAGS', '')} {COMMAND_BUFFERS}".strip()
-  # This process holds most of the device's memory (JAX preallocates it): the child allocates
-  # what it uses, as it goes (its first, untimed, round allocates what the timed ones reuse).
-  env = {**os.environ, "XLA_FLAGS": flags, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-  cmd = [sys.executable, "-m", "infer.accelerator_check", "--part", "decode_command_buffers",
-         *(["--tiny"] if args.tiny else [])]
-  # In the part's process group (the part's cap stops it too), capped at a third of the part's
-  # minutes: the step costs and the profiles come after it.
-  run = Capped(cmd, getattr(args, "seconds", 600.0) / 3, env, own_group=False)
-  for line in run.lines():
-    cells = [c.strip() for c in line.split("|")]  # decode_rows' own row: batch, run, flags, tok/s
-    if len(cells) > 5 and cells[2] in defaults:
-      versus[cells[2]] = float(cells[4]) / defaults[cells[2]]
-    if line.startswith("|") and not later:  # its rows, then its profiles
-      yield line.rstrip("\n")
-    else:
-      later.append(line.rstrip("\n"))
-  if run.code is None:
-    yield f"| 1 | command buffers: stopped at {run.seconds:.0f} s |{' |' * (DECODE_COLUMNS - 2)}"
-  elif run.code:
-    last = run.stderr.strip().splitlines()[-1:] or [""]
-    yield (f"| 1 | command buffers: exit {run.code} ({last[0][-200:]}) |"
-           f"{' |' * (DECODE_COLUMNS - 2)}")
-
-
-def part_decode_command_buffers(args) -> Iterator[str]:
-  """decode_rows at batch 1 in this process, whose XLA_FLAGS the decode part set, then its
-  profiles."""
-  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
-  model, tok, prompts = _models(args, default_micro_vocab=True)
-  engine = Engine(model, tok, stop_ids=())
-  n_new = 32 if args.tiny else 128
-  yield from decode_rows(engine, prompts[:1], n_new, xla_flags())
-  yield from profile_lines(engine, prompts[:1], n_new, xla_flags())
-
-
-def part_decode(args) -> Iterator[str]:
-  """Yields its markdown a line at a time, each table row as soon as it is measured, so a part
-  stopped at its cap keeps what it measured: the many-row batch first (its table, then where its
-  device time goes), then batch 1 and batch 1 again with XLA's GPU command buffers on for while
-  loops and conditionals, then the step costs and batch 1's profiles."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
-  from hamburger_jax.benchmarks import report, timing, widths  # pylint: disable=C0415
-  model, tok, prompts = _models(args, default_micro_vocab=True)
-  n_new = 32 if args.tiny else 128
-  many = 4 if args.tiny else 32
-  vocab = ("the full vocabulary" if model.micro_vocab_size is None else
-           f"the default micro vocabulary's {model.micro_vocab_size} ids")
-  yield (f"- {model.cfg.base.num_layers}-layer base, {n_new} new tokens a row (EOS ignored); "
-         f"micro steps choose among {vocab}; "
-         "tok/s = tokens all rows generated / the time the batch decoded, its prefills apart "
-         "(prefill s: the rows' prefills, added up); best of 2 interleaved rounds; compile s: "
-         "compiled, or loaded from the persistent compilation cache where an earlier part or "
-         "run compiled it")
-  yield ("- the rows with command buffers run in a process of their own (XLA reads its "
-         "flags when the backend starts), which allocates device memory as it goes")
-  if jax.default_backend() != "gpu":
-    yield (f"- `{COMMAND_BUFFERS}`: a GPU flag, no effect on "
-           f"{jax.default_backend()} (its rows rehearse the plumbing)")
-  defaults, versus, later = {}, {}, []  # batch 1's tok/s; with command buffers over it
-  engines = {}
-  for b in (many, 1):
-    ids = (prompts * (b // len(prompts) + 1))[:b]
-    engine = Engine(model, tok, stop_ids=())  # one per batch size; the confidences share it
-    engines[b] = (engine, ids)
-    yield ""
-    yield (f"- batch {b}: decoding layout {'fused' if engine.fused else 'separate'} "
-           f"{engine.dtype}")
-    yield ""
-    yield "| " + " | ".join(DECODE_HEADER) + " |"
-    yield "|" + "---|" * DECODE_COLUMNS
-    yield from decode_rows(engine, ids, n_new, xla_flags(), defaults if b == 1 else None)
-    if b == many:  # where its time goes, before batch 1 (whose figures an earlier run has)
-      yield ""
-      yield from profile_lines(engine, ids, n_new, xla_flags())
-  # Last of batch 1's rows: its child compiles the programs again under other flags.
-  yield from command_buffer_rows(args, defaults, versus, later)
-  yield ""
-  yield ("- runs named `auto`: the batch-aware micro loop, its costs measured "
-         "(decode/micro_rule.py); micro steps/step: micro steps a macro step ran (as many as "
-         "its largest group needs) against tokens/step - 1 that each row's group added; last "
-         "row's steps: the macro steps the batch ran (it decodes until its slowest row "
-         "finishes; the base's: one a token); macro step / base step: a step's time in the "
-         "batch's, against the base's (vs base = the base's steps / last row's steps / it)")
-  if versus:
-    yield ("- batch 1 with command buffers against the defaults: "
-           + ", ".join(f"{name} {v:.2f}x" for name, v in versus.items()))
-  # What bounds the ratios: r and the adapters' cost at batch 1, measured (three more programs
-  # to compile), beside r where bytes would bound a step.
-  first = engines[1][0]
-  cost = timing.step_costs(first.runner, 2, 1)
-  yield (f"- batch 1, steps in a jitted loop: r = micro step / base step = "
-         f"{cost['micro'] / cost['base']:.3f}; a base step reading a merged entry costs "
-         f"{cost['merged'] / cost['base'] - 1:+.1%}")
-  bound = report.bytes_bound_lines(model.cfg, str(first.dtype), widths.KV_ENTRIES,
-                                   {"full": None})
-  yield f"- {bound[0].strip()}"
-  yield from (f"  {line}" for line in bound[1:])
-  yield from profile_lines(*engines[1], n_new, xla_flags())
-  yield from later
 
 
 def cli_part(argv: list[str]) -> Iterator[str]:
@@ -452,7 +275,7 @@ def write_reference() -> str:
   if jax.default_backend() != "cpu":
     raise SystemExit("error: the reference is computed on a CPU (JAX_PLATFORMS=cpu)")
   precision.pin(decode_dtype="float32", matmuls="highest")
-  model, tok, prompts = _models(argparse.Namespace(tiny=False))
+  model, tok, prompts = models(argparse.Namespace(tiny=False))
   tokens = greedy_tokens(model, tok, prompts)
   files.write_json_atomic(reference_path(), {
       "prompts": PROMPTS, "max_new_tokens": REFERENCE_TOKENS, "dtype": "float32",
@@ -465,10 +288,12 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m infer.accelerator_check", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--budget-minutes", type=float, default=8.0)
-  p.add_argument("--out", default="accelerator_check.md", help="the markdown report")
+  p.add_argument("--out", default=None, help="the markdown report (default "
+                 f"{DEFAULT_OUT}); with --part, that part's markdown, written as it comes")
   p.add_argument("--tiny", action="store_true", help="tiny models: the plumbing, on a CPU")
   p.add_argument("--part", choices=list(RUNNERS), default=None,
-                 help="run this part alone, its markdown on stdout (no report, no cap)")
+                 help="run this part alone, its markdown on stdout (no cap: run it under "
+                 "`timeout`)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                  help="the decoding dtype the precision part compares against float32 at "
                  "\"highest\" (default: the backend's, hamburger_jax/precision.py)")
@@ -484,13 +309,17 @@ def main(argv=None) -> int:
   if args.part:  # a child: one part, its markdown on stdout, each line as it comes
     from hamburger_jax import cache  # pylint: disable=import-outside-toplevel
     cache.enable_compilation_cache()  # a later part (or run) loads what an earlier one compiled
-    for line in RUNNERS[args.part](args):
-      print(line, flush=True)
+    # Line by line into --out too: a part stopped by a timeout leaves what it measured there.
+    with open(args.out or os.devnull, "w", encoding="utf-8") as out:
+      for line in RUNNERS[args.part](args):
+        print(line, flush=True)
+        out.write(line + "\n")
+        out.flush()
     return 0
   sections, summary = run_parts(args)
   text = report(args, sections, summary)
   from hamburger_jax import files  # pylint: disable=import-outside-toplevel
-  files.write_text_atomic(args.out, text)
+  files.write_text_atomic(args.out or DEFAULT_OUT, text)
   print(text)
   return 0 if all(s == "done" for _, s, _, _ in summary) else 1
 

@@ -5,6 +5,7 @@ teacher data: tests/test_eval_cli.py.)"""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -156,8 +157,10 @@ def test_accelerator_check_parts_on_tiny_models():
   assert prec[0].startswith("- decoding in bfloat16") and any(l.startswith("| base |") for l in prec)
   # The decode part hands on each row as it is measured (a part stopped at its cap keeps them):
   # the many-row batch first, its 7 rows and where its device time goes out before batch 1
-  # starts, and batch 1's 7 rows before the same 7 runs with command buffers (from a child
-  # process: XLA reads its flags when the backend starts), which compile everything again.
+  # starts, and batch 1's 7 rows and verify's figures before the same 7 runs with command
+  # buffers (from a child process: XLA reads its flags when the backend starts), which compile
+  # everything again. (The decoding dtype is float32 here: no third, float32 decode.)
+  from hamburger_jax.benchmarks import accelerator_decode as ad  # pylint: disable=C0415
   from hamburger_jax.benchmarks import timing  # pylint: disable=import-outside-toplevel
   decode, measuring_after = [], []
   def spy(*a, **kw):
@@ -183,15 +186,43 @@ def test_accelerator_check_parts_on_tiny_models():
   steps = int(table["verify"]["last row's steps"])
   assert float(table["verify"]["tokens/step"]) >= n_new / steps - 0.005, table["verify"]
   cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]
-  verify1 = [r for r in (dict(zip(ac.DECODE_HEADER, cells(l))) for l in batch1)
+  verify1 = [r for r in (dict(zip(ad.DECODE_HEADER, cells(l))) for l in batch1)
              if r["run"] == "verify"]
   assert len(verify1) == 2, batch1  # the default flags, and command buffers
   for r in verify1:
     assert float(r["tokens/step"]) == pytest.approx(n_new / int(r["last row's steps"]),
                                                     abs=0.005), r
   assert all(float(r["macro step / base step"]) > 0 for r in table.values())
+  # each run's rows whose tokens are the base's: verify's all of them, at either batch and
+  # under either flags
+  assert [table[run]["same tokens as base"] for run in ("base", "verify")] == ["4/4", "4/4"]
+  assert [r["same tokens as base"] for r in verify1] == ["1/1", "1/1"]
+  assert all(re.fullmatch(r"\d/4", r["same tokens as base"]) for r in table.values())
+  assert all(r["compile s"].isdigit() for r in table.values())
+  assert any(re.fullmatch(r"- batch 4's programs: \d+ loaded from the persistent compilation "
+                          r"cache, \d+ compiled|- batch 4's no program looked up .*", l)
+             for l in decode)
+  # verify's exactness in both dtypes: on the CPU they are the same one
+  assert "- verify's rows whose tokens are the base's: float32, the decoding dtype: batch 4 4/4, " \
+         "batch 1 1/1; float32 at \"highest\": the same dtype here, not decoded again" in decode
+  # the base against transformers' generate, batch 1 (one line, also when it cannot run)
+  (hf_line,) = [l for l in decode if l.startswith("- batch 1, the base against transformers'")]
+  if importlib.util.find_spec("transformers") and importlib.util.find_spec("torch"):
+    assert re.search(r"ours float32, transformers float32 on torch's cpu\): ours [\d.]+ tok/s, "
+                     r"transformers [\d.]+: [\d.]+x; identical greedy rows 1/1; ", hf_line), hf_line
+  else:
+    assert "not run" in hf_line, hf_line
+  # one verify step's parts timed alone, against the engine's whole step
+  from hamburger_jax.benchmarks.verify_bench import forward_name  # pylint: disable=C0415
+  steps = next(t for t in _tables("\n".join(decode)) if "base steps" in t[0])
+  assert _first_column(steps)[:-1] == [
+      "base step", *map(forward_name, range(1, 5)), "LM head, K rows", "first draft",
+      "later draft", "parts of a step with 3 drafts"], steps
+  assert _first_column(steps)[-1].startswith("the engine's verify step, draft confidence 0 ")
+  assert all(float(r["ms"]) > 0 for r in steps)
+  assert any(l.startswith("- its parts compiled and timed in ") for l in decode)
   assert any(l.startswith("- batch 4, base,") for l in decode[batch4[-1]:measuring_after[1]])
-  assert [ac.COMMAND_BUFFERS in l for l in batch1] == [False] * 7 + [True] * 7, batch1
+  assert [ad.COMMAND_BUFFERS in l for l in batch1] == [False] * 7 + [True] * 7, batch1
   assert any("a GPU flag, no effect on cpu" in l for l in decode)
   assert any(re.fullmatch(r"- batch 1 with command buffers against the defaults: base [\d.]+x, "
                           r"c=0\.5 [\d.]+x, c=0\.8 [\d.]+x, forced [\d.]+x, "
@@ -203,13 +234,44 @@ def test_accelerator_check_parts_on_tiny_models():
                            r"steps \(k [\d.]+, micro steps/step [\d.]+\); device [\d.]+ ms a "
                            r"macro step of [\d.]+ ms wall, prefills included .*", l)
               for l in decode]
-  got = [(m[1], m[2], ac.COMMAND_BUFFERS in m[3]) for m in profiled if m]
+  got = [(m[1], m[2], ad.COMMAND_BUFFERS in m[3]) for m in profiled if m]
   assert got == [(b, run, cb) for b, cb in (("4", False), ("1", False), ("1", True))
                  for run in ("base", "c=0.5", "c=0.5 auto")], got
   assert sum(l.startswith("| kind of operation | count a macro step |") for l in decode) == 9
   assert any(l.startswith("- batch 1, steps in a jitted loop: r = ") for l in decode)
   assert any("r = " in l and "forced groups of 4 at most" in l for l in decode)
   assert [ac.pytest_workers(n) for n in (2, 16, 64)] == [2, 4, 4]
+
+
+def test_accelerator_decode_checks_verify_in_float32_where_it_decodes_in_another_dtype():
+  """A GPU decodes in bfloat16: the decode part says how many of verify's rows are the base's
+  there, and decodes batch 1 again in float32 at "highest" in an engine of its own, its
+  compiles reported."""
+  import argparse  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.benchmarks import accelerator_decode as ad  # pylint: disable=C0415
+  from hamburger_jax.benchmarks import timing  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  model, tok, prompts = ad.models(argparse.Namespace(tiny=True), default_micro_vocab=True)
+  engine = Engine(model, tok, stop_ids=(), dtype="bfloat16")
+  res = timing.time_batches(engine, prompts[:1], 8, 1,
+                            {"base": {"mode": "base"}, "verify": {"mode": "verify"}})
+  line = ad.verify_exactness(model, tok, prompts[0], 8, "bfloat16", {1: res})
+  assert re.fullmatch(r"- verify's rows whose tokens are the base's: bfloat16, the decoding "
+                      r"dtype: batch 1 [01]/1; float32 at \"highest\", an engine of its own: "
+                      r"batch 1 1/1 \(base [\d.]+ tok/s, verify [\d.]+; compile s: base \d+, "
+                      r"verify \d+; (programs: \d+ loaded .*, \d+ compiled|no program .*)\)",
+                      line), line
+
+
+def test_accelerator_check_part_writes_out_as_it_prints(tmp_path):
+  """`--part P --out F`: the part's markdown on stdout and in F, line by line."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "environment.md"
+  res = subprocess.run([sys.executable, "-m", "infer.accelerator_check", "--tiny", "--part",
+                        "environment", "--out", str(out)], cwd=REPO, capture_output=True,
+                       text=True, timeout=300, check=True)
+  assert "jax" in res.stdout and out.read_text() == res.stdout
 
 
 def test_accelerator_check_command_parts_stream_and_report_failures():

@@ -18,33 +18,57 @@ from hamburger_jax.decode.micro_rule import cost_parts, micro_sizes
 from hamburger_jax.decode.shapes import generate_slots
 
 
-def time_transformers(ref, tok, ids, args) -> tuple[float, float, list[list[int]]]:
-  """transformers' generate on the same prompts (left-padded, greedy, args.new_tokens new
-  tokens a row): (decode seconds, prefill seconds, its new tokens), each the best of
-  args.repeats. Its prefill is a generate of one new token (one batched forward of the
-  prompts); decode = the whole generate less it: the time the batch decoded, as ours is."""
+def transformers_model(base: str, device: str = "cpu"):
+  """transformers' model of a base (pretrained.resolve_base's sources) in float32 (for a GGUF
+  file, the dtype transformers computes its blocks in: another casts every matmul) on torch's
+  `device`, with no EOS: rows run the full length without min_new_tokens (which would mask EOS
+  out of the argmax and make greedy rows differ from ours)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
+  kind, path = pretrained.resolve_base(base)
+  files = {}
+  if kind == "gguf":
+    path, files = os.path.dirname(path), {"gguf_file": os.path.basename(path)}
+  ref = transformers.AutoModelForCausalLM.from_pretrained(
+      path, dtype=torch.float32, **files).to(device).eval()
+  ref.generation_config.eos_token_id = None
+  return ref
+
+
+def time_transformers(ref, pad_id: int, ids, new_tokens: int, repeats: int
+                      ) -> tuple[float, float, list[list[int]]]:
+  """transformers' generate on the same prompts (left-padded, greedy, `new_tokens` new tokens
+  a row) on `ref`'s device: (decode seconds, prefill seconds, its new tokens), each the best of
+  `repeats`. Its prefill is a generate of one new token (one batched forward of the prompts);
+  decode = the whole generate less it: the time the batch decoded, as ours is."""
   import torch  # pylint: disable=import-outside-toplevel
   b, width = len(ids), max(map(len, ids))
-  input_ids = torch.full((b, width), tok.pad_id or 0, dtype=torch.long)
+  input_ids = torch.full((b, width), pad_id, dtype=torch.long)
   mask = torch.zeros((b, width), dtype=torch.long)
   for i, row in enumerate(ids):
     input_ids[i, width - len(row):] = torch.tensor(row)
     mask[i, width - len(row):] = 1
-  kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=tok.pad_id)
-  run = lambda n: ref.generate(input_ids, max_new_tokens=n, **kwargs)
+  kwargs = dict(attention_mask=mask.to(ref.device), do_sample=False, pad_token_id=pad_id)
+
+  def run(n):
+    out = ref.generate(input_ids.to(ref.device), max_new_tokens=n, **kwargs)
+    if out.is_cuda:  # kernels run asynchronously: the clock stops when the last has run
+      torch.cuda.synchronize(out.device)
+    return out
+
   with torch.no_grad():
-    run(args.new_tokens)  # warm-up
-    total_s = min(timed(lambda: run(args.new_tokens)) for _ in range(args.repeats))
-    prefill_s = min(timed(lambda: run(1)) for _ in range(args.repeats))
-    out = run(args.new_tokens)[:, width:].tolist()
-  if any(len(h) != args.new_tokens for h in out):
+    run(new_tokens)  # warm-up
+    total_s = min(timed(lambda: run(new_tokens)) for _ in range(repeats))
+    prefill_s = min(timed(lambda: run(1)) for _ in range(repeats))
+    out = run(new_tokens)[:, width:].tolist()
+  if any(len(h) != new_tokens for h in out):
     raise RuntimeError("transformers stopped early: the EOS override did not take effect")
   return total_s - prefill_s, prefill_s, out
 
 
 def bench_base(args) -> None:
   import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
   from hamburger_jax import pretrained  # pylint: disable=import-outside-toplevel
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
   from hamburger_jax.costs.peaks import copy_bandwidth_gb_s  # pylint: disable=C0415
@@ -57,11 +81,7 @@ def bench_base(args) -> None:
   if kind != "gguf":
     raise SystemExit("error: --mode base compares with transformers' generate on a GGUF file: "
                      "pass --base FILE.gguf (or none: SmolLM2)")
-  ref = transformers.AutoModelForCausalLM.from_pretrained(
-      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
-  # No EOS on either side, so rows run the full length without min_new_tokens (which would mask
-  # EOS out of the argmax and make greedy rows differ from ours).
-  ref.generation_config.eos_token_id = None
+  ref = transformers_model(path)
   bw = copy_bandwidth_gb_s()
   wbytes = widths.weight_bytes(model)
   print(f"{pretrained.describe('base', None, args.base)}, weights {args.dtype} "
@@ -74,7 +94,8 @@ def bench_base(args) -> None:
     ids = chat_ids(tok, (PROMPTS * (b // len(PROMPTS) + 1))[:b])
     ours = time_batches(engine, ids, args.new_tokens, args.repeats,
                         {"base": {"mode": "base"}})["base"]
-    hf_decode_s, hf_prefill_s, hf_out = time_transformers(ref, tok, ids, args)
+    hf_decode_s, hf_prefill_s, hf_out = time_transformers(
+        ref, tok.pad_id or 0, ids, args.new_tokens, args.repeats)
     same = sum(g.token_ids == h for g, h in zip(ours.gens, hf_out))
     rows.append((b, ours.tokens_per_s, b * args.new_tokens / hf_decode_s, ours.compile_s, same,
                  ours.prefill_s, hf_prefill_s))
