@@ -165,6 +165,11 @@ KNOWN_ARCHITECTURES = {"Llama-3.2-1B-Instruct": LLAMA_3_2_1B, "Llama-3.2-1B": LL
 ADAPTER_SCOPES = ("merged", "after_merge")
 MERGE_POOLINGS = ("last", "attention")
 DRAFTER_INITS = ("micro", "base_top")
+# The widths a verify step's forward is compiled in (decode/step.py: verify_step): "two", 1 (no
+# live row drafted) and K; "each", every width 1..K, the step running the narrowest that holds
+# its rows' drafts (K copies of the base's forward in the program, for a forward whose cost
+# grows with its width: precision.DECODE_VERIFY_WIDTHS).
+VERIFY_WIDTHS = ("two", "each")
 
 
 @dataclasses.dataclass(frozen=True)

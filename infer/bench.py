@@ -34,7 +34,7 @@ import argparse
 import sys
 
 from hamburger_jax import cli
-from hamburger_jax.config import DEFAULT_DRAFT_CONFIDENCE
+from hamburger_jax.config import DEFAULT_DRAFT_CONFIDENCE, VERIFY_WIDTHS
 from hamburger_jax.decode.requests import GenerationError, check_settings
 from hamburger_jax.benchmarks import (decode_bench, random_weights_bench, serve_bench,
                                       server_bench, server_start_bench, verify_bench,
@@ -53,6 +53,9 @@ def main(argv=None) -> int:
   p.add_argument("--draft-confidence", default=None,
                  help="verify: comma-separated draft confidences (default: the engine's, "
                       f"{DEFAULT_DRAFT_CONFIDENCE:g})")
+  p.add_argument("--verify-widths", default=None,
+                 help="verify: comma-separated forward layouts to compare, two (widths 1 and K) "
+                      "and/or each (every width 1..K) (default: the engine's)")
   p.add_argument("--profile", action="store_true",
                  help="hamburger: after the table, where one decode of each batch and setting "
                       "spends the device's time, by kind of operation (a profiler trace)")
@@ -200,6 +203,10 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.micro_rule = cli.parse_micro_rules(args.micro_rule)
     args.draft_confidences = (cli.parse_confidences(args.draft_confidence)
                               if args.draft_confidence else [DEFAULT_DRAFT_CONFIDENCE])
+    args.verify_widths = (args.verify_widths.split(",") if args.verify_widths else [None])
+    bad = [w for w in args.verify_widths if w not in (None, *VERIFY_WIDTHS)]
+    if bad:
+      raise ValueError(f"--verify-widths {bad[0]!r}: use {' and/or '.join(VERIFY_WIDTHS)}")
   except (GenerationError, ValueError) as e:
     p.error(str(e).replace("--confidence", "--draft-confidence"))
 

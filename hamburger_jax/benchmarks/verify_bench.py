@@ -38,10 +38,12 @@ def ratio_ci(tokens: np.ndarray, steps: np.ndarray, seed: int = 0) -> tuple[floa
   return float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))
 
 
-def decode_rounds(engine, prompts, batch: int, max_new: int, repeats: int, runs: dict):
-  """Every prompt under each setting (`runs`: name -> generate's keyword arguments), `batch`
-  prompts at a time, the settings interleaved over `repeats` rounds after one untimed round
-  (compiling). name -> (decode seconds of its fastest round, that round's generations)."""
+def decode_rounds(engine, prompts, batch: int, max_new: int, repeats: int, runs: dict,
+                  engines: dict | None = None):
+  """Every prompt under each setting (`runs`: name -> generate's keyword arguments; `engines`:
+  name -> another engine for that run), `batch` prompts at a time, the settings interleaved
+  over `repeats` rounds after one untimed round (compiling). name -> (decode seconds of its
+  fastest round, that round's generations)."""
   chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
   best: dict[str, tuple[float, list]] = {}
   for round_ in range(repeats + 1):
@@ -51,7 +53,7 @@ def decode_rounds(engine, prompts, batch: int, max_new: int, repeats: int, runs:
       for chunk in chunks:
         reqs = [Request(ids, max_new_tokens=max_new, id=j, **settings)
                 for j, ids in enumerate(chunk)]
-        out = engine.generate(reqs, mode=kw["mode"])
+        out = (engines or {}).get(name, engine).generate(reqs, mode=kw["mode"])
         seconds += batch_decode_s(out)
         gens += out
       if round_ and (name not in best or seconds < best[name][0]):
@@ -70,6 +72,11 @@ def bench_verify(args) -> None:
   model, tok = cli.load_model("both", checkpoint, args.base, untrained_ok=True,
                               micro_vocab=args.micro_vocab)
   engine = Engine(model, tok, matmul_precision=args.precision)
+  # One engine a forward layout (decode/step.py: VERIFY_WIDTHS), sharing the weights' programs.
+  widths = [w or engine.verify_widths for w in args.verify_widths]
+  by_widths = {w: engine if w == engine.verify_widths else
+               Engine(model, tok, matmul_precision=args.precision, verify_widths=w)
+               for w in widths}
   prompts = heldout_prompts(tok, args.requests)
   kinds = collections.Counter(name for name, _ in prompts)
   ids = [p for _, p in prompts]
@@ -81,29 +88,33 @@ def bench_verify(args) -> None:
         "(the fastest kept); tok/s = the tokens all prompts generated / the time their batches "
         "decoded (prefills apart); tokens/forward pooled over the prompts, with its 95% "
         "bootstrap interval; kept = shares of forwards keeping 1 / 2 / .. tokens")
-  print("\n| batch | draft confidence | base tok/s | verify tok/s | ratio | tokens/forward "
-        "[95%] | kept 1 / 2 / .. | same answers |")
-  print("|---|---|---|---|---|---|---|---|")
+  print("\n| batch | draft confidence | forward widths | base tok/s | verify tok/s | ratio | "
+        "tokens/forward [95%] | kept 1 / 2 / .. | same answers |")
+  print("|---|---|---|---|---|---|---|---|---|")
   whole = {}
   for b in args.batches:
-    runs = {"base": {"mode": "base"},
-            **{f"verify {c:g}": {"mode": "verify", "draft_confidence": c}
-               for c in args.draft_confidences}}
-    out = decode_rounds(engine, ids, b, args.new_tokens, args.repeats, runs)
+    runs = {"base": {"mode": "base"}}
+    engines = {}
+    for w in widths:
+      for c in args.draft_confidences:
+        runs[f"verify {c:g} {w}"] = {"mode": "verify", "draft_confidence": c}
+        engines[f"verify {c:g} {w}"] = by_widths[w]
+    out = decode_rounds(engine, ids, b, args.new_tokens, args.repeats, runs, engines)
     base_s, base = out["base"]
     tokens = sum(g.new_tokens for g in base)
-    for c in args.draft_confidences:
-      seconds, gens = out[f"verify {c:g}"]
-      same = sum(g.token_ids == h.token_ids for g, h in zip(gens, base))
-      per = pooled_tokens_per_step(gens)
-      lo, hi = ratio_ci(np.array([g.new_tokens for g in gens], float),
-                        np.array([g.macro_steps for g in gens], float))
-      print(f"| {b} | {c:g} | {tokens / base_s:.1f} | {tokens / seconds:.1f} | "
-            f"{base_s / seconds:.2f}x | {per:.2f} [{lo:.2f}, {hi:.2f}] | {kept_shares(gens)} | "
-            f"{same}/{len(ids)} |")
-      if b == 1:
-        steps = sum(g.macro_steps for g in gens)
-        whole[c] = (seconds / steps, base_s / sum(g.macro_steps for g in base))
+    for w in widths:
+      for c in args.draft_confidences:
+        seconds, gens = out[f"verify {c:g} {w}"]
+        same = sum(g.token_ids == h.token_ids for g, h in zip(gens, base))
+        per = pooled_tokens_per_step(gens)
+        lo, hi = ratio_ci(np.array([g.new_tokens for g in gens], float),
+                          np.array([g.macro_steps for g in gens], float))
+        print(f"| {b} | {c:g} | {w} | {tokens / base_s:.1f} | {tokens / seconds:.1f} | "
+              f"{base_s / seconds:.2f}x | {per:.2f} [{lo:.2f}, {hi:.2f}] | "
+              f"{kept_shares(gens)} | {same}/{len(ids)} |")
+        if b == 1 and w == engine.verify_widths:
+          steps = sum(g.macro_steps for g in gens)
+          whole[c] = (seconds / steps, base_s / sum(g.macro_steps for g in base))
   if 1 in args.batches:
     print()
     print("\n".join(step_profile_lines(engine.runner, whole, args.repeats)))

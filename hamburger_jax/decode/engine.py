@@ -23,7 +23,7 @@ from flax import nnx
 
 from hamburger_jax import precision
 from hamburger_jax.config import (DEFAULT_CONFIDENCE, DEFAULT_DRAFT_CONFIDENCE,
-                                  DEFAULT_PREFIX_CACHE_TOKENS)
+                                  DEFAULT_PREFIX_CACHE_TOKENS, VERIFY_WIDTHS)
 from hamburger_jax.decode import micro_rule as rule_lib, placement, serving, shapes, step_costs
 from hamburger_jax.decode.prefix_cache import PrefixCache
 from hamburger_jax.decode.programs import EnginePrograms, ProgramSettings
@@ -31,8 +31,7 @@ from hamburger_jax.decode.requests import Generation, GenerationError, Request
 from hamburger_jax.decode.runner import decode_runner
 from hamburger_jax.decode.sampling import SamplingParams
 from hamburger_jax.decode.shapes import DEFAULT_BLOCK_SIZE, Layout, generate_slots
-from hamburger_jax.decode.step import (FEATURE_MODES, MODES, VERIFY_WIDTHS, DecodeState,
-                                      StepVariant, base_of)
+from hamburger_jax.decode.step import FEATURE_MODES, MODES, DecodeState, StepVariant, base_of
 from hamburger_jax.model.hamburger import Hamburger
 from hamburger_jax.model.llama import Llama
 
@@ -96,7 +95,7 @@ class Engine(EnginePrograms):
     backend's default, precision.decode_defaults); `plain_branch`: a base step's forward in a
     branch of its own (decode/step.py: advance; None: the backend's default);
     `verify_widths`: the widths a verify step's forward is compiled in (decode/step.py:
-    VERIFY_WIDTHS; None: the backend's default). `variant`: what
+    config.VERIFY_WIDTHS; None: the backend's default). `variant`: what
     each macro step computes (decode/step.py; the default is HAMburger as specified).
     `matmul_precision`: of float32 matmuls (hamburger_jax/precision.py: "highest" for the same
     greedy tokens on any backend). `micro_rule`: when a batch's next micro step runs

@@ -331,7 +331,8 @@ def macro_step(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_
   """One macro step of every slot: the group proposed, emitted into the state's buffers
   (`report(group, count)` sees it), then the base step that reads it (`plain_branch`: see
   advance). Done slots emit nothing and write only where nothing is read (their own unused
-  entries, or a pool's trash block). Verify mode: `verify_step` (`verify_widths`)."""
+  entries, or a pool's trash block). Verify mode: `verify_step` (`verify_widths`: the widths
+  its forward is compiled in, config.VERIFY_WIDTHS)."""
   if mode == "verify":
     return verify_step(model, state, stop_ids=stop_ids, stochastic=stochastic, report=report,
                        widths=verify_widths)
@@ -406,13 +407,6 @@ def verify_token0(model: Hamburger, state: DecodeState, stochastic: bool) -> jax
   need = jnp.any(~state.done & (pending < 0))
   drawn = jax.lax.cond(need, fresh, lambda: jnp.zeros_like(pending))
   return jnp.where(pending >= 0, pending, drawn)
-
-
-# The widths a verify step's forward is compiled in (VERIFY_WIDTHS): "two", 1 (no live row
-# drafted) and K; "each", every width 1..K, the step running the narrowest that holds its rows'
-# drafts (K copies of the base's forward in the program, for a forward whose cost grows with
-# its width: precision.DECODE_VERIFY_WIDTHS).
-VERIFY_WIDTHS = ("two", "each")
 
 
 def verify_step(model: Hamburger, state: DecodeState, *, stop_ids: jax.Array, stochastic: bool,
