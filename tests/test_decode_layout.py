@@ -193,7 +193,8 @@ def test_each_backend_decodes_in_its_own_dtype(platform, dtype, mixed, branch):
   """The policy as stated (precision.py), not read back from the function under test."""
   with precision.backend_policy():
     assert precision.decode_defaults(platform) == {"dtype": dtype, "fused": True,
-                                                   "mixed": mixed, "plain_branch": branch}
+                                                   "mixed": mixed, "plain_branch": branch,
+                                                   "verify_widths": "two"}
 
 
 def test_a_pin_overrides_every_backend_and_can_be_undone():

@@ -135,7 +135,9 @@ def test_hamburger_groups_match_the_reference(model, micro):
     assert s.token_ids == gen.token_ids and s.prompt_tokens == 0
     want = reference_logprobs(m, prompt, gen.token_ids, gen.groups,
                               MICRO_IDS if micro else None)
-    np.testing.assert_allclose(s.logprobs, want, atol=2e-5)
+    # The scorer's embedder and micro steps sum in another order than the reference's loop:
+    # float32 differs by ~7e-5 relative on a logprob of -0.37 (seen on CI's CPU).
+    np.testing.assert_allclose(s.logprobs, want, atol=5e-5)
     assert s.top_ids[:, 0].tolist() == gen.token_ids
     if micro:  # micro tokens choose among the reduced vocabulary only
       starts = np.cumsum([0] + gen.groups[:-1])
