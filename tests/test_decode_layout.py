@@ -186,15 +186,15 @@ def test_engine_decodes_in_the_backends_layout(adapted):
     assert [(g.token_ids, g.groups) for g in a] == [(g.token_ids, g.groups) for g in b]
 
 
-@pytest.mark.parametrize("platform,dtype,mixed,branch", [
-    ("cpu", "float32", "factors", True), ("gpu", "bfloat16", "kernels", False),
-    ("tpu", "bfloat16", "factors", False), ("metal", "float32", "factors", False)])
-def test_each_backend_decodes_in_its_own_dtype(platform, dtype, mixed, branch):
+@pytest.mark.parametrize("platform,dtype,mixed,branch,widths", [
+    ("cpu", "float32", "factors", True, "each"), ("gpu", "bfloat16", "kernels", False, "two"),
+    ("tpu", "bfloat16", "factors", False, "two"), ("metal", "float32", "factors", False, "two")])
+def test_each_backend_decodes_in_its_own_dtype(platform, dtype, mixed, branch, widths):
   """The policy as stated (precision.py), not read back from the function under test."""
   with precision.backend_policy():
     assert precision.decode_defaults(platform) == {"dtype": dtype, "fused": True,
                                                    "mixed": mixed, "plain_branch": branch,
-                                                   "verify_widths": "two"}
+                                                   "verify_widths": widths}
 
 
 def test_a_pin_overrides_every_backend_and_can_be_undone():

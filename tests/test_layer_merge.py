@@ -147,13 +147,13 @@ def _reference(model, rec):
   return out
 
 
-@pytest.mark.parametrize("merge_layer,graft", [(1, {}), (2, {}), (3, {"merge_pooling": "attention"}),
+@pytest.mark.parametrize("merge_layer,graft", [(1, {}), (3, {"merge_pooling": "attention"}),
                                                (N, {})],
-                         ids=["L1", "L2", "L3-pooled", "L-all"])
+                         ids=["L1", "L3-pooled", "L-all"])
 def test_the_gather_equals_the_masked_forward(merge_layer, graft):
   """Every figure of 3 records (groups of 1 to 4; batches of 2 and a partial one), pooled and by
-  group size, at L = 1, 2, N (the top: one merged entry reads nothing above) and with a learned
-  pooling, equals the masked formulation's."""
+  group size, at L = 1, N (the top: one merged entry reads nothing above) and with a learned
+  pooling at L = 3, equals the masked formulation's."""
   model = _model(merge_layer, **graft)
   records = _records(3)
   taught = fidelity.teacher_records(model, records)
@@ -178,11 +178,14 @@ def test_merging_above_the_top_layer_is_the_base():
   base = tiny_distill_model()
   _norm_off_one(base)
   records = []
-  for r in _records(3):
-    ids = list(r.prompt)
-    for _ in range(len(r.response)):
-      ids.append(int(jnp.argmax(base.base(jnp.asarray(ids)[None])[0, -1])))
-    records.append(dataclasses.replace(r, response=tuple(ids[len(r.prompt):])))
+  forward = jax.jit(lambda ids: base.base(ids[None])[0])  # one shape: causal, so the padding
+  for r in _records(3):                                    # after a position never reaches it
+    n = len(r.prompt)
+    ids = np.zeros(n + len(r.response), np.int32)
+    ids[:n] = r.prompt
+    for i in range(n, len(ids)):
+      ids[i] = int(jnp.argmax(forward(jnp.asarray(ids))[i - 1]))
+    records.append(dataclasses.replace(r, response=tuple(int(t) for t in ids[n:])))
   top = with_merged_entry(with_merge_layer(base, N), "last_token")
   taught = fidelity.teacher_records(top, records)
   got = fidelity.fidelity_figures(top, taught, batch=2, progress=False)
