@@ -167,6 +167,10 @@ class DistillConfig:
   stop_weight: float = 0.5
   ce_weight: float = 0.0
   greedy_weight: float = 0.0  # CE on the teacher's greedy token (a drafter's ranking term)
+  # Training-time test (EAGLE-3, HASS) for verify mode's drafter: each micro step reads the
+  # drafter's own earlier drafts, as decoding does, not the data's tokens
+  # (distillation.drafted_window; trainable=drafter with train.micro_vocab only).
+  draft_unroll: bool = False
   stop_target: str = "teacher"  # teacher | segments | harm (hamburger_jax.objectives.distillation)
   # Dense alignment at merged entries: every base layer's residual, keys and values against the
   # exact base's at the group's last token (distillation.dense_alignment; the teacher runs in
@@ -278,6 +282,10 @@ class RunConfig:
       raise ConfigError("train.trainable=drafter trains verify mode's drafter: set "
                         "graft.drafter_layers (e.g. 1; a run from a graft without one starts it "
                         "as a copy of its micro decoder's first layers)")
+    if self.distill.draft_unroll and not (self.train.trainable == "drafter"
+                                          and self.train.micro_vocab):
+      raise ConfigError("distill.draft_unroll feeds verify mode's drafter its own drafts: it "
+                        "needs train.trainable=drafter and train.micro_vocab (e.g. 2048)")
     if self.distill.dense_weight and not (self.train.recipe == "distill" and
                                           self.train.trainable in ("merger", "graft", "all")):
       raise ConfigError("distill.dense_weight aligns the merged entries' layers: it needs "

@@ -14,7 +14,8 @@ from flax import nnx
 from hamburger_jax import graft_checkpoint, pretrained
 from hamburger_jax.config import ConfigError, GraftConfig, HamburgerConfig
 from hamburger_jax.model.hamburger import Hamburger
-from hamburger_jax.objectives.distillation import window_stats
+from hamburger_jax.objectives.distillation import drafted_window, window_stats
+from hamburger_jax.run_config import DistillConfig, RunConfig, TrainConfig
 from hamburger_jax.testing import DECODE_CFG, DISTILL_GRAFT, tiny_distill_model
 
 
@@ -95,3 +96,46 @@ def test_a_drafter_with_a_micro_vocabulary_is_taught_on_it():
       g = int(top[r, i, 0])
       want = -logq[r, i, pos[g]] if g in pos else 0.0
       assert float(w["greedy_ce"][r, i]) == pytest.approx(want, abs=1e-4)
+
+
+def test_the_unrolled_window_is_what_decoding_drafts():
+  """Training-time test: with distill.draft_unroll the drafter's steps read its own greedy
+  drafts, exactly those the decode-time micro steps (one at a time, through the micro cache)
+  draft from the same features and token 0 (the last draft is no step's input); the teacher's
+  targets are untouched."""
+  model = tiny_distill_model()
+  model.set_micro_vocab(np.arange(0, DECODE_CFG.vocab_size, 3))
+  k, d, n = model.max_group, DECODE_CFG.hidden_size, 6
+  rng = np.random.default_rng(2)
+  feats = jnp.asarray(rng.normal(size=(n, model.num_features, d)), jnp.float32)
+  window = jnp.asarray(rng.integers(0, 90, (n, k)), jnp.int32)
+  drafted = np.asarray(drafted_window(model, feats, window))
+  cache = model.micro_cache(n, True)
+  h, cache = model.micro_step(1, jnp.concatenate(
+      [feats, model.base.embed(window[:, :1])], axis=1), cache, True)
+  want = [np.asarray(window[:, 0])]
+  for i in range(1, k):
+    tok = model.micro_token(jnp.argmax(model.micro_logits(h), axis=-1))
+    want.append(np.asarray(tok))
+    if i < k - 1:
+      h, cache = model.micro_step(i + 1, model.base.embed(tok[:, None]), cache, True)
+  np.testing.assert_array_equal(drafted[:, :k - 1], np.stack(want, axis=1)[:, :k - 1])
+  np.testing.assert_array_equal(drafted[:, -1], np.asarray(window[:, -1]))  # no step reads it
+  assert (drafted[:, 1:k - 1] != np.asarray(window[:, 1:k - 1])).any()  # not the data's
+  top = jnp.asarray(rng.integers(0, DECODE_CFG.vocab_size, (1, n, k, 4)), jnp.int32)
+  batch = {"window_ids": window[None], "window_size": jnp.full((1, n), k, jnp.int32),
+           "teacher_topk_ids": top, "teacher_topk_logp": jnp.zeros((1, n, k, 4), jnp.float32)}
+  unrolled = window_stats(model, feats, batch, ce_chunk=8, drafting=True, unroll=True)
+  on_drafts = window_stats(model, feats, {**batch, "window_ids": jnp.asarray(drafted)[None]},
+                           ce_chunk=8, drafting=True)
+  for name in ("kl", "greedy_ce", "argmax", "agree"):
+    np.testing.assert_array_equal(np.asarray(unrolled[name]), np.asarray(on_drafts[name]))
+
+
+def test_the_unroll_asks_for_the_drafter_and_its_reduced_head():
+  model = tiny_distill_model()  # no micro vocabulary
+  with pytest.raises(ValueError, match="train.micro_vocab"):
+    drafted_window(model, jnp.zeros((2, model.num_features, DECODE_CFG.hidden_size)),
+                   jnp.zeros((2, model.max_group), jnp.int32))
+  with pytest.raises(ConfigError, match="draft_unroll"):
+    RunConfig(train=TrainConfig(recipe="distill"), distill=DistillConfig(draft_unroll=True))

@@ -88,18 +88,22 @@ def acceptance_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
 
 
 def window_stats(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str, jax.Array],
-                 ce_chunk: int, drafting: bool = False) -> dict[str, jax.Array]:
+                 ce_chunk: int, drafting: bool = False, unroll: bool = False
+                 ) -> dict[str, jax.Array]:
   """Every micro step of each window, teacher-forced from the features that predict it [N, F,
   D] (N = flattened groups): the hidden states h [N, K, D], and per step [N, K] the CE, the KL
   from the teacher's top-k, the argmax, whether it is the teacher's greedy token (`agree`) and
   whether the window has that step (`valid`); `size` [N] the window sizes. `drafting`: the
-  graft's drafter (verify mode's) instead of its micro decoder."""
+  graft's drafter (verify mode's) instead of its micro decoder; `unroll`: its steps read its
+  own drafts (`drafted_window`), the targets stay the teacher's."""
   k = model.max_group
   window = batch["window_ids"].reshape(-1, k)
   size = batch["window_size"].reshape(-1)
   topk_ids = batch["teacher_topk_ids"].reshape(-1, k, batch["teacher_topk_ids"].shape[-1])
   topk_logp = batch["teacher_topk_logp"].reshape(topk_ids.shape)
   n, _, d = feats_nfd.shape
+  if unroll:
+    window = drafted_window(model, feats_nfd, window)
   h = model.micro_hidden(feats_nfd, window, drafting)  # [N, K, D]
   if drafting and model.micro_head is not None:
     return {"h": h, "window": window, "size": size,
@@ -114,6 +118,23 @@ def window_stats(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str, jax
           "greedy_ce": greedy_ce,
           "agree": argmax == topk_ids[..., 0],  # the student's token is the teacher's greedy one
           "valid": jnp.arange(k)[None, :] < size[:, None]}
+
+
+def drafted_window(model: Hamburger, feats_nfd: jax.Array, window_nk: jax.Array) -> jax.Array:
+  """The window as the drafter reads it at decode time: token 0 (the base's), then its own
+  greedy drafts 1 .. K-2 in place of the data's (training-time test); token K-1 is no step's
+  input and stays the data's. Draft i depends on the drafts before it, so K - 2 passes make
+  them exact; they are constants to the gradient (decoding never differentiates an argmax)."""
+  if model.micro_head is None:
+    raise ValueError("distill.draft_unroll drafts with the reduced head: set train.micro_vocab "
+                     "(the full head's logits for every draft would not fit a step)")
+  window = window_nk
+  for _ in range(model.max_group - 2):
+    h = model.micro_hidden(feats_nfd, window, True)
+    drafts = model.micro_token(jnp.argmax(model.micro_logits(h), axis=-1))
+    window = jax.lax.stop_gradient(jnp.concatenate(
+        [window_nk[:, :1], drafts[:, 1:-1].astype(window_nk.dtype), window_nk[:, -1:]], axis=1))
+  return window
 
 
 def micro_vocab_stats(model: Hamburger, h_nkd: jax.Array, window_nk: jax.Array,
@@ -157,7 +178,8 @@ def micro_step_losses(model: Hamburger, feats_nfd: jax.Array, batch: Mapping[str
   `merge_read_n` [N] bool (stop target "harm"): group n is a merged entry, and group n + 1's
   token 0 is predicted from it."""
   k = model.max_group
-  w = window_stats(model, feats_nfd, batch, ce_chunk, drafting)
+  w = window_stats(model, feats_nfd, batch, ce_chunk, drafting,
+                   unroll=drafting and cfg.draft_unroll)
   h, ce, kl, argmax, window, size = (w[n] for n in ("h", "ce", "kl", "argmax", "window", "size"))
   step = jnp.arange(k)[None, :]
   valid, agree = w["valid"], w["agree"]
