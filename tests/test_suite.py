@@ -92,6 +92,20 @@ def test_micro_tokens_the_base_would_choose(monkeypatch):
   assert suite_judge.micro_base_share(None, [item], [gen]) == (2, 3)
 
 
+def test_the_bases_choices_follow_every_prefix_of_rows_of_any_length():
+  """Rows of mixed lengths, batched by length and padded: each row's argmax after every prefix
+  is the one its own unpadded forward gives, in the rows' order."""
+  import jax.numpy as jnp  # pylint: disable=C0415
+  from hamburger_jax.testing import tiny_decode_model  # pylint: disable=C0415
+  base = tiny_decode_model().base
+  rng = np.random.default_rng(0)
+  rows = [list(rng.integers(1, 90, n)) for n in (5, 40, 3, 17, 33, 9, 16)]
+  got = suite_judge.base_choices(base, rows, batch=3)
+  for row, choice in zip(rows, got):
+    want = np.argmax(np.asarray(base(jnp.asarray(row, jnp.int32)[None])[0]), axis=-1)
+    np.testing.assert_array_equal(choice, want)
+
+
 def test_answer_files_round_trip_in_files_of_a_limit(tmp_path):
   rng = np.random.default_rng(0)
   lengths = rng.integers(20, 60, 40)

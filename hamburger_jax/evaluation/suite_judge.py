@@ -43,20 +43,23 @@ def _base_argmax(graphdef, state, ids_bt: jax.Array, segments_bt: jax.Array) -> 
 
 
 def base_choices(base, rows: Sequence[Sequence[int]], batch: int = 8) -> list[np.ndarray]:
-  """The base's greedy token after every prefix of each row: out[r][j] follows rows[r][:j + 1]
-  (rows padded to a power of two: few programs)."""
+  """The base's greedy token after every prefix of each row: out[r][j] follows rows[r][:j + 1].
+  Rows go in batches of similar length, each padded to its longest row's power of two: few
+  programs, and a short answer is not run at the longest one's width."""
   graphdef, state = nnx.split(base)
-  out = []
-  longest = max(len(r) for r in rows)
-  width = 1 << max(int(np.ceil(np.log2(max(longest, 1)))), 4)
-  for s in range(0, len(rows), batch):
-    chunk = rows[s:s + batch]
+  out: list[np.ndarray] = [np.zeros(0, np.int32)] * len(rows)
+  order = sorted(range(len(rows)), key=lambda r: len(rows[r]))
+  for s in range(0, len(order), batch):
+    chunk = order[s:s + batch]
+    longest = max(len(rows[r]) for r in chunk)
+    width = 1 << max(int(np.ceil(np.log2(max(longest, 1)))), 4)
     ids = np.zeros((batch, width), np.int32)
     seg = np.zeros((batch, width), np.int32)
-    for r, row in enumerate(chunk):
-      ids[r, :len(row)], seg[r, :len(row)] = row, 1
+    for i, r in enumerate(chunk):
+      ids[i, :len(rows[r])], seg[i, :len(rows[r])] = rows[r], 1
     choice = np.asarray(_base_argmax(graphdef, state, ids, seg))
-    out += [choice[r, :len(row)] for r, row in enumerate(chunk)]
+    for i, r in enumerate(chunk):
+      out[r] = choice[i, :len(rows[r])]
   return out
 
 
