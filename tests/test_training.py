@@ -1028,6 +1028,23 @@ def test_a_drafter_run_logs_its_drafts_curve(staged, tmp_path: Path, no_gguf_tok
   out = tmp_path / "drafts.png"
   assert curves_cli.main(["--fidelity", f"d={tmp_path / 'd' / 'merger'}", "--out",
                           str(out)]) == 0
+  # The drafter config's way: a reduced head (train.micro_vocab, the init's list) and the
+  # training-time test (distill.draft_unroll); the vocabulary's rows stay frozen, as the base.
+  from hamburger_jax import micro_vocab  # pylint: disable=import-outside-toplevel
+  init = tmp_path / "init"
+  shutil.copytree(staged.run / "micro" / "export", init)
+  vocab = pretrained.build_run_model(cfg)[0].cfg.base.vocab_size
+  micro_vocab.save(str(init), np.arange(vocab, 0, -1), 32, ["test"])
+  reduced = load_run_config(staged.config, [
+      f"checkpoint.dir={tmp_path / 'r'}", f"train.init_from={init}", "graft.drafter_layers=1",
+      "train.trainable=drafter", "train.micro_vocab=32", "distill.draft_unroll=true",
+      "distill.greedy_weight=0.5", "train.steps=2", "train.fidelity_every=2",
+      f"train.fidelity_set={fset}"], stage="merger")
+  training.run(reduced, progress=False, log=lambda *_: None)
+  rows = [r for r in _metrics(tmp_path / "r" / "merger") if "fid_chained" in r]
+  assert [r["step"] for r in rows] == [0, 2] and all(np.isfinite(r["loss"]) for r in
+                                                     _metrics(tmp_path / "r" / "merger")
+                                                     if "loss" in r)
 
 
 def test_a_run_grows_the_graft_it_starts_from(staged, teacher_data_dir: str, tmp_path: Path,

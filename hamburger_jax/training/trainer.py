@@ -26,7 +26,7 @@ from hamburger_jax.config import ConfigError, HamburgerConfig
 from hamburger_jax.objectives.distillation import acceptance_metrics, distill_loss, micro_distill_loss
 from hamburger_jax.evaluation import teacher_forced
 from hamburger_jax.objectives.losses import hamburger_loss
-from hamburger_jax.model.hamburger import Hamburger
+from hamburger_jax.model.hamburger import Hamburger, MicroVocab
 from hamburger_jax.model.attention import choose_attention
 from hamburger_jax.model.llama import GraftParam, set_attention, set_layer_execution
 from hamburger_jax.objectives.online_teacher import ONLINE_FIELDS, with_teacher
@@ -165,7 +165,10 @@ class Trainer:
       warnings.warn(f"model.attention={cfg.model.attention}: cuDNN's kernel not used "
                     f"({self.attention_note}); XLA's runs", stacklevel=2)
     # "graft" holds the trained grafted params, "base" the rest (trained only with "all").
-    self.graphdef, graft, base = nnx.split(self.model, TRAINED[cfg.train.trainable], nnx.Param)
+    # The frozen part holds a micro vocabulary's head rows too (train.micro_vocab: derived from
+    # the base at load, never trained).
+    self.graphdef, graft, base = nnx.split(self.model, TRAINED[cfg.train.trainable],
+                                           nnx.Any(nnx.Param, MicroVocab))
     self.trains_base = cfg.train.trainable == "all"
     rules = sharding.TRAIN_RULES
     shard = lambda s: nnx.to_pure_dict(sharding.state_shardings(s, self.mesh, rules))
