@@ -334,3 +334,18 @@ def test_judge_grafts_refuses_grafts_that_decode_otherwise():
   with pytest.raises(suite_lib.SuiteError, match="a has the full vocabulary; b has the first 32 "
                      r"ids .*--micro-vocab 0"):
     suite_judge.judge_grafts({"a": model, "b": reduced}, None, suite)
+
+
+def test_judge_grafts_of_different_layers_each_decode_in_their_own_programs():
+  """A graft merging at layer L and one merging at 0 have different programs: the judge gives
+  the second its own engine (the base's answers decoded once) and judges both."""
+  from hamburger_jax import testing  # pylint: disable=C0415
+  from hamburger_jax.model.hamburger import with_merge_layer, with_merged_entry  # pylint: disable=C0415
+  model = testing.tiny_decode_model()
+  at_2 = with_merged_entry(with_merge_layer(model, 2), "last_token")
+  items = tuple(suite_lib.SuiteItem("synthetic", f"s/{i}", (1 + i, 2, 3), 6, "rouge", None)
+                for i in range(3))
+  suite = suite_lib.Suite(items, {})
+  out = suite_judge.judge_grafts({"L2": at_2, "L0": model}, None, suite, confidences=(0.8,),
+                                 batch=4, micro_share=False)
+  assert set(out["grafts"]) == {"L2", "L0"} and "vs_L2" in out["grafts"]["L0"]

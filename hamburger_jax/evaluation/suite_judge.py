@@ -253,11 +253,13 @@ def judge_grafts(models: dict[str, Any], tokenizer, suite: Suite,
                  confidences: Sequence[float] = CONFIDENCES, batch: int = 32,
                  micro_share: bool = True, log: Callable[[str], None] = lambda line: None
                  ) -> dict[str, Any]:
-  """Each graft of `models` (name -> Hamburger on the same base, the first the reference) judged
-  on the suite against the base, decoded once; with two or more, each later graft against the
+  """Each graft of `models` (name -> Hamburger on the same base, the first the reference; grafts
+  of different layouts, e.g. merging at different layers, alike) judged on the suite against
+  the base, decoded once; with two or more, each later graft against the
   first at GUARD_CONFIDENCE. Every graft must decode with the same micro vocabulary
   (same_micro_vocab). Returns the numbers and the report's lines."""
   from hamburger_jax.decode.engine import Engine  # pylint: disable=import-outside-toplevel
+  from hamburger_jax.decode.requests import GenerationError  # pylint: disable=C0415
   names = list(models)
   vocab = same_micro_vocab({name: m.micro_vocab_size for name, m in models.items()})
   stop_ids = tokenizer.stop_ids if tokenizer is not None else ()
@@ -267,7 +269,11 @@ def judge_grafts(models: dict[str, Any], tokenizer, suite: Suite,
   log(f"base: {base.same_as_suite:.0%} of its answers equal the suite's stored ones")
   judgements = []
   for name in names:
-    engine.set_model(models[name])
+    try:
+      engine.set_model(models[name])
+    except GenerationError:  # another layout (a merge at another layer): its own programs
+      engine = Engine(models[name], tokenizer, stop_ids=stop_ids)
+      compile_judge(engine, suite, batch, log)
     judgements.append(judge(engine, suite, base, name, confidences, batch, micro_share, log))
   out: dict[str, Any] = {"base_same_as_suite": base.same_as_suite, "micro_vocab": vocab,
                          "grafts": {j.name: j.numbers() for j in judgements}}
