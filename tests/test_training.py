@@ -1015,7 +1015,8 @@ def test_a_drafter_run_logs_its_drafts_curve(staged, tmp_path: Path, no_gguf_tok
   sets = [f"checkpoint.dir={tmp_path / 'd'}", start, "graft.drafter_layers=1",
           "train.trainable=drafter", "distill.greedy_weight=0.5"]
   cfg = load_run_config(staged.config, sets, stage="merger")
-  fset = _tiny_fidelity_set(pretrained.build_run_model(cfg)[0], tmp_path / "set.json")
+  model = pretrained.build_run_model(cfg)[0]
+  fset = _tiny_fidelity_set(model, tmp_path / "set.json")
   cfg = load_run_config(staged.config, sets + [
       "train.steps=4", "train.fidelity_every=2", f"train.fidelity_set={fset}"], stage="merger")
   training.run(cfg, progress=False, log=lambda *_: None)
@@ -1033,7 +1034,7 @@ def test_a_drafter_run_logs_its_drafts_curve(staged, tmp_path: Path, no_gguf_tok
   from hamburger_jax import micro_vocab  # pylint: disable=import-outside-toplevel
   init = tmp_path / "init"
   shutil.copytree(staged.run / "micro" / "export", init)
-  vocab = pretrained.build_run_model(cfg)[0].cfg.base.vocab_size
+  vocab = model.cfg.base.vocab_size
   micro_vocab.save(str(init), np.arange(vocab, 0, -1), 32, ["test"])
   reduced = load_run_config(staged.config, [
       f"checkpoint.dir={tmp_path / 'r'}", f"train.init_from={init}", "graft.drafter_layers=1",

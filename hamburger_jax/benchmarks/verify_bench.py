@@ -166,7 +166,7 @@ def verify_parts(runner, repeats: int) -> dict[str, float]:
   def draft(i):
     def run(m, x, cache):
       h, cache = m.micro_step(i, x, cache, drafting=True)
-      token = m.micro_token(jnp.argmax(m.micro_logits(h), axis=-1)).astype(jnp.int32)
+      token = m.micro_greedy(h).astype(jnp.int32)
       return token + (m.stop_logits(h, drafting=True) > 1e9).astype(jnp.int32), cache
     return run
 

@@ -56,7 +56,7 @@ def _micro_step(m: Hamburger, x_btd: jax.Array, cache: KVCache):
   micro head's choice and the stop head (its decision folded into the token so that it is
   computed)."""
   h, cache = m.micro_step(1, x_btd, cache)
-  token = m.micro_token(jnp.argmax(m.micro_logits(h), axis=-1)).astype(jnp.int32)
+  token = m.micro_greedy(h).astype(jnp.int32)
   return token + (m.stop_logits(h) > 1e9).astype(jnp.int32), cache
 
 

@@ -88,7 +88,7 @@ def _predict(model: Hamburger, batch) -> jax.Array:
   g, f, d = feats.shape[1:]
   h = model.micro_hidden(feats.reshape(b * g, f, d), batch["target_ids"].reshape(b * g, -1))
   first = jnp.argmax(model.logits(h[:, 0]), axis=-1)
-  rest = model.micro_token(jnp.argmax(model.micro_logits(h[:, 1:]), axis=-1))
+  rest = model.micro_greedy(h[:, 1:])
   return jnp.concatenate([first[:, None], rest], axis=1).reshape(b, g, -1)
 
 

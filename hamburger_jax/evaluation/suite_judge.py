@@ -104,14 +104,16 @@ class BaseRun:
 
 
 def compile_judge(engine, suite: Suite, batch: int,
-                  log: Callable[[str], None] = lambda line: None) -> float:
-  """Compiles the base's and HAMburger's programs for the suite together, before the first
-  decode (the confidences, and later grafts set on the engine, reuse them); returns the
-  seconds."""
+                  log: Callable[[str], None] = lambda line: None,
+                  modes: Sequence[str] = ("base", "hamburger")) -> float:
+  """Compiles the `modes`' programs for the suite together (by default the base's and
+  HAMburger's), before the first decode (the confidences, and later grafts set on the engine,
+  reuse them); returns the seconds."""
   before = len(engine.programs)
-  seconds = compile_items(engine, suite.items, ("base", "hamburger"), batch)
+  seconds = compile_items(engine, suite.items, modes, batch)
+  names = " and ".join("HAMburger" if m == "hamburger" else m for m in modes)
   log(f"judge: {len(engine.programs) - before} programs compiled in {seconds:.0f} s "
-      "(base and HAMburger together)")
+      f"({names} together)")
   return seconds
 
 
@@ -273,7 +275,7 @@ def judge_grafts(models: dict[str, Any], tokenizer, suite: Suite,
       engine.set_model(models[name])
     except GenerationError:  # another layout (a merge at another layer): its own programs
       engine = Engine(models[name], tokenizer, stop_ids=stop_ids)
-      compile_judge(engine, suite, batch, log)
+      compile_judge(engine, suite, batch, log, modes=("hamburger",))  # the base's answers: done
     judgements.append(judge(engine, suite, base, name, confidences, batch, micro_share, log))
   out: dict[str, Any] = {"base_same_as_suite": base.same_as_suite, "micro_vocab": vocab,
                          "grafts": {j.name: j.numbers() for j in judgements}}

@@ -65,7 +65,7 @@ def draft_windows(model, records: Sequence[Mapping[str, Any]], draft_confidence:
     h = m.micro_hidden(feats_rfd, window_rk, drafting=True)  # [R, K, D]
     # Token 0 from the base's head; drafts from the micro steps' (a reduced vocabulary's).
     t0 = jnp.argmax(m.logits(h[:, :1]), axis=-1)
-    drafts = m.micro_token(jnp.argmax(m.micro_logits(h[:, 1:]), axis=-1))
+    drafts = m.micro_greedy(h[:, 1:])
     argmax = jnp.concatenate([t0, drafts], axis=1)
     stop = m.stop_logits(h, drafting=True)  # [R, K]
     return argmax == top1_rk, continues(stop, draft_confidence)

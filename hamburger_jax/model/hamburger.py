@@ -220,6 +220,10 @@ class Hamburger(nnx.Module):
     """The token id of a choice among micro_logits' entries."""
     return index if self.micro_ids is None else jnp.take(self.micro_ids[...], index)
 
+  def micro_greedy(self, h: jax.Array) -> jax.Array:
+    """The token id a micro step at h [..., D] chooses greedily (its head's argmax)."""
+    return self.micro_token(jnp.argmax(self.micro_logits(h), axis=-1))
+
   def stop_logits(self, h: jax.Array, drafting: bool = False) -> jax.Array:
     return self.micro_decoder(drafting).stop_head(h)
 

@@ -131,9 +131,9 @@ def drafted_window(model: Hamburger, feats_nfd: jax.Array, window_nk: jax.Array)
   window = window_nk
   for _ in range(model.max_group - 2):
     h = model.micro_hidden(feats_nfd, window, True)
-    drafts = model.micro_token(jnp.argmax(model.micro_logits(h), axis=-1))
+    drafts = model.micro_greedy(h[:, 1:-1])  # the steps whose drafts a later step reads
     window = jax.lax.stop_gradient(jnp.concatenate(
-        [window_nk[:, :1], drafts[:, 1:-1].astype(window_nk.dtype), window_nk[:, -1:]], axis=1))
+        [window_nk[:, :1], drafts.astype(window_nk.dtype), window_nk[:, -1:]], axis=1))
   return window
 
 
