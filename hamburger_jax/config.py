@@ -18,6 +18,10 @@ DEFAULT_CONFIDENCE = 0.8
 # drafts, up to K - 1 drafts a step; 1: none, the base one token a forward). Measured in
 # docs/results/decode_speed.md (verify mode).
 DEFAULT_DRAFT_CONFIDENCE = 0.0
+# Verify mode's lookup drafts (decode/lookup.py): a row whose last tokens (at least this many)
+# occurred before in its prompt or answer drafts what followed them there, at no model cost
+# (0: off).
+DEFAULT_DRAFT_LOOKUP = 0
 # The engine's prefix cache capacity, in KV entries (hamburger_jax/decode/prefix_cache.py;
 # SmolLM2 in fp32: 46 KB each, so ~94 MB): a hundred system turns, or a few long histories.
 DEFAULT_PREFIX_CACHE_TOKENS = 2048

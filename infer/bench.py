@@ -34,7 +34,8 @@ import argparse
 import sys
 
 from hamburger_jax import cli
-from hamburger_jax.config import DEFAULT_DRAFT_CONFIDENCE, VERIFY_WIDTHS
+from hamburger_jax.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_LOOKUP, VERIFY_WIDTHS
+from hamburger_jax.decode.lookup import LOOKUP_MAX_N
 from hamburger_jax.decode.requests import GenerationError, check_settings
 from hamburger_jax.benchmarks import (decode_bench, random_weights_bench, serve_bench,
                                       server_bench, server_start_bench, verify_bench,
@@ -56,6 +57,10 @@ def main(argv=None) -> int:
   p.add_argument("--verify-widths", default=None,
                  help="verify: comma-separated forward layouts to compare, two (widths 1 and K) "
                       "and/or each (every width 1..K) (default: the engine's)")
+  p.add_argument("--draft-lookup", default=None,
+                 help="verify: comma-separated lookup drafts' shortest matches to compare, 0 "
+                      f"(none) or 1..{LOOKUP_MAX_N} (default: the engine's, "
+                      f"{DEFAULT_DRAFT_LOOKUP})")
   p.add_argument("--profile", action="store_true",
                  help="hamburger: after the table, where one decode of each batch and setting "
                       "spends the device's time, by kind of operation (a profiler trace)")
@@ -207,6 +212,13 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     bad = [w for w in args.verify_widths if w not in (None, *VERIFY_WIDTHS)]
     if bad:
       raise ValueError(f"--verify-widths {bad[0]!r}: use {' and/or '.join(VERIFY_WIDTHS)}")
+    args.draft_lookups = [None]
+    if args.draft_lookup:
+      args.draft_lookups = [int(v) for v in args.draft_lookup.split(",")
+                            if v.strip().isdigit() and int(v) <= LOOKUP_MAX_N]
+      if len(args.draft_lookups) != len(args.draft_lookup.split(",")):
+        raise ValueError(f"--draft-lookup {args.draft_lookup!r}: use comma-separated values "
+                         f"in 0..{LOOKUP_MAX_N}")
   except (GenerationError, ValueError) as e:
     p.error(str(e).replace("--confidence", "--draft-confidence"))
 

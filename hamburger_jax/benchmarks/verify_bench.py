@@ -72,11 +72,15 @@ def bench_verify(args) -> None:
   model, tok = cli.load_model("both", checkpoint, args.base, untrained_ok=True,
                               micro_vocab=args.micro_vocab)
   engine = Engine(model, tok, matmul_precision=args.precision)
-  # One engine a forward layout (decode/step.py: VERIFY_WIDTHS), sharing the weights' programs.
+  # One engine a forward layout (decode/step.py: VERIFY_WIDTHS) and lookup drafts' shortest
+  # match (decode/lookup.py), sharing the weights' programs.
   widths = [w or engine.verify_widths for w in args.verify_widths]
-  by_widths = {w: engine if w == engine.verify_widths else
-               Engine(model, tok, matmul_precision=args.precision, verify_widths=w)
-               for w in widths}
+  lookups = [engine.draft_lookup if n is None else n for n in args.draft_lookups]
+  kinds_of = [(w, n) for w in widths for n in lookups]
+  by_kind = {(w, n): engine if (w, n) == (engine.verify_widths, engine.draft_lookup) else
+             Engine(model, tok, matmul_precision=args.precision, verify_widths=w,
+                    draft_lookup=n)
+             for w, n in kinds_of}
   prompts = heldout_prompts(tok, args.requests)
   kinds = collections.Counter(name for name, _ in prompts)
   ids = [p for _, p in prompts]
@@ -87,32 +91,33 @@ def bench_verify(args) -> None:
         f"{args.new_tokens} new tokens; base and verify interleaved over {args.repeats} rounds "
         "(the fastest kept); tok/s = the tokens all prompts generated / the time their batches "
         "decoded (prefills apart); tokens/forward pooled over the prompts, with its 95% "
-        "bootstrap interval; kept = shares of forwards keeping 1 / 2 / .. tokens")
-  print("\n| batch | draft confidence | forward widths | base tok/s | verify tok/s | ratio | "
-        "tokens/forward [95%] | kept 1 / 2 / .. | same answers |")
-  print("|---|---|---|---|---|---|---|---|---|")
+        "bootstrap interval; kept = shares of forwards keeping 1 / 2 / .. tokens; lookup = "
+        "lookup drafts' shortest match (0: none)")
+  print("\n| batch | draft confidence | forward widths | lookup | base tok/s | verify tok/s | "
+        "ratio | tokens/forward [95%] | kept 1 / 2 / .. | same answers |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   whole = {}
   for b in args.batches:
     runs = {"base": {"mode": "base"}}
     engines = {}
-    for w in widths:
+    for w, n in kinds_of:
       for c in args.draft_confidences:
-        runs[f"verify {c:g} {w}"] = {"mode": "verify", "draft_confidence": c}
-        engines[f"verify {c:g} {w}"] = by_widths[w]
+        runs[f"verify {c:g} {w} {n}"] = {"mode": "verify", "draft_confidence": c}
+        engines[f"verify {c:g} {w} {n}"] = by_kind[w, n]
     out = decode_rounds(engine, ids, b, args.new_tokens, args.repeats, runs, engines)
     base_s, base = out["base"]
     tokens = sum(g.new_tokens for g in base)
-    for w in widths:
+    for w, n in kinds_of:
       for c in args.draft_confidences:
-        seconds, gens = out[f"verify {c:g} {w}"]
+        seconds, gens = out[f"verify {c:g} {w} {n}"]
         same = sum(g.token_ids == h.token_ids for g, h in zip(gens, base))
         per = pooled_tokens_per_step(gens)
         lo, hi = ratio_ci(np.array([g.new_tokens for g in gens], float),
                           np.array([g.macro_steps for g in gens], float))
-        print(f"| {b} | {c:g} | {w} | {tokens / base_s:.1f} | {tokens / seconds:.1f} | "
+        print(f"| {b} | {c:g} | {w} | {n} | {tokens / base_s:.1f} | {tokens / seconds:.1f} | "
               f"{base_s / seconds:.2f}x | {per:.2f} [{lo:.2f}, {hi:.2f}] | "
               f"{kept_shares(gens)} | {same}/{len(ids)} |")
-        if b == 1 and w == engine.verify_widths:
+        if b == 1 and (w, n) == (engine.verify_widths, engine.draft_lookup):
           steps = sum(g.macro_steps for g in gens)
           whole[c] = (seconds / steps, base_s / sum(g.macro_steps for g in base))
   if 1 in args.batches:

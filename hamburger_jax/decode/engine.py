@@ -22,9 +22,10 @@ import numpy as np
 from flax import nnx
 
 from hamburger_jax import precision
-from hamburger_jax.config import (DEFAULT_CONFIDENCE, DEFAULT_DRAFT_CONFIDENCE,
+from hamburger_jax.config import (DEFAULT_CONFIDENCE, DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_LOOKUP,
                                   DEFAULT_PREFIX_CACHE_TOKENS, VERIFY_WIDTHS)
 from hamburger_jax.decode import micro_rule as rule_lib, placement, serving, shapes, step_costs
+from hamburger_jax.decode.lookup import LOOKUP_MAX_N
 from hamburger_jax.decode.prefix_cache import PrefixCache
 from hamburger_jax.decode.programs import EnginePrograms, ProgramSettings
 from hamburger_jax.decode.requests import Generation, GenerationError, Request
@@ -88,6 +89,7 @@ class Engine(EnginePrograms):
                turn_end_ids: Sequence[int] | None = None, fused: bool | None = None,
                dtype: str | None = None, mixed: str | None = None,
                plain_branch: bool | None = None, verify_widths: str | None = None,
+               draft_lookup: int = DEFAULT_DRAFT_LOOKUP,
                variant: StepVariant = StepVariant(),
                matmul_precision: str = precision.DEFAULT_PRECISION,
                micro_rule: str | float = rule_lib.DEFAULT_MICRO_RULE):
@@ -95,7 +97,9 @@ class Engine(EnginePrograms):
     backend's default, precision.decode_defaults); `plain_branch`: a base step's forward in a
     branch of its own (decode/step.py: advance; None: the backend's default);
     `verify_widths`: the widths a verify step's forward is compiled in (decode/step.py:
-    config.VERIFY_WIDTHS; None: the backend's default). `variant`: what
+    config.VERIFY_WIDTHS; None: the backend's default). `draft_lookup`: verify mode's lookup
+    drafts, the shortest match of a row's last tokens they take (decode/lookup.py; 0: off, the
+    micro decoder drafts every step). `variant`: what
     each macro step computes (decode/step.py; the default is HAMburger as specified).
     `matmul_precision`: of float32 matmuls (hamburger_jax/precision.py: "highest" for the same
     greedy tokens on any backend). `micro_rule`: when a batch's next micro step runs
@@ -111,6 +115,10 @@ class Engine(EnginePrograms):
     if verify_widths not in VERIFY_WIDTHS:
       raise GenerationError(f"verify_widths={verify_widths!r}: use one of "
                             f"{', '.join(VERIFY_WIDTHS)}")
+    if isinstance(draft_lookup, bool) or not isinstance(draft_lookup, (int, np.integer)) or not (
+        draft_lookup == 0 or 1 <= draft_lookup <= LOOKUP_MAX_N):
+      raise GenerationError(f"draft_lookup={draft_lookup!r}: use 0 (off) or a match length in "
+                            f"[1, {LOOKUP_MAX_N}]")
     matmul_precision = precision.check(matmul_precision)
     self.micro_rule = rule_lib.parse(micro_rule)
     # Cost vectors (DecodeState.micro_cost) by (rule, slots): "auto" measures once per slot count.
@@ -128,7 +136,7 @@ class Engine(EnginePrograms):
     super().__init__(ProgramSettings(
         block_size=block_size, mesh=mesh, precision=matmul_precision, stop_ids=stop_ids,
         turn_end_ids=tuple(int(i) for i in turn_end_ids), variant=variant,
-        plain_branch=plain_branch, verify_widths=verify_widths))
+        plain_branch=plain_branch, verify_widths=verify_widths, draft_lookup=int(draft_lookup)))
     try:
       self.prefix_cache = PrefixCache(prefix_cache_tokens)
     except ValueError as e:
@@ -144,6 +152,7 @@ class Engine(EnginePrograms):
   variant = property(lambda self: self.settings.variant)
   plain_branch = property(lambda self: self.settings.plain_branch)
   verify_widths = property(lambda self: self.settings.verify_widths)
+  draft_lookup = property(lambda self: self.settings.draft_lookup)
 
   # ------------------------------------------------------------------ traced pieces
 

@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hamburger_jax import precision
 from hamburger_jax.decode import placement, serving, shapes
 from hamburger_jax.decode import step as decode_step
+from hamburger_jax.decode.lookup import LOOKUP_WINDOW, context_of
 from hamburger_jax.decode.prefix_cache import CachedPrefix, PrefixCache, cacheable_prefix
 from hamburger_jax.decode.requests import Request
 from hamburger_jax.decode.shapes import LENGTH_BUCKETS, Layout, bucket, prefill_chunks
@@ -47,6 +48,8 @@ class ProgramSettings:
   variant: StepVariant  # what each macro step computes (decode/step.py)
   plain_branch: bool  # a base step's forward in a branch of its own (decode/step.py: advance)
   verify_widths: str  # the widths a verify step's forward is compiled in (step.VERIFY_WIDTHS)
+  # a verify step's lookup drafts: the shortest match (decode/lookup.py; 0: none)
+  draft_lookup: int = 0
 
 
 class EnginePrograms:
@@ -162,7 +165,8 @@ class EnginePrograms:
       state = decode_step.macro_step(
           model, mode, state, stop_ids=stop_ids, stochastic=stochastic, offset=offset,
           variant=self.settings.variant, report=report,
-          plain_branch=self.settings.plain_branch, verify_widths=self.settings.verify_widths)
+          plain_branch=self.settings.plain_branch, verify_widths=self.settings.verify_widths,
+          verify_lookup=self.settings.draft_lookup)
       return step + 1, state, asked[0] if asked else jnp.bool_(False)
 
     def cond(carry):
@@ -201,6 +205,7 @@ class EnginePrograms:
                for k in ("max_new", "continue_at", "max_group", "temperature", "top_k", "top_p")}
     key = jax.eval_shape(lambda: jax.random.key(0))
     request["key"] = self._spec(key.shape, key.dtype)
+    request["context"] = self._spec((LOOKUP_WINDOW,), jnp.int32)
     fn = self._jit(self._prefill_impl, static_argnames=("mode",))
     with precision.matmuls(self.settings.precision):
       return fn.lower(self.params, state, self._spec((chunk,), jnp.int32), i32, i32, i32,
@@ -274,7 +279,7 @@ class EnginePrograms:
         "max_new": np.int32(r.max_new_tokens), "continue_at": np.float32(continue_at),
         "max_group": np.int32(r.max_group or self.max_group or 1),
         "temperature": np.float32(r.sampling.temperature), "top_k": np.int32(r.sampling.top_k),
-        "top_p": np.float32(r.sampling.top_p), "key": r.key()})
+        "top_p": np.float32(r.sampling.top_p), "key": r.key(), "context": context_of(r.ids)})
     p0, chunks = self.prompt_plan(r.ids)
     cached = p0 and (not compiled_only or
                      ("prefix", layout, bucket(p0, LENGTH_BUCKETS)) in self.programs)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hamburger_jax.config import LlamaConfig
+from hamburger_jax.decode.lookup import LOOKUP_WINDOW, NO_TOKEN
 from hamburger_jax.decode.paged_kv import PagedKVCache, blocks_for
 from hamburger_jax.decode.requests import GenerationError
 from hamburger_jax.decode.micro_rule import cost_size
@@ -168,4 +169,5 @@ def decode_state(cache, cfg: LlamaConfig, *, slots: int, max_new: int, max_group
       temperature=zeros(b, dt=jnp.float32),
       top_k=zeros(b), top_p=jnp.ones((b,), jnp.float32),
       key=jax.random.split(jax.random.key(0), b), next_token=jnp.full((b,), -1, jnp.int32),
+      context=jnp.full((b, LOOKUP_WINDOW), NO_TOKEN, jnp.int32),
       micro_cost=jnp.zeros((cost_size(b),), jnp.float32))

@@ -27,6 +27,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from hamburger_jax.decode.lookup import lookup_drafts, shift_in
 from hamburger_jax.decode.micro_rule import cost_parts, micro_batch_sizes, pays
 from hamburger_jax.decode.sampling import sample_rows, sampling_logits
 from hamburger_jax.model.hamburger import Hamburger, continues
@@ -66,6 +67,9 @@ class DecodeState:
   # logits its check computed (without the draft the base refused: `verify_step`), so that the
   # LM head runs once a step; -1 where none is drawn yet (a slot just prefilled)
   next_token: jax.Array
+  # [B, LOOKUP_WINDOW] verify mode: the row's last LOOKUP_WINDOW tokens, prompt and emitted,
+  # -1 before its first (`lookup_drafts` reads them)
+  context: jax.Array
   # [micro_rule.cost_size(B)] the micro steps' cost ratios (micro_rule.pays; all 0: off), laid
   # out and built by decode/micro_rule.py. A runtime operand: each value, measured or given,
   # runs the same compiled program.
@@ -171,11 +175,14 @@ def _micro_steps(model: Hamburger, rs: DecodeState, tokens, count, cont, *, stop
 
 
 def propose(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids: jax.Array,
-            stochastic: bool, variant: StepVariant = StepVariant()) -> tuple[jax.Array, jax.Array]:
+            stochastic: bool, variant: StepVariant = StepVariant(),
+            lookup: int = 0) -> tuple[jax.Array, jax.Array]:
   """One macro step's group: tokens [B, K'] and how many of them each row emits [B]. In verify
   mode the group is token 0 (the base's own, drawn without last step's rejected draft) and
   the micro decoder's drafts after it, each its argmax (what the acceptance rule assumes),
-  while the stop head goes on at the rows' draft confidence."""
+  while the stop head goes on at the rows' draft confidence; with `lookup` (the shortest
+  match, 0: off), a row whose last tokens occurred before drafts what followed them there
+  (decode/lookup.py) and runs no micro step."""
   base = base_of(model)
   h0 = state.features[:, -1]  # skip connection: token 0 is the base's own prediction
   if mode == "verify":
@@ -192,8 +199,30 @@ def propose(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids
     return tokens, count
   remaining = state.max_new - state.n_tokens
   drafting = mode == "verify"
-  cont = (~state.done & continues(model.stop_logits(h0, drafting), state.continue_at)
-          & ~jnp.isin(t0, stop_ids) & (remaining > 1) & (state.max_group > 1))
+  may = ~state.done & ~jnp.isin(t0, stop_ids) & (remaining > 1) & (state.max_group > 1)
+  cont = may & continues(model.stop_logits(h0, drafting), state.continue_at)
+  if drafting and lookup:
+    found, n_found = lookup_drafts(shift_in(state.context, t0[:, None], jnp.ones_like(t0)),
+                                   k - 1, lookup)
+    # as many as the row may emit, up to its first stop id (kept: the base may end there)
+    stops = jnp.cumsum(jnp.isin(found, stop_ids), axis=1) - jnp.isin(found, stop_ids)
+    n_found = jnp.minimum(n_found, jnp.sum(stops == 0, axis=1))
+    n_found = jnp.where(may, jnp.minimum(n_found, jnp.minimum(remaining, state.max_group) - 1), 0)
+    looked_up = n_found > 0
+    drafted = micro_drafts(model, state, tokens, count, cont & ~looked_up,
+                           stop_ids=stop_ids, stochastic=stochastic, variant=variant)
+    return (jnp.where(looked_up[:, None], tokens.at[:, 1:].set(found), drafted[0]),
+            jnp.where(looked_up, count + n_found, drafted[1]))
+  return micro_drafts(model, state, tokens, count, cont, stop_ids=stop_ids,
+                      stochastic=stochastic, variant=variant, drafting=drafting)
+
+
+def micro_drafts(model: Hamburger, state: DecodeState, tokens, count, cont, *,
+                 stop_ids: jax.Array, stochastic: bool, variant: StepVariant,
+                 drafting: bool = True) -> tuple[jax.Array, jax.Array]:
+  """`propose`'s micro steps for the rows that go on (`cont`): the group's tokens after t0
+  (HAMburger mode) or the drafts (verify mode), and each row's count."""
+  b = tokens.shape[0]
   if variant.proposal == "stop_only":  # the decision computed and kept, never acted on
     return tokens, count + (cont & (count > 9)).astype(count.dtype)
   rows_state = state.replace(cache=None, micro_cost=None)  # the per-row fields
@@ -327,15 +356,17 @@ def advance_at_layer(model: Hamburger, state: DecodeState, group: jax.Array, cou
 def macro_step(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids: jax.Array,
                stochastic: bool, offset: int = 0, variant: StepVariant = StepVariant(),
                report: Callable[[jax.Array, jax.Array], None] | None = None,
-               plain_branch: bool = False, verify_widths: str = "two") -> DecodeState:
+               plain_branch: bool = False, verify_widths: str = "two",
+               verify_lookup: int = 0) -> DecodeState:
   """One macro step of every slot: the group proposed, emitted into the state's buffers
   (`report(group, count)` sees it), then the base step that reads it (`plain_branch`: see
   advance). Done slots emit nothing and write only where nothing is read (their own unused
   entries, or a pool's trash block). Verify mode: `verify_step` (`verify_widths`: the widths
-  its forward is compiled in, config.VERIFY_WIDTHS)."""
+  its forward is compiled in, config.VERIFY_WIDTHS; `verify_lookup`: its lookup drafts' shortest
+  match, 0 off)."""
   if mode == "verify":
     return verify_step(model, state, stop_ids=stop_ids, stochastic=stochastic, report=report,
-                       widths=verify_widths)
+                       widths=verify_widths, lookup=verify_lookup)
   group, count = propose(model, mode, state, stop_ids=stop_ids, stochastic=stochastic,
                          variant=variant)
   state = emit(state, group, count, stop_ids, report)
@@ -411,12 +442,13 @@ def verify_token0(model: Hamburger, state: DecodeState, stochastic: bool) -> jax
 
 def verify_step(model: Hamburger, state: DecodeState, *, stop_ids: jax.Array, stochastic: bool,
                 report: Callable[[jax.Array, jax.Array], None] | None = None,
-                widths: str = "two") -> DecodeState:
+                widths: str = "two", lookup: int = 0) -> DecodeState:
   """One macro step of verify mode: the base's exact output, several tokens a forward where
   the micro decoder guesses them.
 
-  The group [t0, d1, ..] (`propose`): t0 the base's own next token, d_i the micro decoder's
-  drafts. One base forward reads all K as plain entries at the row's next K slots (the exact
+  The group [t0, d1, ..] (`propose`): t0 the base's own next token, d_i the drafts (with
+  `lookup`, what followed the row's last tokens where they occurred before, else the micro
+  decoder's). One base forward reads all K as plain entries at the row's next K slots (the exact
   weights: no adapters) and writes their keys and values; the base's output after t0 and
   each kept draft checks the next draft (`accepted_drafts`). The row emits t0 and the drafts
   it keeps, its slot counter moves by as many (entries past it are overwritten later, never
@@ -424,7 +456,8 @@ def verify_step(model: Hamburger, state: DecodeState, *, stop_ids: jax.Array, st
   without a refused draft, from the logits the check computed (one LM-head pass a step:
   DecodeState.next_token), with the next step's token key."""
   base = model.base
-  group, count = propose(model, "verify", state, stop_ids=stop_ids, stochastic=stochastic)
+  group, count = propose(model, "verify", state, stop_ids=stop_ids, stochastic=stochastic,
+                         lookup=lookup)
   b, k = group.shape
   live = ~state.done
   at = jnp.arange(k)[None, :]
@@ -470,6 +503,7 @@ def verify_step(model: Hamburger, state: DecodeState, *, stop_ids: jax.Array, st
   state = state.replace(cache=cache, features=jnp.take_along_axis(
       feats, last[:, None, None, None], axis=1)[:, 0])
   state = emit(state, group, count, stop_ids, report)
+  state = state.replace(context=shift_in(state.context, group, count))
   # The next step's token 0, with its key (emit has moved the step counter).
   t0 = sample(after, state, 0, stochastic, refused)
   return state.replace(next_token=jnp.where(state.done, -1, t0))
