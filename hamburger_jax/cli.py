@@ -106,7 +106,8 @@ def add_decode_flags(p: argparse.ArgumentParser, *, max_new_tokens: int | None =
   p.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
                  help="verify mode: the micro decoder drafts while the stop head's "
                  f"P(continue) >= this (default {DEFAULT_DRAFT_CONFIDENCE:g}: up to K - 1 drafts "
-                 "a step; 1: none); the output is the base's whatever it is")
+                 "a step; 1: none; rows whose last tokens occurred before draft what followed "
+                 "them whatever it is); the output is the base's whatever it is")
   p.add_argument("--max-group", type=int, default=None,
                  help="the most tokens one macro step may emit, 1..K (default: the model's K); "
                  "a smaller cap merges fewer tokens into each KV entry")

@@ -6,8 +6,9 @@
   python -m infer.generate --mode verify --draft-confidence 0.3
 
 Modes: base (one token a base forward), hamburger (a group of up to K a forward, one KV entry
-each), verify (the base's exact tokens, the micro decoder's drafts checked by the base: up to K
-a forward), both (base and hamburger) or all (the three).
+each), verify (the base's exact tokens, drafts checked by the base: up to K a forward; a row
+drafts what followed its last tokens where they occurred before, else the micro decoder's
+guesses), both (base and hamburger) or all (the three).
 
 Progress goes to stderr, one line per phase with its duration (loading weights, compiling each
 mode, generating). Compiled programs and converted weights are cached per user (see

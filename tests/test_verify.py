@@ -34,7 +34,8 @@ MAX_NEW = [12, 20, 7, 16, 9, 20, 3, 14]
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-  return Engine(tiny_decode_model(), None, stop_ids=[DECODE_STOP], block_size=4)
+  # The micro decoder's drafts alone (tests/test_lookup.py: lookup drafts)
+  return Engine(tiny_decode_model(), None, stop_ids=[DECODE_STOP], block_size=4, draft_lookup=0)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +198,7 @@ def test_a_drafter_of_another_depth_than_the_micro_decoder_gives_the_base_tokens
   emits the base's tokens."""
   model = _graft(drafter_layers=depth)
   assert [model.micro_cache(2, drafting).k.shape[0] for drafting in (False, True)] == [4, depth]
-  eng = Engine(model, None, stop_ids=[DECODE_STOP], block_size=4)
+  eng = Engine(model, None, stop_ids=[DECODE_STOP], block_size=4, draft_lookup=0)
   got = eng.generate(_requests(draft_confidence=0.0), mode="verify")
   assert [g.token_ids for g in got] == base_tokens
   assert any(max(g.groups) > 1 for g in got)  # some of its drafts were kept

@@ -30,7 +30,7 @@ def _repeating_model():
 @pytest.fixture(scope="module")
 def setup():
   model = _repeating_model()
-  engine = Engine(model, None, stop_ids=[DECODE_STOP])
+  engine = Engine(model, None, stop_ids=[DECODE_STOP], draft_lookup=0)  # the drafter's steps
   answers = engine.generate(PROMPTS, max_new_tokens=24, mode="base")
   records = [fidelity_set.FidelityRecord("synthetic", f"r{i}", tuple(p), tuple(a.token_ids),
                                          (1,) * len(a.token_ids))

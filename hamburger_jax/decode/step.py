@@ -503,7 +503,8 @@ def verify_step(model: Hamburger, state: DecodeState, *, stop_ids: jax.Array, st
   state = state.replace(cache=cache, features=jnp.take_along_axis(
       feats, last[:, None, None, None], axis=1)[:, 0])
   state = emit(state, group, count, stop_ids, report)
-  state = state.replace(context=shift_in(state.context, group, count))
+  if lookup:  # the window the next step's lookup reads
+    state = state.replace(context=shift_in(state.context, group, count))
   # The next step's token 0, with its key (emit has moved the step counter).
   t0 = sample(after, state, 0, stochastic, refused)
   return state.replace(next_token=jnp.where(state.done, -1, t0))

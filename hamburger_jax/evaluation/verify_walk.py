@@ -145,6 +145,7 @@ def drafts_task(model, engine, *, path: str | None = None, limit: int | None = N
   # pylint: disable=import-outside-toplevel
   import sys
   from tqdm import tqdm
+  from hamburger_jax.decode.engine import Engine
   from hamburger_jax.decode.requests import Request, pooled_tokens_per_step
   from hamburger_jax.evaluation import fidelity_set
   fset = fidelity_set.load(path)
@@ -153,6 +154,9 @@ def drafts_task(model, engine, *, path: str | None = None, limit: int | None = N
   with tqdm(total=len(chosen), desc="drafts: the teacher", unit="record", file=sys.stderr) as bar:
     records = single_token_records(model, chosen, bar=bar)
   out = draft_figures(model, records, draft_confidence, engine.stop_ids)
+  if engine.draft_lookup:  # the walk is the drafter's: the engine's steps without lookups
+    engine = Engine(model, engine.tokenizer, stop_ids=engine.stop_ids, draft_lookup=0,
+                    matmul_precision=engine.precision)
   gens = engine.generate([Request(list(r.prompt), max_new_tokens=len(r.response), id=i,
                                   draft_confidence=draft_confidence)
                           for i, r in enumerate(chosen)], mode="verify")
