@@ -63,3 +63,25 @@ def test_chained_counts_the_drafts_all_right_so_far():
   assert out["chained"] == pytest.approx(1 + (1 + 3 + 0 + 0) / 4)
   assert out["marginal"]["d1"] == pytest.approx(2 / 3)  # rows 0-2 have a draft 1
   assert out["marginal"]["d3"] == pytest.approx(1.0)  # rows 0, 1
+
+
+def test_the_drafts_task_compares_the_walk_with_the_drafters_own_steps(setup, tmp_path):
+  """`infer.eval --tasks drafts` with an engine that drafts by lookups too (the default): the
+  walk is the drafter's alone, so the engine it is compared with drafts without lookups, and
+  every record takes the walk's steps (with lookups the steps differ: here the drafter's repeats
+  are kept more often than the lookups' drafts)."""
+  from hamburger_jax.data.teacher_pass import base_fingerprint  # pylint: disable=C0415
+  model, _, records = setup
+  recs = tuple(fidelity_set.FidelityRecord(
+      "synthetic", f"r{i}", tuple(int(t) for t in r["input_ids"][:r["prompt_len"]]),
+      tuple(int(t) for t in r["input_ids"][r["prompt_len"]:]),
+      (1,) * (len(r["input_ids"]) - int(r["prompt_len"]))) for i, r in enumerate(records))
+  path = fidelity_set.save(fidelity_set.FidelitySet(
+      recs, {"base_fingerprint": base_fingerprint(model.base)}), str(tmp_path / "set.json"))
+  with_lookups = Engine(model, None, stop_ids=[DECODE_STOP], draft_lookup=1)
+  out = verify_walk.drafts_task(model, with_lookups, path=path)
+  assert out["walk_equals_engine"] == out["n"] == len(PROMPTS)
+  looked_up = with_lookups.generate([Request(list(r.prompt), max_new_tokens=len(r.response), id=i)
+                                     for i, r in enumerate(recs)], mode="verify")
+  assert [g.token_ids for g in looked_up] == [list(r.response) for r in recs]
+  assert [g.macro_steps for g in looked_up] != out["walk_steps"]
