@@ -16,7 +16,8 @@ import time
 from typing import Any, Callable, TypeVar
 
 from hamburger_jax import files
-from hamburger_jax.config import DEFAULT_CONFIDENCE, DEFAULT_DRAFT_CONFIDENCE
+from hamburger_jax.config import (DEFAULT_CONFIDENCE, DEFAULT_DRAFT_CONFIDENCE,
+                                  DEFAULT_DRAFT_LOOKUP, LOOKUP_MAX_N)
 
 T = TypeVar("T")
 
@@ -97,9 +98,9 @@ def parse_confidences(spec: str) -> list[float]:
 
 def add_decode_flags(p: argparse.ArgumentParser, *, max_new_tokens: int | None = 128,
                      max_new_help: str | None = None, confidence: bool = True,
-                     sampling: bool = True) -> None:
-  """--max-new-tokens, --max-group, --draft-confidence, and (optionally) --confidence and the
-  sampling flags."""
+                     sampling: bool = True, lookup: bool = True) -> None:
+  """--max-new-tokens, --max-group, --draft-confidence, and (optionally) --confidence, the
+  sampling flags and --draft-lookup (the engine's: Engine(draft_lookup=args.draft_lookup))."""
   p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=max_new_help)
   if confidence:
     add_confidence_flag(p)
@@ -108,6 +109,13 @@ def add_decode_flags(p: argparse.ArgumentParser, *, max_new_tokens: int | None =
                  f"P(continue) >= this (default {DEFAULT_DRAFT_CONFIDENCE:g}: up to K - 1 drafts "
                  "a step; 1: none; rows whose last tokens occurred before draft what followed "
                  "them whatever it is); the output is the base's whatever it is")
+  if lookup:
+    p.add_argument("--draft-lookup", type=int, default=DEFAULT_DRAFT_LOOKUP,
+                   choices=range(LOOKUP_MAX_N + 1), metavar="N",
+                   help="verify mode: a row whose last N or more tokens occurred before in its "
+                   "prompt or answer drafts what followed them, at no model cost (default "
+                   f"{DEFAULT_DRAFT_LOOKUP}; 0: off, the micro decoder drafts every step; up to "
+                   f"{LOOKUP_MAX_N})")
   p.add_argument("--max-group", type=int, default=None,
                  help="the most tokens one macro step may emit, 1..K (default: the model's K); "
                  "a smaller cap merges fewer tokens into each KV entry")

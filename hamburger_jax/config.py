@@ -23,6 +23,10 @@ DEFAULT_DRAFT_CONFIDENCE = 0.0
 # whatever the draft confidence (0: off). 1 is the fastest at the default draft confidence on a
 # CPU at batch 1 (1.23x the base against 1.00x without, docs/results/decode_speed.md).
 DEFAULT_DRAFT_LOOKUP = 1
+# The longest suffix a lookup matches: the longest match found is used (a longer one predicts
+# the next tokens better: on the base's answers to the judge's suite, 2- and 3-token matches
+# keep ~1.0 of their drafts a step, single tokens ~0.4).
+LOOKUP_MAX_N = 3
 # The engine's prefix cache capacity, in KV entries (hamburger_jax/decode/prefix_cache.py;
 # SmolLM2 in fp32: 46 KB each, so ~94 MB): a hundred system turns, or a few long histories.
 DEFAULT_PREFIX_CACHE_TOKENS = 2048

@@ -34,8 +34,8 @@ import argparse
 import sys
 
 from hamburger_jax import cli
-from hamburger_jax.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_LOOKUP, VERIFY_WIDTHS
-from hamburger_jax.decode.lookup import LOOKUP_MAX_N
+from hamburger_jax.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_LOOKUP, LOOKUP_MAX_N,
+                                  VERIFY_WIDTHS)
 from hamburger_jax.decode.requests import GenerationError, check_settings
 from hamburger_jax.benchmarks import (decode_bench, random_weights_bench, serve_bench,
                                       server_bench, server_start_bench, verify_bench,

@@ -100,7 +100,7 @@ def _add_task_flags(p: argparse.ArgumentParser) -> None:
   cli.add_confidences_flag(p, default=None, help_=(
       "comma-separated confidence levels in [0, 1] (docs/SPEC.md 3; default 0.6,0.7,0.8,0.9, "
       "with --suite 0.5,0.7,0.8)"))
-  cli.add_decode_flags(p, max_new_tokens=None, confidence=False, sampling=False,
+  cli.add_decode_flags(p, max_new_tokens=None, confidence=False, sampling=False, lookup=False,
                        max_new_help="new tokens per answer (default: per task, " +
                        ", ".join(f"{k} {v}" for k, v in MAX_NEW_TOKENS.items()) + ")")
   p.add_argument("--limit", type=int, default=None,

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
   model, tok, checkpoint, mode = cli.load_for_decoding(
       args, lambda ckpt: "both" if chosen(ckpt) == "all" else chosen(ckpt))
   mode = chosen(checkpoint)
-  engine = Engine(model, tok)
+  engine = Engine(model, tok, draft_lookup=args.draft_lookup)
   modes = {"all": ("base", "hamburger", "verify"), "both": ("base", "hamburger")}.get(mode,
                                                                                        (mode,))
   colour = sys.stdout.isatty() and not args.no_color

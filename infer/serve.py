@@ -112,7 +112,7 @@ def main(argv=None) -> int:
 
   model, tok, _, mode = cli.load_for_decoding(
       args, lambda ckpt: args.mode or pretrained.default_mode(ckpt))
-  engine = Engine(model, tok, block_size=args.block_size,
+  engine = Engine(model, tok, block_size=args.block_size, draft_lookup=args.draft_lookup,
                   prefix_cache_tokens=args.prefix_cache_tokens)
   requests, failed = [], []
   for i, raw in enumerate(raws):

@@ -127,7 +127,7 @@ def build(args: argparse.Namespace):
     raise SystemExit(f"error: --tensor {args.tensor}: the first {args.tensor} devices do not "
                      "form a rectangular block, which a TPU mesh needs; try another count")
   engine = Engine(model, tok, block_size=args.block_size, mesh=mesh,
-                  prefix_cache_tokens=args.prefix_cache_tokens)
+                  prefix_cache_tokens=args.prefix_cache_tokens, draft_lookup=args.draft_lookup)
   name = args.served_model_name or os.path.basename(os.path.normpath(
       checkpoint if loaded == "hamburger" else (args.base or pretrained.DEFAULT_BASE)))
   try:

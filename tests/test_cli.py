@@ -62,6 +62,7 @@ def test_json_side_by_side(graft_checkpoint):
     (["--prompt", " "], "empty prompt"),
     (["--confidence", "1.5"], "confidence must be in [0, 1], got 1.5"),
     (["--draft-confidence", "-0.1"], "draft_confidence must be in [0, 1], got -0.1"),
+    (["--draft-lookup", "4"], "argument --draft-lookup: invalid choice: 4"),
     (["--max-group", "0"], "max_group=0 must be an integer in [1, K]"),
     (["--top-k", "60000", "--temperature", "1"], "top_k=60000 exceeds the vocabulary (49152"),
 ])

@@ -22,10 +22,10 @@ import numpy as np
 from flax import nnx
 
 from hamburger_jax import precision
-from hamburger_jax.config import (DEFAULT_CONFIDENCE, DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_LOOKUP,
-                                  DEFAULT_PREFIX_CACHE_TOKENS, VERIFY_WIDTHS)
+from hamburger_jax.config import (DEFAULT_CONFIDENCE, DEFAULT_DRAFT_CONFIDENCE,
+                                  DEFAULT_DRAFT_LOOKUP, DEFAULT_PREFIX_CACHE_TOKENS, LOOKUP_MAX_N,
+                                  VERIFY_WIDTHS)
 from hamburger_jax.decode import micro_rule as rule_lib, placement, serving, shapes, step_costs
-from hamburger_jax.decode.lookup import LOOKUP_MAX_N
 from hamburger_jax.decode.prefix_cache import PrefixCache
 from hamburger_jax.decode.programs import EnginePrograms, ProgramSettings
 from hamburger_jax.decode.requests import Generation, GenerationError, Request

@@ -15,13 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hamburger_jax.config import LOOKUP_MAX_N
+
 # Tokens of each row the search reads: a chat prompt and the start of its answer (the set's
 # prompts run to ~300 tokens).
 LOOKUP_WINDOW = 256
-# The longest suffix a lookup matches: the longest match found is used (a longer one predicts
-# the next tokens better: on the base's answers to the judge's suite, 2- and 3-token matches
-# keep ~1.1 drafts a step, single tokens ~0.4).
-LOOKUP_MAX_N = 3
 # -1: no token (a window's slots before the row's first token).
 NO_TOKEN = -1
 
