@@ -49,7 +49,7 @@ class ProgramSettings:
   plain_branch: bool  # a base step's forward in a branch of its own (decode/step.py: advance)
   verify_widths: str  # the widths a verify step's forward is compiled in (step.VERIFY_WIDTHS)
   # a verify step's lookup drafts: the shortest match (decode/lookup.py; 0: none)
-  draft_lookup: int = 0
+  draft_lookup: int
 
 
 class EnginePrograms:

@@ -205,12 +205,12 @@ def propose(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids
     found, n_found = lookup_drafts(shift_in(state.context, t0[:, None], jnp.ones_like(t0)),
                                    k - 1, lookup)
     # as many as the row may emit, up to its first stop id (kept: the base may end there)
-    stops = jnp.cumsum(jnp.isin(found, stop_ids), axis=1) - jnp.isin(found, stop_ids)
-    n_found = jnp.minimum(n_found, jnp.sum(stops == 0, axis=1))
+    is_stop = jnp.isin(found, stop_ids)
+    n_found = jnp.minimum(n_found, jnp.sum(jnp.cumsum(is_stop, axis=1) - is_stop == 0, axis=1))
     n_found = jnp.where(may, jnp.minimum(n_found, jnp.minimum(remaining, state.max_group) - 1), 0)
     looked_up = n_found > 0
-    drafted = micro_drafts(model, state, tokens, count, cont & ~looked_up,
-                           stop_ids=stop_ids, stochastic=stochastic, variant=variant)
+    drafted = micro_drafts(model, state, tokens, count, cont & ~looked_up, stop_ids=stop_ids,
+                           stochastic=stochastic, variant=variant, drafting=True)
     return (jnp.where(looked_up[:, None], tokens.at[:, 1:].set(found), drafted[0]),
             jnp.where(looked_up, count + n_found, drafted[1]))
   return micro_drafts(model, state, tokens, count, cont, stop_ids=stop_ids,
@@ -219,7 +219,7 @@ def propose(model: Llama | Hamburger, mode: str, state: DecodeState, *, stop_ids
 
 def micro_drafts(model: Hamburger, state: DecodeState, tokens, count, cont, *,
                  stop_ids: jax.Array, stochastic: bool, variant: StepVariant,
-                 drafting: bool = True) -> tuple[jax.Array, jax.Array]:
+                 drafting: bool) -> tuple[jax.Array, jax.Array]:
   """`propose`'s micro steps for the rows that go on (`cont`): the group's tokens after t0
   (HAMburger mode) or the drafts (verify mode), and each row's count."""
   b = tokens.shape[0]
