@@ -169,13 +169,17 @@ def test_shipped_checkpoint_loads_is_trained_and_is_the_base_at_confidence_1():
   # (options the checkpoint predates read as their defaults: config.GraftConfig)
   assert trained.cfg.graft == from_dict(GraftConfig, graft_checkpoint.read_meta(ckpt)["graft"])
   untrained, _ = pretrained.load_hamburger(pretrained.UNTRAINED, graft=trained.cfg.graft)
-  prompt = tok.apply_chat_template(
-      [{"role": "user", "content": "Describe how a bicycle works in three sentences."}],
-      tokenize=True)
-  answer = Engine(trained, tok, stop_ids=()).generate([prompt], max_new_tokens=32,
-                                                      mode="base")[0].token_ids
+  # One engine and one layout of programs for the whole test (SmolLM2's compile dominates it).
+  engine = Engine(trained, tok)
+  prompts = ["Describe how a bicycle works in three sentences.", "What is 17 + 25?",
+             "Write a haiku about the sea.", "List three uses of copper."]
+  base = engine.generate(prompts, max_new_tokens=24, mode="base")
+  prompt = tok.apply_chat_template([{"role": "user", "content": prompts[0]}], tokenize=True)
+  answer = base[0].token_ids
+  assert len(answer) >= 16, answer  # enough merged pairs to score
   k = trained.max_group
-  lay = layout.layout_sample(prompt, answer, [2] * 16, k)
+  lay = layout.layout_sample(prompt, answer, [2] * (len(answer) // 2) + [1] * (len(answer) % 2),
+                             k)
   batch = {n: jnp.asarray(v) for n, v in layout.pack_rows(
       [[lay]], lay.num_entries, lay.num_groups, k).as_dict().items()}
   graphdef, _ = nnx.split(trained)  # the same architecture: one program scores both
@@ -183,12 +187,9 @@ def test_shipped_checkpoint_loads_is_trained_and_is_the_base_at_confidence_1():
       lambda params: hamburger_loss(nnx.merge(graphdef, params), batch)[1]["lm_loss"])
   loss = {name: float(lm_loss(nnx.state(m)))
           for name, m in (("trained", trained), ("untrained", untrained))}
-  # Measured: trained 5.5, untrained 12.7 nats (a mis-loaded graft scores like the untrained one).
+  # Measured: trained 3.6, untrained 13.4 nats (a mis-loaded graft scores like the
+  # untrained one).
   assert loss["untrained"] > 2 * loss["trained"], loss
-  engine = Engine(trained, tok)
-  prompts = ["Describe how a bicycle works in three sentences.", "What is 17 + 25?",
-             "Write a haiku about the sea.", "List three uses of copper."]
-  base = engine.generate(prompts, max_new_tokens=24, mode="base")
   one = engine.generate(prompts, max_new_tokens=24, mode="hamburger", confidence=1.0)
   for b, h in zip(base, one):
     assert h.token_ids == b.token_ids and h.groups == [1] * h.new_tokens
