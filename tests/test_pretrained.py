@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hamburger_jax import assets, graft_checkpoint, pretrained
+from hamburger_jax import assets, graft_checkpoint, pretrained, segmentation
 from hamburger_jax.config import GraftConfig, HamburgerConfig, LlamaConfig, from_dict
 from hamburger_jax.convert.mapping import WeightsError
 from hamburger_jax.model.hamburger import Hamburger
@@ -171,15 +171,16 @@ def test_shipped_checkpoint_loads_is_trained_and_is_the_base_at_confidence_1():
   untrained, _ = pretrained.load_hamburger(pretrained.UNTRAINED, graft=trained.cfg.graft)
   # One engine and one layout of programs for the whole test (SmolLM2's compile dominates it).
   engine = Engine(trained, tok)
-  prompts = ["Describe how a bicycle works in three sentences.", "What is 17 + 25?",
-             "Write a haiku about the sea.", "List three uses of copper."]
+  # Encoded once: the prompt the loss scores is the one the engine answered.
+  prompts = [tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
+             for text in ("Describe how a bicycle works in three sentences.", "What is 17 + 25?",
+                          "Write a haiku about the sea.", "List three uses of copper.")]
   base = engine.generate(prompts, max_new_tokens=24, mode="base")
-  prompt = tok.apply_chat_template([{"role": "user", "content": prompts[0]}], tokenize=True)
   answer = base[0].token_ids
   assert len(answer) >= 16, answer  # enough merged pairs to score
   k = trained.max_group
-  lay = layout.layout_sample(prompt, answer, [2] * (len(answer) // 2) + [1] * (len(answer) % 2),
-                             k)
+  pairs = segmentation.fixed(np.zeros(len(answer)), k, 2)
+  lay = layout.layout_sample(prompts[0], answer, pairs, k)
   batch = {n: jnp.asarray(v) for n, v in layout.pack_rows(
       [[lay]], lay.num_entries, lay.num_groups, k).as_dict().items()}
   graphdef, _ = nnx.split(trained)  # the same architecture: one program scores both
